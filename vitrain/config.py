@@ -1,0 +1,397 @@
+"""One typed config: dataclass sections loaded from YAML plus dotted command-line overrides, validated."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from vitrain.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class ModelConfig:
+    preset: str | None = None  # a name from `vitrain models`; explicit fields below override it
+    image_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000
+    width: int = 192
+    depth: int = 12
+    heads: int = 3
+    mlp_dim: int | None = None  # None: 4 x width
+    qkv_bias: bool = True
+    pool: Literal["cls", "gap"] = "cls"
+    layout: Literal["batch_first", "seq_first"] = "batch_first"
+    attention: Literal["sdpa", "manual"] = "sdpa"
+    pos_embed: Literal["learned", "sincos"] = "learned"
+    drop_path: float = 0.0
+    dropout: float = 0.0
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.mlp_dim if self.mlp_dim is not None else 4 * self.width
+
+
+@dataclass
+class DataConfig:
+    source: Literal["digits", "folder", "synthetic"] = "digits"
+    root: str = ""  # folder source: an ImageFolder tree or a .zip of one
+    train_split: str = "train"
+    val_split: str = "test"  # when the folder has no such split, val_fraction of train is held out
+    val_fraction: float = 0.2
+    mean: tuple[float, ...] = (0.5,)
+    std: tuple[float, ...] = (0.5,)
+    crop_padding: int = 0  # random crop after padding by this many pixels; 0 turns it off
+    hflip: float = 0.0  # probability of a horizontal flip
+    decode_workers: int = 2
+    synthetic_samples: int = 1024
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    clip_grad_norm: float = 1.0  # 0 turns clipping off
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["warmup_cosine", "constant"] = "warmup_cosine"
+    warmup_epochs: float = 1.0
+    min_lr: float = 1e-6
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 128  # per device, per micro-step
+    accum_steps: int = 1
+    label_smoothing: float = 0.1
+    seed: int = 0
+    device: str = "auto"  # auto: cuda when available, else cpu
+    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    compile: bool = False
+    eval_every_epochs: int = 1
+    checkpoint_every_steps: int = 0  # 0: checkpoint at the end of each epoch only
+    max_steps: int = 0  # 0: no limit; otherwise stop after this many optimizer steps
+
+
+@dataclass
+class PrecisionConfig:
+    mode: Literal["fp32"] = "fp32"
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["single"] = "single"
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = "runs"
+    every_steps: int = 10
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.log.out_dir) / self.name
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, Any] | None = None
+) -> Config:
+    """Resolve a config: defaults <- model preset <- YAML file (or `base` dict) <- `section.key=value` overrides."""
+    raw: dict[str, Any] = copy.deepcopy(base) if base is not None else {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides or []:
+        _merge(raw, _parse_override(item))
+    _apply_preset(raw)
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Rebuild a config saved by `to_dict` (for example inside a checkpoint)."""
+    cfg = _build(Config, dict(raw), prefix="")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def resolve_config_path(name: str) -> Path:
+    """Accept a path, or the name of a recipe in configs/ (`cifar10` -> configs/cifar10.yaml)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
+        if candidate.exists():
+            return candidate
+    raise ConfigError(f"config file {name} not found; give a path or one of: {', '.join(recipe_names())}")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(
+            f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_override(item: str) -> dict[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=3e-3")
+    dotted, value = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    if any(not k for k in keys):
+        raise ConfigError(f"override {item!r} has an empty key; write it as section.key=value")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    node: dict[str, Any] = {}
+    cursor = node
+    for k in keys[:-1]:
+        cursor[k] = {}
+        cursor = cursor[k]
+    cursor[keys[-1]] = parsed
+    return node
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+
+
+def _apply_preset(raw: dict[str, Any]) -> None:
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return
+    from vitrain.models.presets import find_preset, preset_names  # models import config: import late
+
+    preset = find_preset(str(model["preset"]))
+    if preset is None:
+        close = difflib.get_close_matches(str(model["preset"]), preset_names(), n=1)
+        hint = f"did you mean {close[0]}?" if close else "run `vitrain models` for the list"
+        raise ConfigError(f"model.preset={model['preset']} is not a known preset; {hint}")
+    arch = {
+        "width": preset.width,
+        "depth": preset.depth,
+        "heads": preset.heads,
+        "mlp_dim": preset.mlp_dim,
+        "patch_size": preset.patch_size,
+        "image_size": preset.image_size,
+    }
+    raw["model"] = {**arch, **model, "preset": preset.name}
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {prefix}{key}; {hint}")
+        hint_type = hints[key]
+        if dataclasses.is_dataclass(hint_type):
+            kwargs[key] = _build(hint_type, value, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, hint_type, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the field's declared type, or raise naming the field."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint_text = (
+                f"did you mean {close[0]}?" if close else f"choose one of: {', '.join(map(str, args))}"
+            )
+            raise ConfigError(f"{name}={value} is not allowed; {hint_text}")
+        return value
+    if origin is tuple:
+        if isinstance(value, int | float):
+            value = [value]
+        if isinstance(value, str):
+            value = [v for v in value.strip("()[] ").split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{name}={value!r} must be a list, e.g. {name}=[0.5,0.5,0.5]")
+        item_type = args[0]
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, item_type, name) for v in value)
+        if len(value) != len(args):
+            raise ConfigError(f"{name}={list(value)} must have {len(args)} values")
+        return tuple(_coerce(v, t, name) for v, t in zip(value, args, strict=True))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ConfigError(f"{name}={value!r} must be true or false")
+    if hint is int:
+        if isinstance(value, bool) or not _is_intlike(value):
+            raise ConfigError(f"{name}={value!r} must be an integer")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}={value!r} must be a number, e.g. {name}=3e-4") from None
+    if hint is str:
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{name}={value!r} must be a single value, not a {type(value).__name__}")
+        return str(value)
+    raise ConfigError(f"{name} has an unsupported type {hint}")
+
+
+def _is_intlike(value: Any) -> bool:
+    if isinstance(value, int):
+        return True
+    if isinstance(value, float):
+        return value.is_integer()
+    if isinstance(value, str):
+        try:
+            int(value)
+            return True
+        except ValueError:
+            return False
+    return False
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible shapes and values with one line that says how to fix them."""
+    m = cfg.model
+    for name in ("image_size", "patch_size", "in_chans", "num_classes", "width", "depth", "heads"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.width % m.heads:
+        raise ConfigError(
+            f"model.width={m.width} is not divisible by model.heads={m.heads}; "
+            f"use a width that is a multiple of {m.heads} or change heads"
+        )
+    if m.image_size % m.patch_size:
+        raise ConfigError(
+            f"model.patch_size={m.patch_size} does not divide model.image_size={m.image_size}; "
+            f"pick an image size that is a multiple of {m.patch_size}"
+        )
+    if m.mlp_dim is not None and m.mlp_dim <= 0:
+        raise ConfigError(f"model.mlp_dim={m.mlp_dim} must be positive (or null for 4 x width)")
+    if m.width % 8 or m.hidden_dim % 8:
+        warnings.warn(
+            f"model.width={m.width} / mlp_dim={m.hidden_dim} is not a multiple of 8: "
+            "tensor cores and vector units run fastest on multiples of 8",
+            stacklevel=2,
+        )
+    if m.pos_embed == "sincos" and (m.width // 2) % 2:
+        raise ConfigError(f"model.pos_embed=sincos needs model.width divisible by 4, got {m.width}")
+    for name in ("drop_path", "dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    d = cfg.data
+    if d.source == "folder" and not d.root:
+        raise ConfigError("data.source=folder needs data.root=PATH (an ImageFolder tree or a .zip of one)")
+    if len(d.mean) not in (1, m.in_chans) or len(d.std) not in (1, m.in_chans):
+        raise ConfigError(f"data.mean and data.std need 1 or model.in_chans={m.in_chans} values")
+    if any(s <= 0 for s in d.std):
+        raise ConfigError(f"data.std={list(d.std)} must be positive")
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
+    if not 0.0 <= d.hflip <= 1.0:
+        raise ConfigError(f"data.hflip={d.hflip} is a probability and must be in [0, 1]")
+    t = cfg.train
+    for name in ("epochs", "batch_size", "accum_steps", "eval_every_epochs"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
+    if not 0.0 <= t.label_smoothing < 1.0:
+        raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
+    if cfg.optim.clip_grad_norm < 0:
+        raise ConfigError(f"optim.clip_grad_norm={cfg.optim.clip_grad_norm} must be >= 0 (0 turns it off)")
+    if cfg.schedule.warmup_epochs < 0:
+        raise ConfigError(f"schedule.warmup_epochs={cfg.schedule.warmup_epochs} must be >= 0")
+    if not cfg.name or "/" in cfg.name:
+        raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")

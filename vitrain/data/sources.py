@@ -1,0 +1,230 @@
+"""Data sources decoded once into uint8 tensors: scikit-learn digits, ImageFolder trees or zips, synthetic."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vitrain.config import Config
+from vitrain.errors import DataError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".pgm", ".ppm", ".bmp")
+# The held-out split must not move when the training seed changes.
+SPLIT_SEED = 0
+
+
+@dataclass
+class ImageSet:
+    """A whole split in memory: images (N, C, H, W) uint8, labels (N,) int64, and class names."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    def subset(self, index: torch.Tensor) -> ImageSet:
+        return ImageSet(self.images[index], self.labels[index], self.classes)
+
+
+def build_datasets(cfg: Config) -> tuple[ImageSet, ImageSet]:
+    """Return (train, val) for the configured source, checked against the model's input shape."""
+    source = cfg.data.source
+    if source == "digits":
+        train, val = _digits(cfg.model.image_size)
+    elif source == "folder":
+        train, val = _folder(cfg)
+    else:
+        train, val = _synthetic(cfg)
+    m = cfg.model
+    channels = train.images.shape[1]
+    if channels != m.in_chans:
+        raise DataError(
+            f"data.source={source} has {channels}-channel images but model.in_chans={m.in_chans}; "
+            f"set model.in_chans={channels}"
+        )
+    if len(train.classes) != m.num_classes:
+        raise DataError(
+            f"data.source={source} has {len(train.classes)} classes but model.num_classes={m.num_classes}; "
+            f"set model.num_classes={len(train.classes)}"
+        )
+    return train, val
+
+
+# ---------------------------------------------------------------------------------------------- digits
+
+
+def _digits(image_size: int) -> tuple[ImageSet, ImageSet]:
+    """scikit-learn's bundled 1,797 handwritten 8x8 digits, upsampled, 80/20 stratified split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    pixels = torch.from_numpy(bunch.images).float().unsqueeze(1) * (255.0 / 16.0)
+    if image_size != pixels.shape[-1]:
+        pixels = F.interpolate(pixels, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    images = pixels.round().clamp(0, 255).to(torch.uint8)
+    labels = torch.from_numpy(bunch.target).long()
+    classes = [str(c) for c in bunch.target_names]
+    train_idx, val_idx = train_test_split(
+        np.arange(len(labels)), test_size=0.2, stratify=bunch.target, random_state=SPLIT_SEED
+    )
+    data = ImageSet(images, labels, classes)
+    return data.subset(torch.from_numpy(train_idx)), data.subset(torch.from_numpy(val_idx))
+
+
+# ---------------------------------------------------------------------------------------------- folder
+
+
+class _Tree:
+    """Read access to an ImageFolder tree on disk or inside a .zip, with paths relative to its top."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.is_zip = root.suffix.lower() == ".zip"
+        if self.is_zip:
+            try:
+                with zipfile.ZipFile(root) as archive:
+                    self.names = [n for n in archive.namelist() if not n.endswith("/")]
+            except zipfile.BadZipFile:
+                raise DataError(f"data.root={root} is not a readable zip file") from None
+        else:
+            self.names = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+            self.names += [p.relative_to(root).as_posix() + "/" for p in root.rglob("*") if p.is_dir()]
+
+    def split_prefix(self, split: str) -> str | None:
+        """Find `<split>/` at the top or one folder down (zips often hold one top folder)."""
+        tops = sorted({PurePosixPath(n).parts[0] for n in self.names if "/" in n})
+        for prefix in [f"{split}/"] + [f"{t}/{split}/" for t in tops]:
+            if any(n.startswith(prefix) for n in self.names):
+                return prefix
+        return None
+
+    def class_folders(self, prefix: str) -> dict[str, list[str]]:
+        folders: dict[str, list[str]] = {}
+        for name in self.names:
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix) :].rstrip("/").split("/")
+            if len(rest) == 1 and name.endswith("/"):
+                folders.setdefault(rest[0], [])
+            elif len(rest) == 2 and rest[1].lower().endswith(IMAGE_SUFFIXES):
+                folders.setdefault(rest[0], []).append(name)
+        return {k: sorted(v) for k, v in sorted(folders.items())}
+
+    def location(self, name: str) -> str:
+        return f"{self.root}:{name}" if self.is_zip else str(self.root / name)
+
+
+def _folder(cfg: Config) -> tuple[ImageSet, ImageSet]:
+    root = Path(cfg.data.root).expanduser()
+    if not root.exists():
+        raise DataError(f"data.root={root} does not exist; point it at an ImageFolder tree or a .zip of one")
+    if root.is_dir() and not any(root.iterdir()):
+        raise DataError(f"data.root={root} is empty; it needs <split>/<class>/<image> files")
+    tree = _Tree(root)
+    train = _read_split(tree, cfg.data.train_split, cfg, required=True)
+    assert train is not None
+    val = _read_split(tree, cfg.data.val_split, cfg, required=False, classes=train.classes)
+    if val is None:
+        perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(SPLIT_SEED))
+        n_val = max(1, int(round(cfg.data.val_fraction * len(train))))
+        return train.subset(perm[n_val:]), train.subset(perm[:n_val])
+    return train, val
+
+
+def _read_split(
+    tree: _Tree, split: str, cfg: Config, required: bool, classes: list[str] | None = None
+) -> ImageSet | None:
+    prefix = tree.split_prefix(split)
+    if prefix is None:
+        if required:
+            raise DataError(
+                f"data.root={tree.root} has no '{split}' folder; expected {split}/<class>/<image> "
+                f"(or set data.train_split)"
+            )
+        return None
+    folders = tree.class_folders(prefix)
+    if not folders:
+        raise DataError(
+            f"{tree.location(prefix)} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)})"
+        )
+    for name, files in folders.items():
+        if not files:
+            raise DataError(f"class folder {tree.location(prefix + name)} is empty; add images or remove it")
+    classes = classes or list(folders)
+    unknown = sorted(set(folders) - set(classes))
+    if unknown:
+        raise DataError(f"{tree.location(prefix)} has classes {unknown} that the train split does not have")
+    files = [(f, classes.index(c)) for c, fs in folders.items() for f in fs]
+    images = _decode_all(tree, [f for f, _ in files], cfg)
+    labels = torch.tensor([label for _, label in files], dtype=torch.long)
+    return ImageSet(images, labels, classes)
+
+
+def _decode_all(tree: _Tree, names: list[str], cfg: Config) -> torch.Tensor:
+    mode = "L" if cfg.model.in_chans == 1 else "RGB"
+    size = cfg.model.image_size
+    workers = max(1, cfg.data.decode_workers)
+    chunks = [names[i : i + 2048] for i in range(0, len(names), 2048)]
+    jobs = [(str(tree.root), tree.is_zip, chunk, mode, size) for chunk in chunks]
+    if workers == 1 or len(chunks) == 1:
+        results = [_decode_chunk(job) for job in jobs]
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(_decode_chunk, jobs))
+    for result in results:
+        if isinstance(result, str):
+            raise DataError(result)
+    return torch.from_numpy(np.concatenate(results))
+
+
+def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> np.ndarray | str:
+    """Decode one chunk to (n, C, size, size) uint8; on a bad file return the error line instead."""
+    from PIL import Image
+
+    root, is_zip, names, mode, size = job
+    archive = zipfile.ZipFile(root) if is_zip else None
+    out = np.empty((len(names), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
+    try:
+        for i, name in enumerate(names):
+            where = f"{root}:{name}" if is_zip else str(Path(root) / name)
+            try:
+                raw = archive.read(name) if archive is not None else (Path(root) / name).read_bytes()
+                with Image.open(io.BytesIO(raw)) as img:
+                    img = img.convert(mode)
+                    if img.size != (size, size):
+                        img = img.resize((size, size), Image.BICUBIC)
+                    array = np.asarray(img, dtype=np.uint8)
+            except Exception as exc:  # PIL raises many types for bad files
+                return f"cannot decode image {where}: {exc}; fix or remove the file"
+            out[i] = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+    finally:
+        if archive is not None:
+            archive.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- synthetic
+
+
+def _synthetic(cfg: Config) -> tuple[ImageSet, ImageSet]:
+    """Random images and labels: for throughput benchmarks, never for accuracy."""
+    m = cfg.model
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    n = cfg.data.synthetic_samples
+    images = torch.randint(
+        0, 256, (n, m.in_chans, m.image_size, m.image_size), dtype=torch.uint8, generator=gen
+    )
+    labels = torch.randint(0, m.num_classes, (n,), generator=gen)
+    data = ImageSet(images, labels, [str(i) for i in range(m.num_classes)])
+    n_val = max(1, n // 10)
+    return data.subset(torch.arange(n_val, n)), data.subset(torch.arange(n_val))

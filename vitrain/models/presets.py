@@ -1,0 +1,55 @@
+"""Named ViT architectures: the standard timm family plus large presets up to ~120B parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Architecture of one named ViT; `mlp_dim` is the hidden width of each block's MLP."""
+
+    name: str
+    alias: str
+    width: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    patch_size: int
+    image_size: int = 224
+    # timm model that has exactly this architecture (None for vitrain's own large presets).
+    timm_name: str | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("vit_tiny_patch16", "ViT-Ti/16", 192, 12, 3, 768, 16, timm_name="vit_tiny_patch16_224"),
+        Preset("vit_small_patch16", "ViT-S/16", 384, 12, 6, 1536, 16, timm_name="vit_small_patch16_224"),
+        Preset("vit_base_patch16", "ViT-B/16", 768, 12, 12, 3072, 16, timm_name="vit_base_patch16_224"),
+        Preset("vit_large_patch16", "ViT-L/16", 1024, 24, 16, 4096, 16, timm_name="vit_large_patch16_224"),
+        Preset("vit_huge_patch14", "ViT-H/14", 1280, 32, 16, 5120, 14, timm_name="vit_huge_patch14_224"),
+        # g/14 and G/14 use timm's non-4x MLP ratios (48/11 and 64/13), giving hidden widths 6144 and 8192.
+        Preset("vit_giant_patch14", "ViT-g/14", 1408, 40, 16, 6144, 14, timm_name="vit_giant_patch14_224"),
+        Preset(
+            "vit_gigantic_patch14", "ViT-G/14", 1664, 48, 16, 8192, 14, timm_name="vit_gigantic_patch14_224"
+        ),
+        # Large presets: 4x MLP, head dim 128, width a multiple of 1024 so that every matmul tiles well.
+        Preset("vit_10b_patch14", "ViT-10B/14", 5120, 32, 40, 20480, 14),
+        Preset("vit_22b_patch14", "ViT-22B/14", 6144, 48, 48, 24576, 14),
+        Preset("vit_60b_patch14", "ViT-60B/14", 8192, 74, 64, 32768, 14),
+        Preset("vit_120b_patch14", "ViT-120B/14", 12288, 66, 96, 49152, 14),
+    ]
+}
+
+_BY_ALIAS = {p.alias.lower(): p for p in PRESETS.values()}
+
+
+def find_preset(name: str) -> Preset | None:
+    """Look a preset up by its name (`vit_base_patch16`) or alias (`ViT-B/16`), ignoring case."""
+    key = name.strip().lower()
+    return PRESETS.get(key) or _BY_ALIAS.get(key)
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)

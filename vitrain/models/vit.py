@@ -1,0 +1,243 @@
+"""Single-device Vision Transformer with exact parameter, FLOP and activation counting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitrain.config import ModelConfig
+
+
+class PatchEmbed(nn.Module):
+    """Cuts an image into non-overlapping patches and projects each to `width` (a strided conv)."""
+
+    def __init__(self, image_size: int, patch_size: int, in_chans: int, width: int):
+        super().__init__()
+        self.num_patches = (image_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_chans, width, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection."""
+
+    def __init__(self, width: int, heads: int, qkv_bias: bool, impl: str, seq_first: bool):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = width // heads
+        self.impl = impl
+        self.seq_first = seq_first
+        self.qkv = nn.Linear(width, 3 * width, bias=qkv_bias)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seq_first:  # (N, B, D) -> heads as (B, H, N, hd)
+            n, b, d = x.shape
+            qkv = self.qkv(x).reshape(n, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4)
+        else:  # (B, N, D)
+            b, n, d = x.shape
+            qkv = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        if self.impl == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+            out = scores.softmax(dim=-1) @ v
+        if self.seq_first:
+            out = out.permute(2, 0, 1, 3).reshape(n, b, d)
+        else:
+            out = out.transpose(1, 2).reshape(b, n, d)
+        return self.proj(out)
+
+
+class Mlp(nn.Module):
+    def __init__(self, width: int, hidden: int, dropout: float):
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drops a residual branch per sample with probability `p` while training."""
+
+    def __init__(self, p: float, batch_dim: int):
+        super().__init__()
+        self.p = p
+        self.batch_dim = batch_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        shape = [1] * x.ndim
+        shape[self.batch_dim] = x.shape[self.batch_dim]
+        keep = x.new_empty(shape).bernoulli_(1.0 - self.p)
+        return x * keep / (1.0 - self.p)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, drop_path: float):
+        super().__init__()
+        seq_first = cfg.layout == "seq_first"
+        self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6)
+        self.attn = Attention(cfg.width, cfg.heads, cfg.qkv_bias, cfg.attention, seq_first)
+        self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6)
+        self.mlp = Mlp(cfg.width, cfg.hidden_dim, cfg.dropout)
+        self.drop_path = DropPath(drop_path, batch_dim=1 if seq_first else 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class VisionTransformer(nn.Module):
+    """ViT classifier; parameter names follow timm's VisionTransformer so state dicts map one to one."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
+        self.num_prefix_tokens = 1 if cfg.pool == "cls" else 0
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width)) if cfg.pool == "cls" else None
+        seq_len = self.patch_embed.num_patches + self.num_prefix_tokens
+        if cfg.pos_embed == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(1, seq_len, cfg.width))
+        else:
+            table = sincos_2d(cfg.image_size // cfg.patch_size, cfg.width)
+            table = torch.cat([torch.zeros(self.num_prefix_tokens, cfg.width), table])
+            self.register_buffer("pos_embed", table.unsqueeze(0), persistent=False)
+        self.pos_drop = nn.Dropout(cfg.dropout)
+        rates = torch.linspace(0, cfg.drop_path, cfg.depth).tolist()
+        self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
+        # timm's convention: a class-token model normalizes the sequence, a pooled model the pooled vector.
+        self.norm = nn.LayerNorm(cfg.width, eps=1e-6) if cfg.pool == "cls" else nn.Identity()
+        self.fc_norm = nn.LayerNorm(cfg.width, eps=1e-6) if cfg.pool == "gap" else nn.Identity()
+        self.head = nn.Linear(cfg.width, cfg.num_classes)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Conv2d):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        if isinstance(self.pos_embed, nn.Parameter):
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> pooled, normalized features (B, D)."""
+        x = self.patch_embed(images)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        seq_first = self.cfg.layout == "seq_first"
+        if seq_first:
+            x = x.transpose(0, 1)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        token_dim = 0 if seq_first else 1
+        if self.cfg.pool == "cls":
+            x = x.select(token_dim, 0)
+        else:
+            x = x.mean(dim=token_dim)
+        return self.fc_norm(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(images))
+
+    def complexity(self, batch_size: int = 1) -> Complexity:
+        return complexity(self.cfg, batch_size)
+
+
+def sincos_2d(grid: int, width: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Fixed 2-D sine-cosine position table of shape (grid*grid, width)."""
+    ys, xs = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    quarter = width // 4
+    omega = 1.0 / temperature ** (torch.arange(quarter) / quarter)
+    ys = ys.flatten()[:, None] * omega[None, :]
+    xs = xs.flatten()[:, None] * omega[None, :]
+    table = torch.cat([xs.sin(), xs.cos(), ys.sin(), ys.cos()], dim=1)
+    if table.shape[1] < width:
+        table = F.pad(table, (0, width - table.shape[1]))
+    return table
+
+
+@dataclass(frozen=True)
+class Complexity:
+    """Cost of one forward pass. `flops` counts a multiply-add as 2; `macs` counts it as 1."""
+
+    params: int
+    macs: int
+    flops: int
+    activations: int  # elements produced by the layers of one forward pass (pycls's "acts")
+
+    @property
+    def train_flops(self) -> int:
+        """Forward + backward: the backward pass costs twice the forward's matmuls."""
+        return 3 * self.flops
+
+
+def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
+    """Exact counts from the architecture alone (no tensors allocated, so it works for 120B presets)."""
+    d, h, depth = cfg.width, cfg.hidden_dim, cfg.depth
+    p = cfg.patch_size
+    n_patches = (cfg.image_size // p) ** 2
+    n = n_patches + (1 if cfg.pool == "cls" else 0)
+    qkv_b = 3 * d if cfg.qkv_bias else 0
+
+    block_params = (2 * d) + (3 * d * d + qkv_b) + (d * d + d) + (2 * d) + (d * h + h) + (h * d + d)
+    params = (
+        (cfg.in_chans * p * p * d + d)
+        + depth * block_params
+        + 2 * d
+        + (d * cfg.num_classes + cfg.num_classes)
+    )
+    if cfg.pool == "cls":
+        params += d
+    if cfg.pos_embed == "learned":
+        params += n * d
+
+    # Multiply-adds of the matmuls (including attention's QK^T and AV), per image.
+    embed_macs = n_patches * cfg.in_chans * p * p * d
+    block_macs = n * 3 * d * d + 2 * n * n * d + n * d * d + 2 * n * d * h
+    macs = embed_macs + depth * block_macs + d * cfg.num_classes
+
+    heads = cfg.heads
+    block_acts = (
+        n * d  # norm1
+        + 3 * n * d  # qkv
+        + heads * n * n  # attention scores (materialized by the manual path; sdpa keeps less)
+        + n * d  # attention output
+        + n * d  # proj
+        + n * d  # norm2
+        + 2 * n * h  # fc1, gelu
+        + n * d  # fc2
+    )
+    acts = n_patches * d + depth * block_acts + n * d + cfg.num_classes
+    return Complexity(
+        params=params,
+        macs=macs * batch_size,
+        flops=2 * macs * batch_size,
+        activations=acts * batch_size,
+    )
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(t.numel() for t in model.parameters())
