@@ -54,7 +54,7 @@ def load(path: Path) -> dict[str, Any]:
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}); is it a vitrain .pt file?"
-        )
+        ) from None
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"checkpoint {path} is not a vitrain checkpoint (no model/config entries)")
     return state

@@ -31,9 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model: vitrain train [CONFIG] [section.key=value ...]")
-    train.add_argument(
-        "args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, then overrides"
-    )
+    train.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, then overrides")
     train.add_argument(
         "--resume",
         nargs="?",
@@ -129,9 +127,7 @@ def _models(args: argparse.Namespace) -> int:
         )
         cost = complexity(cfg)
         gib = cost.params * bytes_per_param / 2**30
-        print(
-            f"{p.name:<22}{p.alias:<13}{cost.params:>16,}{p.image_size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}"
-        )
+        print(f"{p.name:<22}{p.alias:<13}{cost.params:>16,}{p.image_size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}")
     print("GFLOPs: one forward pass of one image, multiply-add = 2 FLOPs (timm's tables count MACs: half).")
     print("train GiB: fp32 AdamW model state (weights, gradients, two moments) without activations.")
     return 0

@@ -188,9 +188,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(
-            f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}"
-        ) from None
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -282,9 +280,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint_text = (
-                f"did you mean {close[0]}?" if close else f"choose one of: {', '.join(map(str, args))}"
-            )
+            hint_text = f"did you mean {close[0]}?" if close else f"choose one of: {', '.join(map(str, args))}"
             raise ConfigError(f"{name}={value} is not allowed; {hint_text}")
         return value
     if origin is tuple:

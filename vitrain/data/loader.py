@@ -37,9 +37,7 @@ class BatchLoader:
         self.pin = device.type == "cuda"
 
     def __len__(self) -> int:
-        per_rank = (
-            len(self.data) // self.world_size if self.drop_last else -(-len(self.data) // self.world_size)
-        )
+        per_rank = len(self.data) // self.world_size if self.drop_last else -(-len(self.data) // self.world_size)
         if self.drop_last:
             return per_rank // self.batch_size
         return -(-per_rank // self.batch_size)

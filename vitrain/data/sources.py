@@ -154,9 +154,7 @@ def _read_split(
         return None
     folders = tree.class_folders(prefix)
     if not folders:
-        raise DataError(
-            f"{tree.location(prefix)} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)})"
-        )
+        raise DataError(f"{tree.location(prefix)} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)})")
     for name, files in folders.items():
         if not files:
             raise DataError(f"class folder {tree.location(prefix + name)} is empty; add images or remove it")
@@ -221,9 +219,7 @@ def _synthetic(cfg: Config) -> tuple[ImageSet, ImageSet]:
     m = cfg.model
     gen = torch.Generator().manual_seed(cfg.train.seed)
     n = cfg.data.synthetic_samples
-    images = torch.randint(
-        0, 256, (n, m.in_chans, m.image_size, m.image_size), dtype=torch.uint8, generator=gen
-    )
+    images = torch.randint(0, 256, (n, m.in_chans, m.image_size, m.image_size), dtype=torch.uint8, generator=gen)
     labels = torch.randint(0, m.num_classes, (n,), generator=gen)
     data = ImageSet(images, labels, [str(i) for i in range(m.num_classes)])
     n_val = max(1, n // 10)

@@ -31,9 +31,7 @@ PRESETS: dict[str, Preset] = {
         Preset("vit_huge_patch14", "ViT-H/14", 1280, 32, 16, 5120, 14, timm_name="vit_huge_patch14_224"),
         # g/14 and G/14 use timm's non-4x MLP ratios (48/11 and 64/13), giving hidden widths 6144 and 8192.
         Preset("vit_giant_patch14", "ViT-g/14", 1408, 40, 16, 6144, 14, timm_name="vit_giant_patch14_224"),
-        Preset(
-            "vit_gigantic_patch14", "ViT-G/14", 1664, 48, 16, 8192, 14, timm_name="vit_gigantic_patch14_224"
-        ),
+        Preset("vit_gigantic_patch14", "ViT-G/14", 1664, 48, 16, 8192, 14, timm_name="vit_gigantic_patch14_224"),
         # Large presets: 4x MLP, head dim 128, width a multiple of 1024 so that every matmul tiles well.
         Preset("vit_10b_patch14", "ViT-10B/14", 5120, 32, 40, 20480, 14),
         Preset("vit_22b_patch14", "ViT-22B/14", 6144, 48, 48, 24576, 14),

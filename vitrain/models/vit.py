@@ -203,12 +203,7 @@ def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
     qkv_b = 3 * d if cfg.qkv_bias else 0
 
     block_params = (2 * d) + (3 * d * d + qkv_b) + (d * d + d) + (2 * d) + (d * h + h) + (h * d + d)
-    params = (
-        (cfg.in_chans * p * p * d + d)
-        + depth * block_params
-        + 2 * d
-        + (d * cfg.num_classes + cfg.num_classes)
-    )
+    params = (cfg.in_chans * p * p * d + d) + depth * block_params + 2 * d + (d * cfg.num_classes + cfg.num_classes)
     if cfg.pool == "cls":
         params += d
     if cfg.pos_embed == "learned":
