@@ -113,7 +113,10 @@ class _Tree:
         for name in self.names:
             if not name.startswith(prefix):
                 continue
-            rest = name[len(prefix) :].rstrip("/").split("/")
+            relative = name[len(prefix) :].rstrip("/")
+            if not relative:
+                continue
+            rest = relative.split("/")
             if len(rest) == 1 and name.endswith("/"):
                 folders.setdefault(rest[0], [])
             elif len(rest) == 2 and rest[1].lower().endswith(IMAGE_SUFFIXES):

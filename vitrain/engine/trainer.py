@@ -107,17 +107,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ state
 
     def _resume_path(self, resume: bool | str) -> Path | None:
+        """The checkpoint to resume from; a new run never reuses a folder that holds one."""
         last = self.run_dir / "last.pt"
         if resume:
             path = Path(resume) if isinstance(resume, str) else last
             if not path.exists():
                 raise CheckpointError(f"--resume: checkpoint {path} does not exist; start without --resume")
             return path
-        if last.exists():
-            raise CheckpointError(
-                f"{self.run_dir} already holds a run (last.pt); pass --resume to continue it "
-                f"or name=NEW_NAME to start another"
-            )
+        base, suffix = self.run_dir, 1
+        while self.run_dir.exists() and any(self.run_dir.iterdir()):
+            self.run_dir = base.with_name(f"{base.name}-{suffix}")
+            suffix += 1
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -211,7 +211,7 @@ class Trainer:
                 window_images += step_images
                 bar.update(1)
                 if self.step % cfg.log.every_steps == 0 or self.step == 1:
-                    loss_value = float(loss)
+                    loss_value = loss.item()
                     images_per_s = window_images / max(now - window_start, 1e-9)
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_s:.0f}")
                     log.record(

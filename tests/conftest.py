@@ -1,0 +1,58 @@
+"""Shared fixtures: a tiny fast config, the real-data folder, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vitrain.config import Config, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+TINY = [
+    "model.image_size=16",
+    "model.patch_size=4",
+    "model.in_chans=1",
+    "model.num_classes=10",
+    "model.width=32",
+    "model.depth=2",
+    "model.heads=2",
+    "train.batch_size=64",
+    "train.epochs=1",
+    "log.progress=false",
+    "log.every_steps=1",
+]
+
+
+def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
+    return [*TINY, f"log.out_dir={tmp_path / 'runs'}", *extra]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path: Path) -> Config:
+    return load_config(None, tiny_overrides(tmp_path))
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m vitrain ARGS` as a user would; returns the finished process."""
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    return subprocess.run(
+        [sys.executable, "-m", "vitrain", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def shared_data(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.exists():
+        pytest.skip(f"real data {path} is absent (it lives in ../shared/data beside the repo)")
+    return path

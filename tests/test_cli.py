@@ -1,0 +1,110 @@
+"""The command line as a user meets it: listings, config display, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.conftest import run_cli, tiny_overrides
+from tests.test_data import make_tree
+from vitrain.models import PRESETS
+
+
+def assert_one_line_error(result, pattern: str) -> None:
+    import re
+
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("vitrain: error:")]
+    assert len(errors) == 1, result.stderr
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+def test_models_lists_every_preset_with_size():
+    result = run_cli("models")
+    assert result.returncode == 0
+    for preset in PRESETS.values():
+        assert preset.name in result.stdout and preset.alias in result.stdout
+    assert "86,567,656" in result.stdout  # ViT-B/16
+
+
+def test_config_show_prints_the_resolved_config():
+    result = run_cli("config", "show", "digits", "model.depth=6")
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["model"]["depth"] == 6 and shown["data"]["source"] == "digits"
+
+
+def test_unknown_key_exits_2(tmp_path):
+    assert_one_line_error(run_cli("config", "show", "model.widht=64"), r"did you mean model\.width\?")
+
+
+def test_wrong_type_exits_2():
+    assert_one_line_error(run_cli("config", "show", "train.epochs=many"), r"train\.epochs='many' must be an integer")
+
+
+def test_impossible_shape_exits_2():
+    assert_one_line_error(run_cli("train", "model.width=100", "model.heads=3"), r"not divisible by model\.heads=3")
+
+
+def test_missing_config_file_exits_2():
+    assert_one_line_error(run_cli("train", "no_such_recipe.yaml"), r"config file no_such_recipe\.yaml not found")
+
+
+def test_missing_data_folder_exits_2(tmp_path):
+    result = run_cli("train", "cifar10", f"data.root={tmp_path / 'absent'}", f"log.out_dir={tmp_path}")
+    assert_one_line_error(result, r"absent does not exist")
+
+
+def test_empty_data_folder_exits_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run_cli("train", "cifar10", f"data.root={tmp_path / 'empty'}", f"log.out_dir={tmp_path}")
+    assert_one_line_error(result, r"empty is empty")
+
+
+def test_undecodable_image_exits_2(tmp_path):
+    root = make_tree(tmp_path / "data", size=32)
+    (root / "train" / "dog" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    overrides = ["model.num_classes=2", "data.decode_workers=1", f"data.root={root}", f"log.out_dir={tmp_path}"]
+    assert_one_line_error(run_cli("train", "cifar10", *overrides), r"cannot decode image .*train/dog/bad\.png")
+
+
+@pytest.fixture
+def trained_run(tmp_path):
+    result = run_cli("train", *tiny_overrides(tmp_path, "train.max_steps=3"))
+    assert result.returncode == 0, result.stderr
+    return tmp_path / "runs" / "digits"  # no recipe named: the digits recipe
+
+
+def test_eval_reports_accuracy_of_a_checkpoint(trained_run):
+    result = run_cli("eval", str(trained_run / "last.pt"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["step"] == 3 and report["val_samples"] == 360 and 0.0 <= report["val_top1"] <= 1.0
+
+
+def test_eval_of_checkpoint_from_another_model_exits_2(trained_run):
+    path = trained_run / "last.pt"
+    before = path.read_bytes()
+    assert_one_line_error(run_cli("eval", str(path), "model.width=64"), r"holds a different model")
+    assert path.read_bytes() == before
+
+
+def test_resume_with_another_model_exits_2_and_keeps_checkpoint(trained_run, tmp_path):
+    path = trained_run / "last.pt"
+    before = path.read_bytes()
+    result = run_cli("train", *tiny_overrides(tmp_path, "model.depth=3"), "--resume")
+    assert_one_line_error(result, r"different model")
+    assert path.read_bytes() == before
+
+
+def test_eval_of_a_file_that_is_not_a_checkpoint_exits_2(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a checkpoint")
+    assert_one_line_error(run_cli("eval", str(junk)), r"junk\.pt cannot be read")
+
+
+def test_eval_of_missing_checkpoint_exits_2(tmp_path):
+    assert_one_line_error(run_cli("eval", str(tmp_path / "none.pt")), r"none\.pt does not exist")

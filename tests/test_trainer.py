@@ -1,0 +1,133 @@
+"""The training loop: summary and logs, checkpoints, exact resume, and runs that refuse to clobber work."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_cli, tiny_overrides
+from vitrain.config import load_config
+from vitrain.engine import Trainer
+from vitrain.errors import CheckpointError
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_records(run_dir) -> dict[int, dict]:
+    """Last record logged for each training step (a killed run may have logged steps it did not save)."""
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+def test_short_run_writes_summary_logs_and_checkpoints(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, "train.epochs=2"))
+    summary = Trainer(cfg).fit()
+    run_dir = cfg.run_dir
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk == summary
+    for key in ("val_top1", "images_per_s", "wall_s", "epochs", "params", "checkpoint"):
+        assert key in summary
+    assert 0.0 <= summary["val_top1"] <= 1.0 and summary["images_per_s"] > 0
+    assert summary["epochs"] == 2 and summary["steps"] == 2 * (1437 // 64)
+    assert (run_dir / "last.pt").exists() and (run_dir / "best.pt").exists()
+    assert not list(run_dir.glob(".*.tmp")), "temporary checkpoint files must be renamed or removed"
+    evals = [r for r in read_metrics(run_dir) if "val_top1" in r]
+    assert [r["epoch"] for r in evals] == [1, 2]
+
+
+def test_digits_recipe_reaches_95_percent_on_held_out_digits(tmp_path):
+    """README command 1: the default recipe on scikit-learn's real digits, held-out 20% split."""
+    from vitrain.config import CONFIG_DIR
+
+    cfg = load_config(CONFIG_DIR / "digits.yaml", [f"log.out_dir={tmp_path}", "log.progress=false"])
+    summary = Trainer(cfg).fit()
+    assert summary["val_top1"] >= 0.95
+    losses = [r["loss"] for r in read_metrics(cfg.run_dir) if "loss" in r]
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+
+
+def test_gradient_accumulation_matches_one_large_batch(tmp_path):
+    big = load_config(None, tiny_overrides(tmp_path, "name=big", "train.batch_size=64", "train.max_steps=3"))
+    acc = load_config(
+        None, tiny_overrides(tmp_path, "name=acc", "train.batch_size=32", "train.accum_steps=2", "train.max_steps=3")
+    )
+    Trainer(big).fit()
+    Trainer(acc).fit()
+    a, b = torch.load(big.run_dir / "last.pt")["model"], torch.load(acc.run_dir / "last.pt")["model"]
+    # Same samples per step in a different grouping: equal up to float summation order, not bitwise.
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+def test_rerun_without_resume_starts_a_new_folder_and_keeps_the_checkpoint(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, "train.max_steps=2"))
+    Trainer(cfg).fit()
+    before = (cfg.run_dir / "last.pt").read_bytes()
+    second = Trainer(cfg)
+    assert second.run_dir == cfg.run_dir.with_name("run-1")
+    summary = second.fit()
+    assert summary["checkpoint"] == str(cfg.run_dir.with_name("run-1") / "last.pt")
+    assert (cfg.run_dir / "last.pt").read_bytes() == before
+
+
+def test_resume_with_another_model_is_refused_and_keeps_the_checkpoint(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, "train.max_steps=2"))
+    Trainer(cfg).fit()
+    before = (cfg.run_dir / "last.pt").read_bytes()
+    other = load_config(None, tiny_overrides(tmp_path, "train.max_steps=2", "model.width=64"))
+    with pytest.raises(CheckpointError, match="different model"):
+        Trainer(other, resume=True).fit()
+    assert (cfg.run_dir / "last.pt").read_bytes() == before
+
+
+def test_resume_after_max_steps_continues_exactly(tmp_path):
+    """Stop at step 7 and resume: steps 8.. equal the uninterrupted run (loss, lr and data order)."""
+    whole = load_config(None, tiny_overrides(tmp_path, "name=whole", "train.epochs=2", "data.crop_padding=1"))
+    Trainer(whole).fit()
+    part = load_config(
+        None, tiny_overrides(tmp_path, "name=part", "train.epochs=2", "data.crop_padding=1", "train.max_steps=30")
+    )
+    Trainer(part).fit()
+    part.train.max_steps = 0
+    Trainer(part, resume=True).fit()
+    expected, got = step_records(whole.run_dir), step_records(part.run_dir)
+    assert sorted(got) == sorted(expected)
+    for step in range(31, max(expected) + 1):
+        assert got[step]["lr"] == expected[step]["lr"]
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("kill_after_step", [10])
+def test_killed_run_resumes_from_last_checkpoint_at_the_same_step(tmp_path, kill_after_step):
+    common = tiny_overrides(tmp_path, "train.epochs=2", "train.checkpoint_every_steps=5", "data.crop_padding=1")
+    reference = run_cli("train", *common, "name=reference")
+    assert reference.returncode == 0, reference.stderr
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "vitrain", "train", *common, "name=killed"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    run_dir = tmp_path / "runs" / "killed"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        records = step_records(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+        if records and max(records) >= kill_after_step and (run_dir / "last.pt").exists():
+            break
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    saved_step = torch.load(run_dir / "last.pt", weights_only=False)["step"]
+    assert saved_step % 5 == 0 and saved_step >= 5
+    resumed = run_cli("train", *common, "name=killed", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {run_dir / 'last.pt'} at step {saved_step}" in resumed.stderr
+    expected, got = step_records(tmp_path / "runs" / "reference"), step_records(run_dir)
+    for step in range(saved_step + 1, max(expected) + 1):
+        assert got[step]["lr"] == expected[step]["lr"]
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6)
