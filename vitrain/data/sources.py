@@ -128,6 +128,8 @@ class ImageTree:
             if not name.startswith(prefix):
                 continue
             rest = name[len(prefix) :].rstrip("/").split("/")
+            if rest == [""]:
+                continue  # the split folder itself
             if len(rest) == 1 and name.endswith("/"):
                 folders.setdefault(rest[0], [])
             elif len(rest) == 2 and rest[1].lower().endswith(IMAGE_SUFFIXES):
