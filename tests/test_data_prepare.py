@@ -220,3 +220,37 @@ def test_cifar10_zip_converts_all_60000_images(tmp_path):
     assert result.failed == []
     assert {k: len(v) for k, v in splits.items()} == {"train": 50000, "test": 10000}
     assert splits["train"].classes[:2] == ["airplane", "automobile"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CIFAR_ZIP.exists(), reason=f"{CIFAR_ZIP} is not on this machine")
+def test_cifar10_prepare_stopped_by_ctrl_c_resumes_without_redoing_finished_shards(tmp_path):
+    """The acceptance run: Ctrl-C (SIGINT to the process group) part-way, then the same command again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "cifar"
+    command = [sys.executable, "-m", "vitrain", "data", "prepare", str(CIFAR_ZIP), str(out), "--workers", "2"]
+    first = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        while len(list(out.glob("*.done.json"))) < 3:
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.2)
+        os.killpg(first.pid, signal.SIGINT)
+        _, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 130 and b"run the same command again" in err
+    finished = sorted(p.name.removesuffix(".done.json") for p in out.glob("*.done.json"))
+    before = {name: os.stat(out / f"{name}.npy").st_mtime_ns for name in finished}
+    assert 3 <= len(finished) < 30 and not (out / "manifest.json").exists()
+
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert f"{30 - len(finished)} shards converted, {len(finished)} already done" in second.stdout
+    assert {name: os.stat(out / f"{name}.npy").st_mtime_ns for name in finished} == before
+    splits = open_prepared(out)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 50000, "test": 10000}

@@ -13,7 +13,7 @@ from data_helpers import make_tree
 
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
-from vitrain.data.augment import random_resized_crop
+from vitrain.data.augment import pad_crop_flip, random_resized_crop
 from vitrain.data.loader import epoch_order
 from vitrain.data.prepare import prepare
 from vitrain.data.prepared import PreparedSet
@@ -155,6 +155,30 @@ def test_evaluation_batches_are_only_normalized():
     out, targets = BatchAugment(cfg.data, 3, False, 8, 2)(x, torch.tensor([0, 1, 0, 1]))
     torch.testing.assert_close(out, (x.float() / 255 - 0.5) / 0.25)
     assert targets.tolist() == [0, 1, 0, 1]
+
+
+def test_flip_with_probability_one_mirrors_every_image():
+    cfg = _cfg("data.hflip=1.0", "data.mean=[0.0]", "data.std=[1.0]")
+    x = torch.randint(0, 256, (3, 3, 8, 8), dtype=torch.uint8)
+    out, _ = BatchAugment(cfg.data, 3, True, 8, 2)(x, torch.tensor([0, 1, 0]))
+    torch.testing.assert_close(out * 255, x.flip(3).float())
+
+
+def test_padded_random_crop_is_a_window_of_the_reflect_padded_image():
+    x = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
+    out = pad_crop_flip(x, 2, None, torch.Generator().manual_seed(0))
+    offsets = set()
+    for i in range(16):
+        match = [
+            (dy, dx)
+            for dy in range(5)
+            for dx in range(5)
+            if torch.equal(out[i], padded[i, :, dy : dy + 8, dx : dx + 8])
+        ]
+        assert len(match) >= 1
+        offsets.add(match[0])
+    assert len(offsets) > 3  # the windows really move
 
 
 def test_random_resized_crop_of_the_whole_frame_is_the_identity():

@@ -32,27 +32,27 @@ class BatchAugment:
         self.mixup_alpha = cfg.mixup_alpha if train else 0.0
         self.cutmix_alpha = cfg.cutmix_alpha if train else 0.0
         self.cutmix_prob = cfg.cutmix_prob
-        self.mean = torch.tensor(_per_channel(cfg.mean, channels)).view(1, channels, 1, 1) * 255.0
-        self.std = torch.tensor(_per_channel(cfg.std, channels)).view(1, channels, 1, 1) * 255.0
+        mean = torch.tensor(_per_channel(cfg.mean, channels)).view(1, channels, 1, 1) * 255.0
+        std = torch.tensor(_per_channel(cfg.std, channels)).view(1, channels, 1, 1) * 255.0
+        # (x - mean) / std as one fused x * scale + shift, which also reads uint8 without a float copy first.
+        self.scale, self.shift = 1.0 / std, -mean / std
 
     def __call__(
         self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = images.float()
+        b = images.shape[0]
+        flip = torch.rand(b, generator=generator) < self.hflip if self.hflip else None
         if self.random_resized_crop:
-            x = random_resized_crop(x, self.image_size, self.rrc_scale, self.rrc_ratio, generator)
-        elif self.crop_padding:
-            x = pad_and_random_crop(x, self.crop_padding, generator)
-        if self.hflip:
-            flip = (torch.rand(x.shape[0], generator=generator) < self.hflip).to(x.device)
-            x = torch.where(flip[:, None, None, None], x.flip(3), x)
+            x = random_resized_crop(images.float(), self.image_size, self.rrc_scale, self.rrc_ratio, generator, flip)
+        else:
+            # Crop and flip move uint8 pixels: a quarter of the bytes of float32.
+            x = pad_crop_flip(images, self.crop_padding, flip, generator)
         if x.shape[-2:] != (self.image_size, self.image_size):
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True)
+            x = F.interpolate(x.float(), size=(self.image_size, self.image_size), mode="bilinear", antialias=True)
         targets = labels
         if self.mixup_alpha or self.cutmix_alpha:
-            x, targets = self.mix(x, labels, generator)
-        mean, std = self.mean.to(x.device), self.std.to(x.device)
-        return ((x - mean) / std).contiguous(), targets
+            x, targets = self.mix(x.float(), labels, generator)
+        return torch.addcmul(self.shift.to(x.device), x, self.scale.to(x.device)), targets
 
     def mix(
         self, x: torch.Tensor, labels: torch.Tensor, generator: torch.Generator | None
@@ -78,17 +78,25 @@ class BatchAugment:
         return x, one_hot * lam + one_hot.flip(0) * (1.0 - lam)
 
 
-def pad_and_random_crop(x: torch.Tensor, padding: int, generator: torch.Generator | None) -> torch.Tensor:
-    """Pad every image by `padding` (reflect when it fits), then crop a random window of the original size."""
+def pad_crop_flip(
+    x: torch.Tensor, padding: int, flip: torch.Tensor | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Random crop after padding by `padding` (reflect when it fits) and optional flips, as one gather."""
+    if not padding and flip is None:
+        return x
     b, _, h, w = x.shape
     p = padding
-    x = F.pad(x, (p, p, p, p), mode="reflect" if p < min(h, w) else "constant")
+    if p:
+        x = F.pad(x, (p, p, p, p), mode="reflect" if p < min(h, w) else "constant")
+    c, padded_w = x.shape[1], x.shape[3]
     dy = torch.randint(0, 2 * p + 1, (b,), generator=generator).to(x.device)
     dx = torch.randint(0, 2 * p + 1, (b,), generator=generator).to(x.device)
-    rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]  # (B, H, 1)
-    cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]  # (B, 1, W)
-    batch = torch.arange(b, device=x.device)[:, None, None]
-    return x.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2)
+    cols = torch.arange(w, device=x.device).expand(b, w)
+    if flip is not None:
+        cols = torch.where(flip.to(x.device)[:, None], cols.flip(1), cols)
+    rows = dy[:, None, None] + torch.arange(h, device=x.device)[None, :, None]  # (B, H, 1)
+    flat = (rows * padded_w + (dx[:, None] + cols)[:, None, :]).view(b, 1, h * w)  # (B, 1, H*W)
+    return x.flatten(2).gather(2, flat.expand(b, c, h * w)).view(b, c, h, w)
 
 
 def random_resized_crop(
@@ -97,12 +105,14 @@ def random_resized_crop(
     scale: tuple[float, float],
     ratio: tuple[float, float],
     generator: torch.Generator | None,
+    flip: torch.Tensor | None = None,
     attempts: int = 10,
 ) -> torch.Tensor:
     """torchvision's RandomResizedCrop for a whole batch: one box per image, bilinear resampling to size x size.
 
     Each image tries `attempts` boxes (area fraction ~ U(scale), log aspect ~ U(log ratio)) and takes the
-    first that fits; an image with none that fits keeps its whole frame.
+    first that fits; an image with none that fits keeps its whole frame. Resampling is separable, so it runs
+    as two batched matmuls with per-image interpolation matrices (flips are reversed rows of the matrix).
     """
     b, _, h, w = x.shape
     area = h * w * torch.empty(b, attempts).uniform_(scale[0], scale[1], generator=generator)
@@ -119,15 +129,21 @@ def random_resized_crop(
     box_h = torch.where(none_fits, torch.tensor(float(h)), box_h)
     top = (torch.rand(b, generator=generator) * (h - box_h + 1)).floor()
     left = (torch.rand(b, generator=generator) * (w - box_w + 1)).floor()
-    # affine_grid maps output [-1, 1] onto the box, in the input's normalized coordinates (align_corners=False).
-    theta = torch.zeros(b, 2, 3)
-    theta[:, 0, 0] = box_w / w
-    theta[:, 0, 2] = (2 * left + box_w) / w - 1
-    theta[:, 1, 1] = box_h / h
-    theta[:, 1, 2] = (2 * top + box_h) / h - 1
-    theta = theta.to(device=x.device, dtype=x.dtype)
-    grid = F.affine_grid(theta, [b, x.shape[1], size, size], align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    rows = _interpolation_matrix(top, box_h, h, size).to(device=x.device, dtype=x.dtype)  # (B, size, H)
+    cols = _interpolation_matrix(left, box_w, w, size)  # (B, size, W)
+    if flip is not None:
+        cols = torch.where(flip[:, None, None], cols.flip(1), cols)
+    cols = cols.to(device=x.device, dtype=x.dtype)
+    return rows[:, None] @ x @ cols[:, None].transpose(-1, -2)
+
+
+def _interpolation_matrix(start: torch.Tensor, length: torch.Tensor, extent: int, size: int) -> torch.Tensor:
+    """(B, size, extent) bilinear weights that resample [start, start + length) of each row to `size` samples."""
+    out = torch.arange(size, dtype=torch.float32)
+    source = start[:, None] + (out + 0.5) * (length[:, None] / size) - 0.5  # pixel centres, align_corners=False
+    source = source.clamp(0, extent - 1)
+    pixels = torch.arange(extent, dtype=torch.float32)
+    return (1 - (source[:, :, None] - pixels).abs()).clamp_(min=0)
 
 
 def _per_channel(values: tuple[float, ...], channels: int) -> list[float]:
