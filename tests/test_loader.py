@@ -289,4 +289,15 @@ def test_data_wait_measures_time_blocked_on_a_slow_loader(tmp_path, prepared_tre
     summary, steps = _train(tmp_path, prepared_tree[1], "data.prefetch=0")
     assert all(r["data_wait_s"] >= 0.19 for r in steps)
     assert summary["data_wait_s"] >= 3 * 0.19  # steps 2-4 are timed (step 1 is warm-up)
-    assert summary["data_wait_frac"] > 0.3
+    timed_s = 3 * 8 / summary["images_per_s"]  # the timed steps' wall time
+    assert summary["data_wait_frac"] == pytest.approx(summary["data_wait_s"] / timed_s)
+
+
+def test_loader_benchmark_reports_both_paths_per_round(prepared_tree):
+    from vitrain.bench.loader import bench_loader
+
+    src, out = prepared_tree
+    result = bench_loader(str(out), str(src), ["train.batch_size=4", "data.loader_workers=0"], 2, 1, rounds=2)
+    assert len(result["fast_images_per_s_rounds"]) == len(result["plain_images_per_s_rounds"]) == 2
+    assert min(result["fast_images_per_s_rounds"] + result["plain_images_per_s_rounds"]) > 0
+    assert result["speedup"] == pytest.approx(result["fast_images_per_s"] / result["plain_images_per_s"])

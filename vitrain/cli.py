@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     loader.add_argument("--folder", required=True, help="the same images as an ImageFolder tree (or .zip)")
     loader.add_argument("--batches", type=int, default=60, help="timed batches per loader (default 60)")
     loader.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
+    loader.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
     loader.add_argument("--out", default=None, help="also write the result as JSON to this file")
     loader.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="e.g. train.batch_size=256 data.hflip=0.5")
     loader.set_defaults(func=_bench_loader)
@@ -186,7 +187,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
 def _bench_loader(args: argparse.Namespace) -> int:
     from vitrain.bench.loader import bench_loader, format_result
 
-    result = bench_loader(args.prepared, args.folder, args.overrides, args.batches, args.warmup)
+    result = bench_loader(args.prepared, args.folder, args.overrides, args.batches, args.warmup, args.rounds)
     print(format_result(result))
     if args.out:
         from pathlib import Path

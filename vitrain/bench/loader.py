@@ -8,6 +8,7 @@ lock on a shared machine: `flock /tmp/vitrain-timing.lock vitrain bench loader -
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,12 @@ DEFAULT_AUGMENT = ["data.crop_padding=4", "data.hflip=0.5", "data.mean=[0.49,0.4
 
 
 def bench_loader(
-    prepared: str, folder: str, overrides: list[str], batches: int = 60, warmup: int = 5
+    prepared: str, folder: str, overrides: list[str], batches: int = 60, warmup: int = 5, rounds: int = 3
 ) -> dict[str, Any]:
+    """Alternate fast and plain for `rounds` rounds (each a fresh epoch) and report the median images/s of each.
+
+    Alternating keeps a load change on a shared machine from favouring whichever loader ran first.
+    """
     manifest = read_manifest(Path(prepared).expanduser())
     shape = [
         f"model.image_size={manifest['size']}",
@@ -40,6 +45,7 @@ def bench_loader(
     plain_cfg = load_config(overrides=common + ["data.source=folder", f"data.root={folder}", "data.loader=plain"])
     device = torch.device("cpu")
     result: dict[str, Any] = {
+        "augmentation_overrides": DEFAULT_AUGMENT + list(overrides),
         "batch_size": fast_cfg.train.batch_size,
         "timed_batches": batches,
         "torch_threads": torch.get_num_threads(),
@@ -48,11 +54,17 @@ def bench_loader(
         "fast_prefetch": fast_cfg.data.prefetch,
         "data": {k: v for k, v in to_dict(fast_cfg)["data"].items() if k not in ("source", "root", "loader")},
     }
-    for name, cfg in (("fast", fast_cfg), ("plain", plain_cfg)):
-        loader, _ = build_loaders(cfg, device)
+    loaders = {name: build_loaders(cfg, device)[0] for name, cfg in (("fast", fast_cfg), ("plain", plain_cfg))}
+    for name, loader in loaders.items():
         if len(loader) < warmup + batches:
             raise ConfigError(f"{name}: only {len(loader)} batches per epoch; lower --batches or train.batch_size")
-        result[f"{name}_images_per_s"] = _images_per_s(loader.epoch(0), batches, warmup)
+    per_round: dict[str, list[float]] = {"fast": [], "plain": []}
+    for epoch in range(rounds):
+        for name, loader in loaders.items():
+            per_round[name].append(_images_per_s(loader.epoch(epoch), batches, warmup))
+    for name, figures in per_round.items():
+        result[f"{name}_images_per_s"] = statistics.median(figures)
+        result[f"{name}_images_per_s_rounds"] = figures
     result["speedup"] = result["fast_images_per_s"] / result["plain_images_per_s"]
     return result
 
@@ -75,6 +87,7 @@ def format_result(result: dict[str, Any]) -> str:
         f"fast (prepared, batched, prefetch={result['fast_prefetch']}): {result['fast_images_per_s']:,.0f} images/s\n"
         f"plain (PIL per sample, {result['plain_workers']} DataLoader workers): "
         f"{result['plain_images_per_s']:,.0f} images/s\n"
-        f"speedup: {result['speedup']:.1f}x  (batch {result['batch_size']}, {result['timed_batches']} timed batches, "
+        f"speedup: {result['speedup']:.1f}x  (medians of {len(result['fast_images_per_s_rounds'])} alternating rounds; "
+        f"batch {result['batch_size']}, {result['timed_batches']} timed batches per round, "
         f"{result['torch_threads']} torch threads, {result['cpu_count']} CPUs)"
     )
