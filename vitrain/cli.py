@@ -155,24 +155,30 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
     from vitrain.data.prepare import FAILED, prepare
 
-    with tqdm(desc="prepare", unit="img", file=sys.stderr, dynamic_ncols=True) as bar:
-        try:
-            result = prepare(
-                args.src,
-                args.dst,
-                size=args.size,
-                workers=args.workers,
-                shard_size=args.shard_size,
-                channels=args.channels,
-                progress=bar.update,
-                on_plan=lambda total: bar.reset(total=total),
-            )
-        except KeyboardInterrupt:
+    bars: list[tqdm] = []  # made once the number of images is known, so a bad SRC prints only its error
+
+    def start_bar(total: int) -> None:
+        bars.append(tqdm(total=total, desc="prepare", unit="img", file=sys.stderr, dynamic_ncols=True))
+
+    try:
+        result = prepare(
+            args.src,
+            args.dst,
+            size=args.size,
+            workers=args.workers,
+            shard_size=args.shard_size,
+            channels=args.channels,
+            progress=lambda n: bars[0].update(n),
+            on_plan=start_bar,
+        )
+    except KeyboardInterrupt:
+        print(
+            "\nvitrain: interrupted; run the same command again to finish (finished shards are kept)", file=sys.stderr
+        )
+        return 130
+    finally:
+        for bar in bars:
             bar.close()
-            print(
-                "vitrain: interrupted; run the same command again to finish (finished shards are kept)", file=sys.stderr
-            )
-            return 130
     for where, reason in result.failed[:20]:
         print(f"vitrain: skipped {where}: {reason}", file=sys.stderr)
     if result.failed:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from vitrain.config import Config, DataConfig
 from vitrain.data.augment import BatchAugment, _per_channel
 from vitrain.data.loader import batch_generator, batches_per_epoch, epoch_order
+from vitrain.data.prepared import is_prepared
 from vitrain.data.sources import ImageTree, held_out_split, list_split
 from vitrain.errors import DataError
 
@@ -160,6 +161,11 @@ def build_plain_loaders(
     root = Path(d.root).expanduser()
     if not root.exists():
         raise DataError(f"data.root={root} does not exist; point it at an ImageFolder tree or a .zip of one")
+    if is_prepared(root):
+        raise DataError(
+            f"data.loader=plain decodes image files, but data.root={root} holds prepared data; "
+            f"use data.loader=fast or point data.root at the image folder"
+        )
     tree = ImageTree(root)
     listing = list_split(tree, d.train_split, required=True)
     assert listing is not None

@@ -69,13 +69,15 @@ def prepare(
     tree = ImageTree(src)
     splits = _find_splits(tree)
     classes = sorted({c for folders in splits.values() for c in folders})
-    mode_size = _probe(tree, splits)
-    channels = channels or mode_size[0]
+    probed_channels, sizes = _probe(tree, splits)
+    channels = channels or probed_channels
     if channels not in (1, 3):
         raise DataError(f"--channels={channels} must be 1 (grey) or 3 (RGB)")
-    size = size or mode_size[1]
     if size is None:
-        raise DataError(f"images in {src} have different sizes; pass --size S to resize them all to S x S")
+        if len(sizes) != 1 or sizes[0][0] != sizes[0][1]:
+            seen = ", ".join(f"{w}x{h}" for w, h in sizes[:3])
+            raise DataError(f"images in {src} are not all one square size ({seen}); pass --size S to resize to S x S")
+        size = sizes[0][0]
     shards = _plan_shards(splits, classes, shard_size)
     plan = {
         "format": FORMAT,
@@ -122,8 +124,8 @@ def _find_splits(tree: ImageTree) -> dict[str, dict[str, list[str]]]:
     return splits
 
 
-def _probe(tree: ImageTree, splits: dict[str, dict[str, list[str]]]) -> tuple[int, int | None]:
-    """(channels, size) from the first image of every class: grey only if all are grey; size if all agree."""
+def _probe(tree: ImageTree, splits: dict[str, dict[str, list[str]]]) -> tuple[int, list[tuple[int, int]]]:
+    """(channels, sizes seen) from the first image of every class; 1 channel only if all of them are grey."""
     import io
     import zipfile
 
@@ -144,11 +146,7 @@ def _probe(tree: ImageTree, splits: dict[str, dict[str, list[str]]]) -> tuple[in
     finally:
         if archive is not None:
             archive.close()
-    size = None
-    if len(sizes) == 1:
-        w, h = sizes.pop()
-        size = w if w == h else None
-    return (1 if grey else 3), size
+    return (1 if grey else 3), sorted(sizes)
 
 
 def _plan_shards(splits: dict[str, dict[str, list[str]]], classes: list[str], shard_size: int) -> list[Shard]:
