@@ -68,7 +68,7 @@ def test_size_resizes_every_image(tmp_path):
 def test_images_of_mixed_sizes_need_an_explicit_size(tmp_path):
     make_tree(tmp_path / "src", splits={"train": 1}, classes=("a",), size=8)
     make_tree(tmp_path / "src", splits={"train": 1}, classes=("b",), size=10)
-    with pytest.raises(DataError, match=r"not all one square size \(10x10, 8x8\); pass --size S"):
+    with pytest.raises(DataError, match=r"not all one square size \(8x8, 10x10\); pass --size S"):
         prepare(tmp_path / "src", tmp_path / "out", workers=1)
 
 
