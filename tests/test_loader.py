@@ -270,6 +270,20 @@ def _train(tmp_path, prepared: Path, *overrides: str) -> tuple[dict, list[dict]]
     return summary, [r for r in records if "loss" in r]
 
 
+def test_trainer_runs_on_the_plain_loader(tmp_path, prepared_tree):
+    cfg = _cfg(
+        "data.source=folder",
+        f"data.root={prepared_tree[0]}",
+        "data.loader=plain",
+        "data.loader_workers=0",
+        f"log.out_dir={tmp_path}",
+        "train.batch_size=8",
+        "train.max_steps=2",
+    )
+    summary = Trainer(cfg).fit()
+    assert summary["steps"] == 2 and 0 <= summary["val_top1"] <= 1 and "data_wait_frac" in summary
+
+
 def test_data_wait_is_reported_per_step_and_in_the_summary(tmp_path, prepared_tree):
     summary, steps = _train(tmp_path, prepared_tree[1])
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
