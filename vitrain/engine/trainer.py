@@ -238,7 +238,7 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(
             f"done: val_top1={summary['val_top1']:.4f} images/s={summary['images_per_s']:.0f} "
-            f"wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
+            f"data_wait={summary['data_wait_frac']:.1%} wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
         )
         log.close()
         return summary
