@@ -74,7 +74,7 @@ class BatchAugment:
             lam = 1.0 - (y1 - y0) * (x1 - x0) / (h * w)  # the area actually pasted
         else:
             lam = float(rng.beta(self.mixup_alpha, self.mixup_alpha))
-            x = x * lam + x.flip(0) * (1.0 - lam)
+            x = torch.lerp(x.flip(0), x, lam)  # lam * x + (1 - lam) * reversed batch, in one pass
         return x, one_hot * lam + one_hot.flip(0) * (1.0 - lam)
 
 
