@@ -110,6 +110,14 @@ def test_empty_class_folder_is_an_error_naming_it(tmp_path, capsys):
     assert "train/zebra is empty" in capsys.readouterr().err
 
 
+def test_empty_class_folder_inside_a_zip_is_an_error_naming_it(tmp_path):
+    make_tree(tmp_path / "src", splits={"train": 2})
+    (tmp_path / "src" / "train" / "zebra").mkdir()
+    archive = zip_tree(tmp_path / "src", tmp_path / "src.zip")
+    with pytest.raises(DataError, match=r"class folder .*src\.zip:data/train/zebra is empty"):
+        prepare(archive, tmp_path / "out", workers=1)
+
+
 class _InterruptAfter:
     """A progress callback that raises KeyboardInterrupt (as Ctrl-C would) after `shards` shards finished."""
 

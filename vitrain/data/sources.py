@@ -107,7 +107,7 @@ class ImageTree:
         if self.is_zip:
             try:
                 with zipfile.ZipFile(root) as archive:
-                    self.names = [n for n in archive.namelist() if not n.endswith("/")]
+                    self.names = archive.namelist()  # folders end with "/", as on disk below
             except zipfile.BadZipFile:
                 raise DataError(f"data.root={root} is not a readable zip file") from None
         else:
