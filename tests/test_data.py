@@ -117,11 +117,12 @@ def test_augment_is_deterministic_per_generator_and_normalizes(tiny_cfg):
     images = torch.randint(0, 256, (8, 1, 16, 16), dtype=torch.uint8)
     cfg = tiny_cfg.data
     cfg.crop_padding, cfg.hflip = 2, 0.5
-    train_aug = BatchAugment(cfg, channels=1, train=True)
-    a = train_aug(images, torch.Generator().manual_seed(3))
-    b = train_aug(images, torch.Generator().manual_seed(3))
+    labels = torch.arange(8)
+    train_aug = BatchAugment(cfg, channels=1, train=True, image_size=16, num_classes=10)
+    a, _ = train_aug(images, labels, torch.Generator().manual_seed(3))
+    b, _ = train_aug(images, labels, torch.Generator().manual_seed(3))
     assert torch.equal(a, b) and a.shape == (8, 1, 16, 16)
-    plain = BatchAugment(cfg, channels=1, train=False)(images)
+    plain, _ = BatchAugment(cfg, channels=1, train=False, image_size=16, num_classes=10)(images, labels)
     torch.testing.assert_close(plain, (images.float() / 255 - 0.5) / 0.5)
 
 
@@ -130,14 +131,15 @@ def test_crop_shifts_content_within_padding(tiny_cfg):
     cfg.crop_padding = 2
     images = torch.zeros(64, 1, 16, 16, dtype=torch.uint8)
     images[:, :, 7, 7] = 255
-    out = BatchAugment(cfg, channels=1, train=True)(images, torch.Generator().manual_seed(0))
+    augment = BatchAugment(cfg, channels=1, train=True, image_size=16, num_classes=10)
+    out, _ = augment(images, torch.zeros(64, dtype=torch.long), torch.Generator().manual_seed(0))
     peaks = (out[:, 0] == out[:, 0].amax(dim=(1, 2), keepdim=True)).nonzero()[:, 1:]
     assert peaks.min() >= 5 and peaks.max() <= 9 and len(set(map(tuple, peaks.tolist()))) > 5
 
 
 def loader(n=100, batch=10, **kw) -> BatchLoader:
     data = ImageSet(torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1), torch.arange(n), ["x"])
-    aug = BatchAugment(load_config().data, channels=1, train=False)
+    aug = BatchAugment(load_config().data, channels=1, train=False, image_size=1, num_classes=n)
     return BatchLoader(data, batch, aug, torch.device("cpu"), shuffle=True, seed=7, **kw)
 
 

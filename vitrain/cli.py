@@ -50,6 +50,31 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list model presets with their size and cost")
     models.set_defaults(func=_models)
 
+    data = sub.add_parser("data", help="prepare data sets for the fast loader")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser(
+        "prepare", help="decode an ImageFolder tree or .zip once into memory-mapped uint8 shards (resumable)"
+    )
+    prepare.add_argument("src", metavar="SRC", help="ImageFolder tree (<split>/<class>/<image>) or a .zip of one")
+    prepare.add_argument("dst", metavar="DST", help="output folder; rerun the same command to resume")
+    prepare.add_argument("--size", type=int, default=None, help="resize to S x S (default: the images' own size)")
+    prepare.add_argument("--workers", type=int, default=2, help="decoding processes (default 2)")
+    prepare.add_argument("--shard-size", type=int, default=2048, help="images per shard file (default 2048)")
+    prepare.add_argument("--channels", type=int, choices=(1, 3), default=None, help="default: 1 if all grey")
+    prepare.set_defaults(func=_data_prepare)
+
+    bench = sub.add_parser("bench", help="benchmarks a reader can rerun")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    loader = bench_sub.add_parser("loader", help="images/s of the fast prepared loader vs per-sample PIL workers")
+    loader.add_argument("--prepared", required=True, help="a folder made by `vitrain data prepare`")
+    loader.add_argument("--folder", required=True, help="the same images as an ImageFolder tree (or .zip)")
+    loader.add_argument("--batches", type=int, default=60, help="timed batches per loader (default 60)")
+    loader.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
+    loader.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
+    loader.add_argument("--out", default=None, help="also write the result as JSON to this file")
+    loader.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="e.g. train.batch_size=256 data.hflip=0.5")
+    loader.set_defaults(func=_bench_loader)
+
     config = sub.add_parser("config", help="inspect configs")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config")
@@ -86,7 +111,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from vitrain import checkpoint as ckpt
     from vitrain.config import load_config
-    from vitrain.data import BatchAugment, BatchLoader, build_datasets
+    from vitrain.data import build_loaders
     from vitrain.engine import evaluate, resolve_device
     from vitrain.models import create_model
 
@@ -96,15 +121,7 @@ def _eval(args: argparse.Namespace) -> int:
     device = resolve_device(cfg.train.device)
     model = create_model(cfg.model).to(device)
     ckpt.load_model_state(model, state["model"], path)
-    _, val_set = build_datasets(cfg)
-    loader = BatchLoader(
-        val_set,
-        cfg.train.batch_size,
-        BatchAugment(cfg.data, cfg.model.in_chans, train=False),
-        device,
-        shuffle=False,
-        drop_last=False,
-    )
+    _, loader = build_loaders(cfg, device)
     result = {"checkpoint": str(path), "step": state.get("step"), **evaluate(model, loader)}
     print(json.dumps(result, indent=2))
     return 0
@@ -130,6 +147,58 @@ def _models(args: argparse.Namespace) -> int:
         print(f"{p.name:<22}{p.alias:<13}{cost.params:>16,}{p.image_size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}")
     print("GFLOPs: one forward pass of one image, multiply-add = 2 FLOPs (timm's tables count MACs: half).")
     print("train GiB: fp32 AdamW model state (weights, gradients, two moments) without activations.")
+    return 0
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from vitrain.data.prepare import FAILED, prepare
+
+    bars: list[tqdm] = []  # made once the number of images is known, so a bad SRC prints only its error
+
+    def start_bar(total: int) -> None:
+        bars.append(tqdm(total=total, desc="prepare", unit="img", file=sys.stderr, dynamic_ncols=True))
+
+    try:
+        result = prepare(
+            args.src,
+            args.dst,
+            size=args.size,
+            workers=args.workers,
+            shard_size=args.shard_size,
+            channels=args.channels,
+            progress=lambda n: bars[0].update(n),
+            on_plan=start_bar,
+        )
+    except KeyboardInterrupt:
+        print(
+            "\nvitrain: interrupted; run the same command again to finish (finished shards are kept)", file=sys.stderr
+        )
+        return 130
+    finally:
+        for bar in bars:
+            bar.close()
+    for where, reason in result.failed[:20]:
+        print(f"vitrain: skipped {where}: {reason}", file=sys.stderr)
+    if result.failed:
+        print(f"vitrain: {len(result.failed)} files did not decode; all listed in {args.dst}/{FAILED}", file=sys.stderr)
+    print(
+        f"prepared {result.images} images into {args.dst} ({result.shards_converted} shards converted, "
+        f"{result.shards_done_before} already done from an earlier run, {len(result.failed)} failed)"
+    )
+    return 0
+
+
+def _bench_loader(args: argparse.Namespace) -> int:
+    from vitrain.bench.loader import bench_loader, format_result
+
+    result = bench_loader(args.prepared, args.folder, args.overrides, args.batches, args.warmup, args.rounds)
+    print(format_result(result))
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -45,8 +45,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["digits", "folder", "synthetic"] = "digits"
-    root: str = ""  # folder source: an ImageFolder tree or a .zip of one
+    # folder: an ImageFolder tree, a .zip of one, or a folder made by `vitrain data prepare` (read as prepared)
+    source: Literal["digits", "folder", "prepared", "synthetic"] = "digits"
+    root: str = ""  # folder / prepared source: where the data is
     train_split: str = "train"
     val_split: str = "test"  # when the folder has no such split, val_fraction of train is held out
     val_fraction: float = 0.2
@@ -56,6 +57,16 @@ class DataConfig:
     hflip: float = 0.0  # probability of a horizontal flip
     decode_workers: int = 2
     synthetic_samples: int = 1024
+    random_resized_crop: bool = False  # replaces crop_padding: a random box of rrc_scale area, resized back
+    rrc_scale: tuple[float, float] = (0.08, 1.0)  # fraction of the image area
+    rrc_ratio: tuple[float, float] = (0.75, 1.3333333333333333)  # aspect ratio w/h of the box
+    mixup_alpha: float = 0.0  # > 0: mix each batch with its reverse, weight ~ Beta(alpha, alpha)
+    cutmix_alpha: float = 0.0  # > 0: paste a box of the reversed batch, area ~ Beta(alpha, alpha)
+    cutmix_prob: float = 0.5  # with both mixup and cutmix on, the chance that a batch uses cutmix
+    loader: Literal["fast", "plain"] = "fast"  # plain: per-sample PIL decoding in DataLoader workers (baseline)
+    loader_workers: int = 2  # plain loader: DataLoader worker processes
+    prefetch: int = 2  # fast loader: batches prepared ahead in a background thread; 0 turns it off
+    verify: Literal["once", "always"] = "once"  # prepared data: sha256 once per file change, or every load
 
 
 @dataclass
@@ -377,6 +388,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
     if not 0.0 <= d.hflip <= 1.0:
         raise ConfigError(f"data.hflip={d.hflip} is a probability and must be in [0, 1]")
+    if d.source == "prepared" and not d.root:
+        raise ConfigError("data.source=prepared needs data.root=PATH (a folder made by `vitrain data prepare`)")
+    if d.loader == "plain" and d.source != "folder":
+        raise ConfigError(
+            f"data.loader=plain decodes image files per sample; it needs data.source=folder, not {d.source}"
+        )
+    if not 0.0 < d.rrc_scale[0] <= d.rrc_scale[1] <= 1.0:
+        raise ConfigError(f"data.rrc_scale={list(d.rrc_scale)} must be area fractions with 0 < low <= high <= 1")
+    if not 0.0 < d.rrc_ratio[0] <= d.rrc_ratio[1]:
+        raise ConfigError(f"data.rrc_ratio={list(d.rrc_ratio)} must be aspect ratios with 0 < low <= high")
+    for name in ("mixup_alpha", "cutmix_alpha", "prefetch", "loader_workers"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"data.{name}={getattr(d, name)} must be >= 0")
+    if not 0.0 <= d.cutmix_prob <= 1.0:
+        raise ConfigError(f"data.cutmix_prob={d.cutmix_prob} is a probability and must be in [0, 1]")
     t = cfg.train
     for name in ("epochs", "batch_size", "accum_steps", "eval_every_epochs"):
         if getattr(t, name) <= 0:

@@ -1,21 +1,59 @@
-"""Batches from an in-memory uint8 image set: seeded per-epoch order, device-side augmentation, resumable."""
+"""The fast loader: seeded per-epoch order, batched uint8 reads, device-side augmentation, prefetch, resumable.
+
+Works over any data with `read(index) -> (uint8 images, labels)`: an in-memory ImageSet or a memory-mapped
+PreparedSet. A background thread reads, pins, copies and augments the next batches while the step runs.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 
 from vitrain.data.augment import BatchAugment
-from vitrain.data.sources import ImageSet
+
+
+class BatchSource(Protocol):
+    classes: list[str]
+
+    def __len__(self) -> int: ...
+
+    def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def epoch_order(
+    n: int, epoch: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, drop_last: bool = True
+) -> torch.Tensor:
+    """This rank's sample indices for `epoch`: a disjoint share of one permutation fixed by (seed, epoch)."""
+    if shuffle:
+        index = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    else:
+        index = torch.arange(n)
+    if drop_last:
+        index = index[: n - n % world_size]
+    return index[rank::world_size]
+
+
+def batches_per_epoch(n: int, batch_size: int, world_size: int, drop_last: bool) -> int:
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+
+
+def batch_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
+    """One generator per batch, so augmentation after a resume matches the uninterrupted run."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + batch)
 
 
 class BatchLoader:
-    """Yields (images, labels) on `device`; the order depends only on (seed, epoch), so a resume replays it."""
+    """Yields (images, targets) on `device`; the order depends only on (seed, epoch), so a resume replays it."""
 
     def __init__(
         self,
-        data: ImageSet,
+        data: BatchSource,
         batch_size: int,
         augment: BatchAugment,
         device: torch.device,
@@ -24,6 +62,7 @@ class BatchLoader:
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
+        prefetch: int = 2,
     ):
         self.data = data
         self.batch_size = batch_size
@@ -34,34 +73,100 @@ class BatchLoader:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.prefetch = prefetch
+        # Pinned host memory lets the copy to an accelerator run asynchronously (untested here: no GPU).
         self.pin = device.type == "cuda"
 
     def __len__(self) -> int:
-        per_rank = len(self.data) // self.world_size if self.drop_last else -(-len(self.data) // self.world_size)
-        if self.drop_last:
-            return per_rank // self.batch_size
-        return -(-per_rank // self.batch_size)
+        return batches_per_epoch(len(self.data), self.batch_size, self.world_size, self.drop_last)
 
     def order(self, epoch: int) -> torch.Tensor:
-        """This rank's sample indices for `epoch`: a disjoint share of one global permutation."""
         n = len(self.data)
-        if self.shuffle:
-            index = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
-        else:
-            index = torch.arange(n)
-        if self.drop_last:
-            index = index[: n - n % self.world_size]
-        return index[self.rank :: self.world_size]
+        return epoch_order(n, epoch, self.seed, self.shuffle, self.rank, self.world_size, self.drop_last)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         index = self.order(epoch)
-        for b in range(start_batch, len(self)):
-            batch = index[b * self.batch_size : (b + 1) * self.batch_size]
-            images, labels = self.data.images[batch], self.data.labels[batch]
-            if self.pin:
-                images, labels = images.pin_memory(), labels.pin_memory()
-            images = images.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            # One generator per batch: augmentation after a resume matches the uninterrupted run.
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 10_007 + b)
-            yield self.augment(images, gen), labels
+        batches = (self._batch(index, epoch, b) for b in range(start_batch, len(self)))
+        return in_background(batches, self.prefetch) if self.prefetch else batches
+
+    def _batch(self, index: torch.Tensor, epoch: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = self.data.read(index[b * self.batch_size : (b + 1) * self.batch_size])
+        if self.pin:
+            images, labels = images.pin_memory(), labels.pin_memory()
+        images = images.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        return self.augment(images, labels, batch_generator(self.seed, epoch, b))
+
+
+_DONE = object()
+
+
+class _Raised:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def in_background(items: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Run `items` in a thread, at most `depth` ahead; errors re-raise here; closing early stops the thread.
+
+    A thread (not a process) is enough: reading a memory map, torch copies and augmentation release the GIL.
+    On CUDA the thread enqueues on the same current stream as the step, so the order of work stays correct.
+    """
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+        except BaseException as exc:
+            put(_Raised(exc))
+            return
+        put(_DONE)
+
+    thread = threading.Thread(target=produce, name="vitrain-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+class WaitTimer:
+    """Wraps a batch iterator and adds up the seconds its consumer spends blocked waiting for the next batch."""
+
+    def __init__(self, batches: Iterator[Any]):
+        self.batches = batches
+        self.waited_s = 0.0
+
+    def __iter__(self) -> WaitTimer:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return next(self.batches)
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def take(self) -> float:
+        """Seconds waited since the last call."""
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vitrain.config import Config
+from vitrain.data.prepared import PreparedSet, is_prepared, open_prepared
 from vitrain.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".pgm", ".ppm", ".bmp")
@@ -31,21 +32,34 @@ class ImageSet:
     def __len__(self) -> int:
         return self.labels.shape[0]
 
+    @property
+    def channels(self) -> int:
+        return self.images.shape[1]
+
+    def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of uint8 images and their labels, in the order of `index`."""
+        return self.images[index], self.labels[index]
+
     def subset(self, index: torch.Tensor) -> ImageSet:
         return ImageSet(self.images[index], self.labels[index], self.classes)
 
 
-def build_datasets(cfg: Config) -> tuple[ImageSet, ImageSet]:
-    """Return (train, val) for the configured source, checked against the model's input shape."""
+def build_datasets(cfg: Config) -> tuple[ImageSet | PreparedSet, ImageSet | PreparedSet]:
+    """Return (train, val) for the configured source, checked against the model's input shape.
+
+    A folder source whose root holds a manifest.json is read as prepared data (`vitrain data prepare`).
+    """
     source = cfg.data.source
     if source == "digits":
         train, val = _digits(cfg.model.image_size)
+    elif source == "prepared" or (source == "folder" and is_prepared(Path(cfg.data.root).expanduser())):
+        train, val = _prepared(cfg)
     elif source == "folder":
         train, val = _folder(cfg)
     else:
         train, val = _synthetic(cfg)
     m = cfg.model
-    channels = train.images.shape[1]
+    channels = train.channels
     if channels != m.in_chans:
         raise DataError(
             f"data.source={source} has {channels}-channel images but model.in_chans={m.in_chans}; "
@@ -84,7 +98,7 @@ def _digits(image_size: int) -> tuple[ImageSet, ImageSet]:
 # ---------------------------------------------------------------------------------------------- folder
 
 
-class _Tree:
+class ImageTree:
     """Read access to an ImageFolder tree on disk or inside a .zip, with paths relative to its top."""
 
     def __init__(self, root: Path):
@@ -93,7 +107,7 @@ class _Tree:
         if self.is_zip:
             try:
                 with zipfile.ZipFile(root) as archive:
-                    self.names = [n for n in archive.namelist() if not n.endswith("/")]
+                    self.names = archive.namelist()  # folders end with "/", as on disk below
             except zipfile.BadZipFile:
                 raise DataError(f"data.root={root} is not a readable zip file") from None
         else:
@@ -113,10 +127,9 @@ class _Tree:
         for name in self.names:
             if not name.startswith(prefix):
                 continue
-            relative = name[len(prefix) :].rstrip("/")
-            if not relative:
-                continue
-            rest = relative.split("/")
+            rest = name[len(prefix) :].rstrip("/").split("/")
+            if rest == [""]:
+                continue  # the split folder itself
             if len(rest) == 1 and name.endswith("/"):
                 folders.setdefault(rest[0], [])
             elif len(rest) == 2 and rest[1].lower().endswith(IMAGE_SUFFIXES):
@@ -133,20 +146,20 @@ def _folder(cfg: Config) -> tuple[ImageSet, ImageSet]:
         raise DataError(f"data.root={root} does not exist; point it at an ImageFolder tree or a .zip of one")
     if root.is_dir() and not any(root.iterdir()):
         raise DataError(f"data.root={root} is empty; it needs <split>/<class>/<image> files")
-    tree = _Tree(root)
+    tree = ImageTree(root)
     train = _read_split(tree, cfg.data.train_split, cfg, required=True)
     assert train is not None
     val = _read_split(tree, cfg.data.val_split, cfg, required=False, classes=train.classes)
     if val is None:
-        perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(SPLIT_SEED))
-        n_val = max(1, int(round(cfg.data.val_fraction * len(train))))
-        return train.subset(perm[n_val:]), train.subset(perm[:n_val])
+        train_rows, val_rows = held_out_split(len(train), cfg.data.val_fraction)
+        return train.subset(train_rows), train.subset(val_rows)
     return train, val
 
 
-def _read_split(
-    tree: _Tree, split: str, cfg: Config, required: bool, classes: list[str] | None = None
-) -> ImageSet | None:
+def list_split(
+    tree: ImageTree, split: str, required: bool, classes: list[str] | None = None
+) -> tuple[list[str], list[int], list[str]] | None:
+    """(image names, labels, class names) of one split, or None when an optional split is absent."""
     prefix = tree.split_prefix(split)
     if prefix is None:
         if required:
@@ -155,23 +168,45 @@ def _read_split(
                 f"(or set data.train_split)"
             )
         return None
+    folders = checked_class_folders(tree, prefix)
+    classes = classes or list(folders)
+    unknown = sorted(set(folders) - set(classes))
+    if unknown:
+        raise DataError(f"{tree.location(prefix)} has classes {unknown} that the train split does not have")
+    files = [(f, classes.index(c)) for c, fs in folders.items() for f in fs]
+    return [f for f, _ in files], [label for _, label in files], classes
+
+
+def checked_class_folders(tree: ImageTree, prefix: str) -> dict[str, list[str]]:
+    """Class folders under `prefix` with their images; an empty class folder is an error naming it."""
     folders = tree.class_folders(prefix)
     if not folders:
         raise DataError(f"{tree.location(prefix)} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)})")
     for name, files in folders.items():
         if not files:
             raise DataError(f"class folder {tree.location(prefix + name)} is empty; add images or remove it")
-    classes = classes or list(folders)
-    unknown = sorted(set(folders) - set(classes))
-    if unknown:
-        raise DataError(f"{tree.location(prefix)} has classes {unknown} that the train split does not have")
-    files = [(f, classes.index(c)) for c, fs in folders.items() for f in fs]
-    images = _decode_all(tree, [f for f, _ in files], cfg)
-    labels = torch.tensor([label for _, label in files], dtype=torch.long)
-    return ImageSet(images, labels, classes)
+    return folders
 
 
-def _decode_all(tree: _Tree, names: list[str], cfg: Config) -> torch.Tensor:
+def held_out_split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train rows, val rows) when the data has no validation split; fixed by SPLIT_SEED, not the run seed."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = max(1, int(round(val_fraction * n)))
+    return perm[n_val:], perm[:n_val]
+
+
+def _read_split(
+    tree: ImageTree, split: str, cfg: Config, required: bool, classes: list[str] | None = None
+) -> ImageSet | None:
+    listing = list_split(tree, split, required, classes)
+    if listing is None:
+        return None
+    names, labels, classes = listing
+    images = _decode_all(tree, names, cfg)
+    return ImageSet(images, torch.tensor(labels, dtype=torch.long), classes)
+
+
+def _decode_all(tree: ImageTree, names: list[str], cfg: Config) -> torch.Tensor:
     mode = "L" if cfg.model.in_chans == 1 else "RGB"
     size = cfg.model.image_size
     workers = max(1, cfg.data.decode_workers)
@@ -188,10 +223,20 @@ def _decode_all(tree: _Tree, names: list[str], cfg: Config) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(results))
 
 
-def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> np.ndarray | str:
-    """Decode one chunk to (n, C, size, size) uint8; on a bad file return the error line instead."""
+def decode_image(raw: bytes, mode: str, size: int) -> np.ndarray:
+    """Encoded bytes -> (C, size, size) uint8 in PIL `mode` (L or RGB), resized with bicubic when needed."""
     from PIL import Image
 
+    with Image.open(io.BytesIO(raw)) as img:
+        img = img.convert(mode)
+        if img.size != (size, size):
+            img = img.resize((size, size), Image.BICUBIC)
+        array = np.asarray(img, dtype=np.uint8)
+    return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+
+
+def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> np.ndarray | str:
+    """Decode one chunk to (n, C, size, size) uint8; on a bad file return the error line instead."""
     root, is_zip, names, mode, size = job
     archive = zipfile.ZipFile(root) if is_zip else None
     out = np.empty((len(names), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
@@ -200,18 +245,32 @@ def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> np.ndarray | st
             where = f"{root}:{name}" if is_zip else str(Path(root) / name)
             try:
                 raw = archive.read(name) if archive is not None else (Path(root) / name).read_bytes()
-                with Image.open(io.BytesIO(raw)) as img:
-                    img = img.convert(mode)
-                    if img.size != (size, size):
-                        img = img.resize((size, size), Image.BICUBIC)
-                    array = np.asarray(img, dtype=np.uint8)
+                out[i] = decode_image(raw, mode, size)
             except Exception as exc:  # PIL raises many types for bad files
                 return f"cannot decode image {where}: {exc}; fix or remove the file"
-            out[i] = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
     finally:
         if archive is not None:
             archive.close()
     return out
+
+
+# ---------------------------------------------------------------------------------------------- prepared
+
+
+def _prepared(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
+    """Memory-mapped splits written by `vitrain data prepare`, checksums verified before anything trains."""
+    d = cfg.data
+    splits = open_prepared(Path(d.root).expanduser(), verify=d.verify)
+    if d.train_split not in splits:
+        raise DataError(
+            f"prepared data {d.root} has no '{d.train_split}' split (it has {', '.join(sorted(splits))}); "
+            f"set data.train_split"
+        )
+    train = splits[d.train_split]
+    if d.val_split in splits:
+        return train, splits[d.val_split]
+    train_rows, val_rows = held_out_split(len(train), d.val_fraction)
+    return train.subset(train_rows), train.subset(val_rows)
 
 
 # ---------------------------------------------------------------------------------------------- synthetic

@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, to_dict, to_yaml
-from vitrain.data import BatchAugment, BatchLoader, build_datasets
+from vitrain.data import build_loaders
+from vitrain.data.loader import WaitTimer
 from vitrain.engine.evaluate import evaluate
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import complexity, count_parameters, create_model
@@ -67,29 +68,13 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.device = resolve_device(cfg.train.device)
 
-        train_set, val_set = build_datasets(cfg)
         t = cfg.train
-        self.train_loader = BatchLoader(
-            train_set,
-            t.batch_size,
-            BatchAugment(cfg.data, cfg.model.in_chans, train=True),
-            self.device,
-            shuffle=True,
-            seed=t.seed,
-        )
-        self.val_loader = BatchLoader(
-            val_set,
-            t.batch_size,
-            BatchAugment(cfg.data, cfg.model.in_chans, train=False),
-            self.device,
-            shuffle=False,
-            drop_last=False,
-        )
+        self.train_loader, self.val_loader = build_loaders(cfg, self.device)
         self.steps_per_epoch = len(self.train_loader) // t.accum_steps
         if self.steps_per_epoch == 0:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} x train.accum_steps={t.accum_steps} is larger than the "
-                f"{len(train_set)} training samples; lower the batch size"
+                f"{len(self.train_loader.data)} training samples; lower the batch size"
             )
         self.total_steps = self.steps_per_epoch * t.epochs
         self.warmup_steps = int(cfg.schedule.warmup_epochs * self.steps_per_epoch)
@@ -169,6 +154,7 @@ class Trainer:
 
         wall_start = time.perf_counter()
         train_seconds, train_images, compile_s = 0.0, 0, None
+        data_wait_s = 0.0  # time the steps spent blocked on the loader (same steps as train_seconds)
         stop = False
         while self.epoch < t.epochs and not stop:
             bar = tqdm(
@@ -182,10 +168,10 @@ class Trainer:
             )
             micro = 0
             step_start = time.perf_counter()
-            window_images, window_start = 0, step_start
+            window_images, window_start, window_wait_s, window_steps = 0, step_start, 0.0, 0
             # Only whole optimizer steps: leftover micro-batches would leak gradients into the next epoch.
             remaining = self.steps_per_epoch * t.accum_steps - self.batch_in_epoch
-            batches = itertools.islice(self.train_loader.epoch(self.epoch, self.batch_in_epoch), remaining)
+            batches = WaitTimer(itertools.islice(self.train_loader.epoch(self.epoch, self.batch_in_epoch), remaining))
             for images, labels in batches:
                 if micro == 0:
                     lr = lr_at(self.step, self.total_steps, self.warmup_steps, cfg.optim.lr, cfg.schedule)
@@ -202,18 +188,25 @@ class Trainer:
 
                 now = time.perf_counter()
                 step_images = images.shape[0] * t.accum_steps
+                step_wait_s = batches.take()
                 if compile_s is None and t.compile:
                     compile_s = now - step_start
                     log.info(f"first step with torch.compile took {compile_s:.1f} s")
                 elif self.step > 1 or self.resume_path is not None:
                     train_seconds += now - step_start
                     train_images += step_images
+                    data_wait_s += step_wait_s
                 window_images += step_images
+                window_wait_s += step_wait_s
+                window_steps += 1
                 bar.update(1)
                 if self.step % cfg.log.every_steps == 0 or self.step == 1:
                     loss_value = loss.item()
                     images_per_s = window_images / max(now - window_start, 1e-9)
-                    bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_s:.0f}")
+                    wait_frac = window_wait_s / max(now - window_start, 1e-9)
+                    bar.set_postfix(
+                        loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_s:.0f}", wait=f"{wait_frac:.1%}"
+                    )
                     log.record(
                         step=self.step,
                         epoch=self.epoch,
@@ -221,8 +214,10 @@ class Trainer:
                         lr=lr,
                         grad_norm=grad_norm,
                         images_per_s=images_per_s,
+                        data_wait_s=window_wait_s / window_steps,  # mean per step over the logged window
+                        data_wait_frac=wait_frac,  # share of the window's step time spent waiting for data
                     )
-                    window_images, window_start = 0, time.perf_counter()
+                    window_images, window_start, window_wait_s, window_steps = 0, time.perf_counter(), 0.0, 0
                 if t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
                     self.save()
                 if t.max_steps and self.step >= t.max_steps:
@@ -238,10 +233,12 @@ class Trainer:
 
         wall_s = time.perf_counter() - wall_start
         summary = self._summary(wall_s, train_images / train_seconds if train_seconds else 0.0, compile_s)
+        summary["data_wait_s"] = data_wait_s
+        summary["data_wait_frac"] = data_wait_s / train_seconds if train_seconds else 0.0
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(
             f"done: val_top1={summary['val_top1']:.4f} images/s={summary['images_per_s']:.0f} "
-            f"wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
+            f"data_wait={summary['data_wait_frac']:.1%} wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
         )
         log.close()
         return summary

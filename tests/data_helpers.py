@@ -1,0 +1,42 @@
+"""Small real image trees written by the tests themselves (PNG is lossless, so pixels can be compared)."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def make_tree(
+    root: Path,
+    splits: dict[str, int] | None = None,
+    classes: tuple[str, ...] = ("cat", "dog"),
+    size: int = 8,
+    mode: str = "RGB",
+    suffix: str = ".png",
+) -> dict[str, np.ndarray]:
+    """Write root/<split>/<class>/<i><suffix>; return {relative path: (C, H, W) uint8 pixels}."""
+    splits = splits if splits is not None else {"train": 6, "test": 2}
+    rng = np.random.default_rng(0)
+    pixels = {}
+    for split, per_class in splits.items():
+        for c in classes:
+            folder = root / split / c
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                shape = (size, size) if mode == "L" else (size, size, 3)
+                array = rng.integers(0, 256, shape, dtype=np.uint8)
+                path = folder / f"{i:03d}{suffix}"
+                Image.fromarray(array).save(path)
+                pixels[path.relative_to(root).as_posix()] = array[None] if mode == "L" else array.transpose(2, 0, 1)
+    return pixels
+
+
+def zip_tree(root: Path, archive: Path, top: str = "data") -> Path:
+    """Zip a tree under one top folder, as downloaded archives usually are."""
+    with zipfile.ZipFile(archive, "w") as z:
+        for path in sorted(root.rglob("*")):
+            z.write(path, f"{top}/{path.relative_to(root).as_posix()}")
+    return archive

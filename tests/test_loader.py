@@ -1,0 +1,317 @@
+"""The fast loader (order, resume, prefetch, prepared reads), batched augmentation, the plain path, data wait."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.data_helpers import make_tree
+from vitrain.config import load_config
+from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
+from vitrain.data.augment import pad_crop_flip, random_resized_crop
+from vitrain.data.loader import epoch_order
+from vitrain.data.prepare import prepare
+from vitrain.data.prepared import PreparedSet
+from vitrain.engine import Trainer
+from vitrain.errors import DataError
+
+CPU = torch.device("cpu")
+TINY_MODEL = [
+    "model.image_size=8",
+    "model.patch_size=4",
+    "model.in_chans=3",
+    "model.num_classes=2",
+    "model.width=32",
+    "model.depth=1",
+    "model.heads=2",
+    "log.progress=false",
+]
+
+
+def _cfg(*overrides: str):
+    return load_config(overrides=TINY_MODEL + list(overrides))
+
+
+def _image_set(n: int = 40, size: int = 8) -> ImageSet:
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=gen)
+    return ImageSet(images, torch.arange(n) % 2, ["a", "b"])
+
+
+def _loader(data, prefetch: int = 2, **data_overrides) -> BatchLoader:
+    cfg = _cfg(*[f"data.{k}={v}" for k, v in data_overrides.items()])
+    augment = BatchAugment(cfg.data, 3, True, 8, 2)
+    return BatchLoader(data, 8, augment, CPU, shuffle=True, seed=3, prefetch=prefetch)
+
+
+@pytest.fixture(scope="module")
+def prepared_tree(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("data")
+    make_tree(root / "src", splits={"train": 20, "test": 4})
+    prepare(root / "src", root / "out", shard_size=7, workers=1)
+    return root / "src", root / "out"
+
+
+# ---------------------------------------------------------------------------------------------- order
+
+
+def test_ranks_get_disjoint_shares_that_cover_the_epoch():
+    shares = [epoch_order(103, epoch=4, seed=7, shuffle=True, rank=r, world_size=4) for r in range(4)]
+    joined = torch.cat(shares)
+    assert all(len(s) == 25 for s in shares)
+    assert len(set(joined.tolist())) == 100
+
+
+def test_order_depends_only_on_seed_and_epoch():
+    a = epoch_order(50, epoch=2, seed=1, shuffle=True)
+    assert torch.equal(a, epoch_order(50, epoch=2, seed=1, shuffle=True))
+    assert not torch.equal(a, epoch_order(50, epoch=3, seed=1, shuffle=True))
+
+
+def test_resuming_mid_epoch_replays_the_same_batches():
+    loader = _loader(_image_set(), crop_padding=2, hflip=0.5, mixup_alpha=0.4)
+    full = list(loader.epoch(1))
+    resumed = list(loader.epoch(1, start_batch=3))
+    assert len(resumed) == len(full) - 3
+    for (x, y), (rx, ry) in zip(full[3:], resumed, strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+def test_prefetch_yields_exactly_the_batches_of_the_plain_loop():
+    data = _image_set()
+    with_prefetch = list(_loader(data, prefetch=3, cutmix_alpha=1.0).epoch(0))
+    without = list(_loader(data, prefetch=0, cutmix_alpha=1.0).epoch(0))
+    assert len(with_prefetch) == len(without) == 5
+    for (x, y), (px, py) in zip(with_prefetch, without, strict=True):
+        assert torch.equal(x, px) and torch.equal(y, py)
+
+
+class _FailingSet(ImageSet):
+    def read(self, index):
+        if 0 in index.tolist():
+            raise DataError("row 0 is unreadable")
+        return super().read(index)
+
+
+def test_a_read_error_in_the_prefetch_thread_reaches_the_training_loop():
+    data = _image_set()
+    failing = _FailingSet(data.images, data.labels, data.classes)
+    with pytest.raises(DataError, match="row 0 is unreadable"):
+        list(_loader(failing, prefetch=2).epoch(0))
+
+
+def test_stopping_early_ends_the_prefetch_thread():
+    batches = _loader(_image_set(), prefetch=2).epoch(0)
+    next(batches)
+    batches.close()
+    assert not any(t.name == "vitrain-prefetch" for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------------------------------------- prepared reads
+
+
+def test_prepared_reads_match_the_in_memory_decode(prepared_tree):
+    src, out = prepared_tree
+    cfg = _cfg("data.source=folder", f"data.root={src}")
+    memory, _ = build_datasets(cfg)
+    train = open_prepared(out)["train"]
+    index = torch.tensor([39, 0, 13, 7, 14, 6, 21])  # crosses shard borders (7 per shard), unsorted
+    images, labels = train.read(index)
+    m_images, m_labels = memory.read(index)
+    assert torch.equal(images, m_images) and torch.equal(labels, m_labels)
+
+
+def test_a_subset_of_prepared_data_reads_its_own_rows(prepared_tree):
+    train = open_prepared(prepared_tree[1])["train"]
+    rows = torch.tensor([30, 2, 9])
+    sub = train.subset(rows)
+    images, labels = sub.read(torch.tensor([2, 0]))
+    full_images, full_labels = train.read(torch.tensor([9, 30]))
+    assert len(sub) == 3 and torch.equal(images, full_images) and torch.equal(labels, full_labels)
+    assert torch.equal(sub.labels, train.labels[rows])
+
+
+def test_folder_source_on_a_prepared_directory_uses_the_prepared_reader(prepared_tree):
+    train, val = build_loaders(_cfg("data.source=folder", f"data.root={prepared_tree[1]}"), CPU)
+    assert isinstance(train.data, PreparedSet) and (len(train.data), len(val.data)) == (40, 8)
+
+
+def test_prepared_source_on_an_unprepared_folder_says_how_to_prepare_it(prepared_tree):
+    with pytest.raises(DataError, match=r"is not prepared data .* run `vitrain data prepare"):
+        build_loaders(_cfg("data.source=prepared", f"data.root={prepared_tree[0]}"), CPU)
+
+
+# ---------------------------------------------------------------------------------------------- augmentation
+
+
+def test_evaluation_batches_are_only_normalized():
+    cfg = _cfg("data.mean=[0.5]", "data.std=[0.25]", "data.hflip=1.0", "data.mixup_alpha=1.0")
+    x = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    out, targets = BatchAugment(cfg.data, 3, False, 8, 2)(x, torch.tensor([0, 1, 0, 1]))
+    torch.testing.assert_close(out, (x.float() / 255 - 0.5) / 0.25)
+    assert targets.tolist() == [0, 1, 0, 1]
+
+
+def test_flip_with_probability_one_mirrors_every_image():
+    cfg = _cfg("data.hflip=1.0", "data.mean=[0.0]", "data.std=[1.0]")
+    x = torch.randint(0, 256, (3, 3, 8, 8), dtype=torch.uint8)
+    out, _ = BatchAugment(cfg.data, 3, True, 8, 2)(x, torch.tensor([0, 1, 0]))
+    torch.testing.assert_close(out * 255, x.flip(3).float())
+
+
+def test_padded_random_crop_is_a_window_of_the_reflect_padded_image():
+    x = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
+    out = pad_crop_flip(x, 2, None, torch.Generator().manual_seed(0))
+    offsets = set()
+    for i in range(16):
+        match = [
+            (dy, dx)
+            for dy in range(5)
+            for dx in range(5)
+            if torch.equal(out[i], padded[i, :, dy : dy + 8, dx : dx + 8])
+        ]
+        assert len(match) >= 1
+        offsets.add(match[0])
+    assert len(offsets) > 3  # the windows really move
+
+
+def test_random_resized_crop_of_the_whole_frame_is_the_identity():
+    x = torch.rand(3, 3, 8, 8)
+    out = random_resized_crop(x, 8, scale=(1.0, 1.0), ratio=(1.0, 1.0), generator=torch.Generator())
+    torch.testing.assert_close(out, x)
+
+
+def test_random_resized_crop_samples_a_box_of_the_requested_area():
+    columns = torch.arange(16.0).expand(2, 1, 16, 16).contiguous()  # pixel value = its column
+    out = random_resized_crop(columns, 16, scale=(0.25, 0.25), ratio=(1.0, 1.0), generator=torch.Generator())
+    span = out.amax(dim=(1, 2, 3)) - out.amin(dim=(1, 2, 3))
+    assert out.shape == (2, 1, 16, 16)
+    # An 8-pixel-wide box spans 7 columns between pixel centres; bilinear sampling reaches 1/4 pixel beyond.
+    assert torch.all(span >= 7.0) and torch.all(span <= 7.5)
+
+
+def test_stored_images_are_resized_to_the_model_input():
+    cfg = _cfg()
+    out, _ = BatchAugment(cfg.data, 3, True, 8, 2)(torch.zeros(2, 3, 12, 12, dtype=torch.uint8), torch.tensor([0, 1]))
+    assert out.shape == (2, 3, 8, 8)
+
+
+def test_mixup_blends_images_and_targets_with_the_same_weight():
+    cfg = _cfg("data.mixup_alpha=0.4", "data.mean=[0.0]", "data.std=[1.0]")
+    x = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    labels = torch.tensor([0, 1, 1, 1])
+    out, targets = BatchAugment(cfg.data, 3, True, 8, 2)(x, labels, torch.Generator().manual_seed(5))
+    lam = float(targets[0, 0])  # sample 0 (class 0) mixed with sample 3 (class 1)
+    torch.testing.assert_close(targets.sum(1), torch.ones(4))
+    torch.testing.assert_close(out * 255, x.float() * lam + x.flip(0).float() * (1 - lam), rtol=0, atol=1e-3)
+
+
+def test_cutmix_targets_match_the_pasted_area():
+    cfg = _cfg("data.cutmix_alpha=1.0", "data.mean=[0.0]", "data.std=[1.0]")
+    x = torch.stack([torch.zeros(3, 8, 8, dtype=torch.uint8), torch.full((3, 8, 8), 255, dtype=torch.uint8)])
+    out, targets = BatchAugment(cfg.data, 3, True, 8, 2)(x, torch.tensor([0, 1]), torch.Generator().manual_seed(2))
+    pasted = float((out[0] == 1.0).float().mean())  # image 0 is black; white pixels came from image 1
+    assert 0 < pasted < 1
+    torch.testing.assert_close(targets[0], torch.tensor([1 - pasted, pasted]))
+
+
+# ---------------------------------------------------------------------------------------------- plain path
+
+
+def test_plain_loader_yields_the_same_batches_as_the_fast_path(prepared_tree):
+    src, out = prepared_tree
+    common = ["data.hflip=0.0", "train.batch_size=8", "data.loader_workers=1"]
+    fast, _ = build_loaders(_cfg(*common, "data.source=folder", f"data.root={out}"), CPU)
+    plain, _ = build_loaders(_cfg(*common, "data.source=folder", f"data.root={src}", "data.loader=plain"), CPU)
+    assert len(fast) == len(plain) == 5
+    for (x, y), (px, py) in zip(fast.epoch(2), plain.epoch(2), strict=True):
+        torch.testing.assert_close(x, px)
+        assert torch.equal(y, py)
+
+
+def test_plain_loader_applies_the_configured_augmentations(prepared_tree):
+    cfg = _cfg(
+        "data.source=folder",
+        f"data.root={prepared_tree[0]}",
+        "data.loader=plain",
+        "data.loader_workers=0",
+        "data.random_resized_crop=true",
+        "data.hflip=0.5",
+        "data.mixup_alpha=0.4",
+        "train.batch_size=8",
+    )
+    plain, _ = build_loaders(cfg, CPU)
+    x, targets = next(plain.epoch(0))
+    assert x.shape == (8, 3, 8, 8) and targets.shape == (8, 2)
+    torch.testing.assert_close(targets.sum(1), torch.ones(8))
+
+
+# ---------------------------------------------------------------------------------------------- data wait
+
+
+def _train(tmp_path, prepared: Path, *overrides: str) -> tuple[dict, list[dict]]:
+    cfg = _cfg(
+        "data.source=prepared",
+        f"data.root={prepared}",
+        f"log.out_dir={tmp_path}",
+        "train.batch_size=8",
+        "train.max_steps=4",
+        "log.every_steps=1",
+        *overrides,
+    )
+    summary = Trainer(cfg).fit()
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, [r for r in records if "loss" in r]
+
+
+def test_trainer_runs_on_the_plain_loader(tmp_path, prepared_tree):
+    cfg = _cfg(
+        "data.source=folder",
+        f"data.root={prepared_tree[0]}",
+        "data.loader=plain",
+        "data.loader_workers=0",
+        f"log.out_dir={tmp_path}",
+        "train.batch_size=8",
+        "train.max_steps=2",
+    )
+    summary = Trainer(cfg).fit()
+    assert summary["steps"] == 2 and 0 <= summary["val_top1"] <= 1 and "data_wait_frac" in summary
+
+
+def test_data_wait_is_reported_per_step_and_in_the_summary(tmp_path, prepared_tree):
+    summary, steps = _train(tmp_path, prepared_tree[1])
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["data_wait_s"] >= 0 and 0 <= r["data_wait_frac"] <= 1 for r in steps)
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0 <= saved["data_wait_frac"] <= 1 and saved["data_wait_s"] == summary["data_wait_s"]
+
+
+def test_data_wait_measures_time_blocked_on_a_slow_loader(tmp_path, prepared_tree, monkeypatch):
+    original = PreparedSet.read
+
+    def slow_read(self, index):
+        time.sleep(0.2)
+        return original(self, index)
+
+    monkeypatch.setattr(PreparedSet, "read", slow_read)
+    summary, steps = _train(tmp_path, prepared_tree[1], "data.prefetch=0")
+    assert all(r["data_wait_s"] >= 0.19 for r in steps)
+    assert summary["data_wait_s"] >= 3 * 0.19  # steps 2-4 are timed (step 1 is warm-up)
+    timed_s = 3 * 8 / summary["images_per_s"]  # the timed steps' wall time
+    assert summary["data_wait_frac"] == pytest.approx(summary["data_wait_s"] / timed_s)
+
+
+def test_loader_benchmark_reports_both_paths_per_round(prepared_tree):
+    from vitrain.bench.loader import bench_loader
+
+    src, out = prepared_tree
+    result = bench_loader(str(out), str(src), ["train.batch_size=4", "data.loader_workers=0"], 2, 1, rounds=2)
+    assert len(result["fast_images_per_s_rounds"]) == len(result["plain_images_per_s_rounds"]) == 2
+    assert min(result["fast_images_per_s_rounds"] + result["plain_images_per_s_rounds"]) > 0
+    assert result["speedup"] == pytest.approx(result["fast_images_per_s"] / result["plain_images_per_s"])

@@ -1,0 +1,1 @@
+"""Benchmarks a reader can rerun from the command line (`vitrain bench ...`)."""

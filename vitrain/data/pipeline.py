@@ -1,0 +1,42 @@
+"""Builds the train and val loaders the config asks for: the fast batched path, or the plain per-sample one."""
+
+from __future__ import annotations
+
+import torch
+
+from vitrain.config import Config
+from vitrain.data.augment import BatchAugment
+from vitrain.data.loader import BatchLoader
+from vitrain.data.plain import PlainLoader, build_plain_loaders
+from vitrain.data.sources import build_datasets
+
+
+def build_loaders(
+    cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1
+) -> tuple[BatchLoader | PlainLoader, BatchLoader | PlainLoader]:
+    """(train, val) loaders; training batches are this rank's disjoint share, validation is not sharded."""
+    if cfg.data.loader == "plain":
+        return build_plain_loaders(cfg, device, rank, world_size)
+    train_set, val_set = build_datasets(cfg)
+    d, m, t = cfg.data, cfg.model, cfg.train
+    train = BatchLoader(
+        train_set,
+        t.batch_size,
+        BatchAugment(d, m.in_chans, True, m.image_size, m.num_classes),
+        device,
+        shuffle=True,
+        seed=t.seed,
+        rank=rank,
+        world_size=world_size,
+        prefetch=d.prefetch,
+    )
+    val = BatchLoader(
+        val_set,
+        t.batch_size,
+        BatchAugment(d, m.in_chans, False, m.image_size, m.num_classes),
+        device,
+        shuffle=False,
+        drop_last=False,
+        prefetch=d.prefetch,
+    )
+    return train, val

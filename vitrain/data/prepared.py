@@ -1,0 +1,152 @@
+"""Reading prepared data sets: checksum-verified, memory-mapped uint8 shards with labels and class names.
+
+Layout written by `vitrain data prepare` (vitrain/data/prepare.py):
+
+    manifest.json            format, size, channels, classes, splits (shards, counts), files (bytes, sha256)
+    <split>-<k>.npy          uint8 (n, C, size, size), one shard per k, memory-mapped at load
+    <split>.labels.npy       int64 (N,) labels of the whole split, in shard order
+    failed.txt               files that did not decode: path <TAB> reason
+    verified.json            stamp of files already hashed (see `verify_files`)
+
+Verification: every load checks each file's size against the manifest. The sha256 is computed when the file
+is not in the stamp or its (size, mtime, ctime, inode) differ from the stamped ones; any write to a file
+changes its ctime, which user space cannot set back, so a changed file is re-hashed and caught.
+`data.verify=always` hashes every file on every load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitrain.errors import DataError
+
+FORMAT = "vitrain-prepared/1"
+MANIFEST = "manifest.json"
+STAMP = "verified.json"
+# A file changed within this long after it was hashed could keep the same coarse timestamps: do not stamp it.
+RACY_WINDOW_NS = 2_000_000_000
+
+
+def is_prepared(root: Path) -> bool:
+    return root.is_dir() and (root / MANIFEST).is_file()
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{root} is not prepared data (no {MANIFEST}); run `vitrain data prepare SRC {root}`") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}); prepare the data again into a new folder") from None
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}; prepare the data again")
+    return manifest
+
+
+def verify_files(root: Path, files: dict[str, dict[str, Any]], always_hash: bool = False) -> int:
+    """Check every file against the manifest's size and sha256; return how many files were hashed."""
+    stamp_path = root / STAMP
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        stamp = {}
+    fix = "prepare the data again (vitrain data prepare SRC DST) into a new folder"
+    hashed, fresh = 0, {}
+    for name, expected in files.items():
+        path = root / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise DataError(f"prepared file {path} is missing; {fix}") from None
+        if st.st_size != expected["bytes"]:
+            raise DataError(
+                f"prepared file {path} is {st.st_size} bytes but {MANIFEST} records {expected['bytes']}: "
+                f"it was truncated or changed; {fix}"
+            )
+        identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, expected["sha256"]]
+        if not always_hash and stamp.get(name) == identity:
+            fresh[name] = identity
+            continue
+        started_ns = time.time_ns()
+        actual = sha256_file(path)
+        hashed += 1
+        if actual != expected["sha256"]:
+            raise DataError(
+                f"prepared file {path} fails its sha256 checksum (got {actual[:12]}..., {MANIFEST} records "
+                f"{expected['sha256'][:12]}...): it was changed or corrupted; {fix}"
+            )
+        if st.st_ctime_ns < started_ns - RACY_WINDOW_NS:
+            fresh[name] = identity
+    if fresh != stamp:
+        try:
+            tmp = stamp_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(fresh))
+            os.replace(tmp, stamp_path)
+        except OSError:
+            pass  # a read-only copy of the data still loads; it is just hashed again next time
+    return hashed
+
+
+class PreparedSet:
+    """One split of prepared data: uint8 shards memory-mapped, labels in memory; `read` gathers a batch."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any], split: str, rows: np.ndarray | None = None):
+        info = manifest["splits"][split]
+        self.root = root
+        self.split = split
+        self.classes: list[str] = list(manifest["classes"])
+        self.size: int = manifest["size"]
+        self.channels: int = manifest["channels"]
+        self.shards = [np.load(root / s["images"], mmap_mode="r") for s in info["shards"]]
+        counts = [s["count"] for s in info["shards"]]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.all_labels = torch.from_numpy(np.load(root / info["labels"]).astype(np.int64))
+        self.rows = rows  # None: every row of the split; else the rows of a subset (e.g. a held-out share)
+
+    def __len__(self) -> int:
+        return len(self.rows) if self.rows is not None else int(self.starts[-1])
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.all_labels if self.rows is None else self.all_labels[torch.from_numpy(self.rows)]
+
+    def subset(self, index: torch.Tensor) -> PreparedSet:
+        chosen = index.numpy() if self.rows is None else self.rows[index.numpy()]
+        view = PreparedSet.__new__(PreparedSet)
+        view.__dict__.update(self.__dict__)
+        view.rows = np.asarray(chosen, dtype=np.int64)
+        return view
+
+    def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of uint8 images (B, C, S, S) and labels (B,), in the order of `index`."""
+        rows = index.numpy() if self.rows is None else self.rows[index.numpy()]
+        shard = np.searchsorted(self.starts, rows, side="right") - 1
+        out = np.empty((len(rows), self.channels, self.size, self.size), dtype=np.uint8)
+        for k in np.unique(shard):
+            sel = np.flatnonzero(shard == k)
+            out[sel] = self.shards[k][rows[sel] - self.starts[k]]
+        return torch.from_numpy(out), self.all_labels[torch.from_numpy(rows)]
+
+
+def open_prepared(root: Path, verify: str = "once") -> dict[str, PreparedSet]:
+    """All splits of a prepared folder, after checking every file's size and checksum (see module docstring)."""
+    manifest = read_manifest(root)
+    verify_files(root, manifest["files"], always_hash=verify == "always")
+    return {split: PreparedSet(root, manifest, split) for split in manifest["splits"]}
