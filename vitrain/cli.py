@@ -74,10 +74,16 @@ def _load(args: list[str]):
 
 def _train(args: argparse.Namespace) -> int:
     from vitrain.engine import Trainer
+    from vitrain.parallel import shutdown
 
     cfg = _load(args.args)
-    summary = Trainer(cfg, resume=args.resume).fit()
-    print(json.dumps(summary, indent=2))
+    try:
+        trainer = Trainer(cfg, resume=args.resume)
+        summary = trainer.fit()
+    finally:
+        shutdown()
+    if trainer.is_main:
+        print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -91,11 +97,12 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.models import create_model
 
     path = Path(args.checkpoint)
-    state = ckpt.load(path)
-    cfg = load_config(overrides=args.overrides, base=state["config"])
+    meta = ckpt.read_meta(path)
+    cfg = load_config(overrides=args.overrides, base=meta["config"])
     device = resolve_device(cfg.train.device)
-    model = create_model(cfg.model).to(device)
-    ckpt.load_model_state(model, state["model"], path)
+    model = create_model(cfg.model)
+    ckpt.load_model_weights(path, model)
+    model = model.to(device)
     _, val_set = build_datasets(cfg)
     loader = BatchLoader(
         val_set,
@@ -105,7 +112,7 @@ def _eval(args: argparse.Namespace) -> int:
         shuffle=False,
         drop_last=False,
     )
-    result = {"checkpoint": str(path), "step": state.get("step"), **evaluate(model, loader)}
+    result = {"checkpoint": str(path), "step": meta.get("step"), **evaluate(model, loader)}
     print(json.dumps(result, indent=2))
     return 0
 
