@@ -18,8 +18,15 @@ def tiny_config(out_dir: Path, name: str, batch_size: int = 16, **sections: dict
     """A 2-block ViT on 64 synthetic 8x8 images, fp32, no augmentation or dropout: runs are exactly comparable."""
     raw: dict[str, Any] = {
         "name": name,
-        "model": {"image_size": 8, "patch_size": 4, "in_chans": 3, "num_classes": 4, "width": 32, "depth": 2,
-                  "heads": 2},
+        "model": {
+            "image_size": 8,
+            "patch_size": 4,
+            "in_chans": 3,
+            "num_classes": 4,
+            "width": 32,
+            "depth": 2,
+            "heads": 2,
+        },
         "data": {"source": "synthetic", "synthetic_samples": 64},
         "train": {"epochs": 3, "batch_size": batch_size, "max_steps": 5, "threads": 1, "keep_checkpoints": 10},
         "log": {"out_dir": str(out_dir), "every_steps": 1, "progress": False},
@@ -48,8 +55,13 @@ def run_two_ranks(job: Callable[..., None], *args: Any) -> None:
 
 def _worker(rank: int, port: int, job: Callable[..., None], args: tuple) -> None:
     os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-         "MASTER_PORT": str(port)}
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
     )
     from vitrain.parallel import shutdown
 

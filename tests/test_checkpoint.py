@@ -27,7 +27,8 @@ def _two_rank_job(out_dir):
     # zero3 -> ddp and zero3 -> zero1 on the same 2 ranks.
     resume = str(_step5(out_dir, "zero3_full"))
     for strategy in ("ddp", "zero1"):
-        cfg = tiny_config(out_dir, f"zero3_to_{strategy}", batch_size=8, train=TEN_STEPS, parallel={"strategy": strategy})
+        parallel = {"strategy": strategy}
+        cfg = tiny_config(out_dir, f"zero3_to_{strategy}", batch_size=8, train=TEN_STEPS, parallel=parallel)
         Trainer(cfg, resume).fit()
 
 
@@ -89,7 +90,8 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     cfg = tiny_config(tmp_path, "small", train={"max_steps": 1})
     Trainer(cfg).fit()
     other = tiny_config(tmp_path, "wide", model={"width": 64})
-    with pytest.raises(CheckpointError, match=r"holds a different model: cls_token is \(1, 1, 32\) there, \(1, 1, 64\) in this config"):
+    expected = r"holds a different model: cls_token is \(1, 1, 32\) there, \(1, 1, 64\) in this config"
+    with pytest.raises(CheckpointError, match=expected):
         ckpt.load_model_weights(ckpt.latest(cfg.run_dir), create_model(other.model))
 
 

@@ -412,8 +412,6 @@ def _validate_parallel(p: ParallelConfig) -> None:
             "optimizer state together; use parallel.offload=params with parallel.strategy=zero2 or zero3"
         )
     if p.offload == "params" and p.strategy not in ("zero2", "zero3"):
-        raise ConfigError(
-            f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}"
-        )
+        raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")
     if p.checkpoint_every_k <= 0:
         raise ConfigError(f"parallel.checkpoint_every_k={p.checkpoint_every_k} must be positive")

@@ -83,7 +83,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"model.init_from={path} cannot be read ({type(exc).__name__}); is it a weights file?")
+        what = type(exc).__name__
+        raise CheckpointError(f"model.init_from={path} cannot be read ({what}); is it a weights file?") from None
     for key in _NESTED_KEYS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

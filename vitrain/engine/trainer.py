@@ -19,7 +19,6 @@ from vitrain.data import BatchAugment, BatchLoader, build_datasets
 from vitrain.engine.evaluate import evaluate
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import complexity, count_parameters, create_model
-from vitrain.weights import load_pretrained
 from vitrain.optim import lr_at, resolve_impl, set_lr
 from vitrain.parallel import (
     build_parallel_optimizer,
@@ -27,8 +26,8 @@ from vitrain.parallel import (
     init_distributed,
     mean_over_ranks,
     parallelize,
-    unwrap,
 )
+from vitrain.weights import load_pretrained
 
 
 def resolve_device(name: str) -> torch.device:
