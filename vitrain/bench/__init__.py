@@ -1,0 +1,1 @@
+"""Benchmarks and cost models: memory per device under each parallel strategy."""
