@@ -47,6 +47,24 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="e.g. data.root=PATH")
     evaluate.set_defaults(func=_eval)
 
+    export = sub.add_parser("export", help="write a checkpoint's weights as one fp32 model.safetensors + config")
+    export.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_00000100")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--format", choices=["vitrain", "timm"], default="vitrain", help="parameter names to use")
+    export.set_defaults(func=_export)
+
+    estimate = sub.add_parser("estimate", help="memory per device for a preset (or all) under a parallel strategy")
+    estimate.add_argument("preset", nargs="?", help="a preset name or alias; omit for a table of every preset")
+    estimate.add_argument("--devices", type=int, default=1)
+    estimate.add_argument("--strategy", choices=["single", "ddp", "zero1", "zero2", "zero3"], default="zero3")
+    estimate.add_argument("--wrap", choices=["block", "model"], default="block")
+    estimate.add_argument("--offload", action="store_true", help="sharded states in host memory (zero2/zero3)")
+    estimate.add_argument("--ac", action="store_true", help="per-block activation checkpointing")
+    estimate.add_argument("--batch", type=int, default=1, help="images per device")
+    estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    estimate.add_argument("--memory", type=float, default=80.0, help="GiB per device, for the devices-needed count")
+    estimate.set_defaults(func=_estimate)
+
     models = sub.add_parser("models", help="list model presets with their size and cost")
     models.set_defaults(func=_models)
 
@@ -114,6 +132,46 @@ def _eval(args: argparse.Namespace) -> int:
     )
     result = {"checkpoint": str(path), "step": meta.get("step"), **evaluate(model, loader)}
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitrain import checkpoint as ckpt
+    from vitrain.config import config_from_dict
+    from vitrain.models import create_model
+    from vitrain.weights import export
+
+    path = Path(args.checkpoint)
+    cfg = config_from_dict(ckpt.read_meta(path)["config"])
+    model = create_model(cfg.model)
+    ckpt.load_model_weights(path, model)
+    print(export(model, cfg, Path(args.out), args.format))
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from vitrain.bench.memory import breakdown, table
+    from vitrain.config import load_config
+
+    setting = {
+        "devices": args.devices,
+        "strategy": args.strategy,
+        "wrap": args.wrap,
+        "offload": args.offload,
+        "ac": args.ac,
+        "batch": args.batch,
+        "precision": args.precision,
+    }
+    header = ", ".join(f"{k}={v}" for k, v in setting.items())
+    if args.preset is None:
+        print(f"memory per device with AdamW ({header})")
+        print(table(args.memory, **setting))
+    else:
+        model = load_config(base={"model": {"preset": args.preset}}).model
+        print(f"{args.preset}: memory per device with AdamW ({header})")
+        print(breakdown(model, args.memory, **setting))
     return 0
 
 

@@ -147,3 +147,54 @@ def devices_needed(cfg: ModelConfig, device_bytes: int, max_devices: int = 1 << 
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)
     return high
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def table(device_gib: float, **kwargs) -> str:
+    """One line per preset: per-device GiB under the given setting and the devices of `device_gib` it needs."""
+    from vitrain.models import PRESETS
+
+    lines = [
+        f"{'preset':<13}{'params':>16}{'states GiB':>12}{'activ. GiB':>12}{'total GiB':>11}{'host GiB':>10}"
+        f"{f'devices@{device_gib:g}GiB':>17}"
+    ]
+    for preset in PRESETS.values():
+        cfg = ModelConfig(
+            width=preset.width,
+            depth=preset.depth,
+            heads=preset.heads,
+            mlp_dim=preset.mlp_dim,
+            patch_size=preset.patch_size,
+            image_size=preset.image_size,
+        )
+        est = estimate(cfg, **kwargs)
+        others = {k: v for k, v in kwargs.items() if k != "devices"}
+        need = devices_needed(cfg, int(device_gib * 2**30), **others)
+        lines.append(
+            f"{preset.alias:<13}{complexity(cfg).params:>16,}{_gib(est.model_states):>12}{_gib(est.activations):>12}"
+            f"{_gib(est.total):>11}{_gib(est.host_bytes):>10}{need if need else 'never':>17}"
+        )
+    return "\n".join(lines)
+
+
+def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
+    """The terms of one estimate, one per line, and the devices of `device_gib` it needs."""
+    est = estimate(cfg, **kwargs)
+    rows = [
+        ("weights", est.weights),
+        ("gradients", est.gradients),
+        ("optimizer states", est.optimizer),
+        ("fp32 master copy", est.master),
+        ("FSDP units in flight", est.gathered),
+        ("activations", est.activations),
+        ("total per device", est.total),
+        ("offloaded to host", est.host_bytes),
+    ]
+    lines = [f"{name:<22}{_gib(value):>10} GiB" for name, value in rows]
+    others = {k: v for k, v in kwargs.items() if k != "devices"}
+    need = devices_needed(cfg, int(device_gib * 2**30), **others)
+    lines.append(f"devices of {device_gib:g} GiB needed: {need if need else 'none suffice (shard with zero3)'}")
+    return "\n".join(lines)
