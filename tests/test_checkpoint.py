@@ -39,12 +39,15 @@ def runs(tmp_path_factory):
     run_two_ranks(_two_rank_job, out_dir)
     # 2 -> 1: the zero3 checkpoint continued in this single process.
     Trainer(tiny_config(out_dir, "zero3_to_single", train=TEN_STEPS), str(_step5(out_dir, "zero3_full"))).fit()
+    # zero1 writes each rank's optimizer shard; one process reads the union (its end-of-epoch save at step 6).
+    zero1_step6 = out_dir / "zero3_to_zero1" / "checkpoints" / "step_00000006"
+    Trainer(tiny_config(out_dir, "zero1_to_single", train=TEN_STEPS), str(zero1_step6)).fit()
     return out_dir
 
 
-def _assert_continues(runs, resumed, uninterrupted):
+def _assert_continues(runs, resumed, uninterrupted, first_step=6):
     got, want = losses(runs / resumed), losses(runs / uninterrupted)
-    assert sorted(got) == [6, 7, 8, 9, 10]
+    assert sorted(got) == list(range(first_step, 11))
     for step in got:
         assert got[step] == pytest.approx(want[step], abs=1e-5), f"{resumed} step {step}"
 
@@ -60,6 +63,10 @@ def test_one_process_resumes_as_zero3_on_two_ranks(runs):
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_zero3_checkpoint_resumes_under_another_strategy(runs, strategy):
     _assert_continues(runs, f"zero3_to_{strategy}", "zero3_full")
+
+
+def test_zero1_checkpoint_resumes_in_one_process(runs):
+    _assert_continues(runs, "zero1_to_single", "zero3_full", first_step=7)
 
 
 def test_two_rank_checkpoint_holds_one_shard_file_per_rank(runs):
