@@ -35,15 +35,9 @@ def _rss_bytes(field: str) -> int:
 
 
 def _rank_job(rank: int, port: int, args: argparse.Namespace, strategy: str, out: str) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    from distributed_helpers import torchrun_env
+
+    os.environ.update(torchrun_env(rank, port))
     import torch
     import torch.nn.functional as F
 

@@ -53,16 +53,19 @@ def run_two_ranks(job: Callable[..., None], *args: Any) -> None:
     mp.spawn(_worker, args=(free_port(), job, args), nprocs=2, join=True)
 
 
+def torchrun_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
+    """The variables torchrun sets for one local process."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def _worker(rank: int, port: int, job: Callable[..., None], args: tuple) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.update(torchrun_env(rank, port))
     from vitrain.parallel import shutdown
 
     try:

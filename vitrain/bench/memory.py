@@ -155,6 +155,7 @@ def _gib(n: int) -> str:
 
 def table(device_gib: float, **kwargs) -> str:
     """One line per preset: per-device GiB under the given setting and the devices of `device_gib` it needs."""
+    from vitrain.config import load_config
     from vitrain.models import PRESETS
 
     lines = [
@@ -162,14 +163,7 @@ def table(device_gib: float, **kwargs) -> str:
         f"{f'devices@{device_gib:g}GiB':>17}"
     ]
     for preset in PRESETS.values():
-        cfg = ModelConfig(
-            width=preset.width,
-            depth=preset.depth,
-            heads=preset.heads,
-            mlp_dim=preset.mlp_dim,
-            patch_size=preset.patch_size,
-            image_size=preset.image_size,
-        )
+        cfg = load_config(base={"model": {"preset": preset.name}}).model
         est = estimate(cfg, **kwargs)
         others = {k: v for k, v in kwargs.items() if k != "devices"}
         need = devices_needed(cfg, int(device_gib * 2**30), **others)
