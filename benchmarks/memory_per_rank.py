@@ -52,7 +52,11 @@ def _rank_job(rank: int, port: int, args: argparse.Namespace, strategy: str, out
             "model": {"preset": args.preset, "num_classes": 1000},
             "data": {"source": "synthetic", "synthetic_samples": 40},
             "train": {"batch_size": args.batch, "threads": 1, "epochs": 1},
-            "parallel": {"strategy": strategy, "activation_checkpointing": "block" if args.ac else "none"},
+            "parallel": {
+                "strategy": strategy,
+                "activation_checkpointing": "block" if args.ac else "none",
+                "backward_prefetch": args.prefetch,
+            },
             "log": {"out_dir": args.out_dir, "progress": False},
         }
     )
@@ -103,6 +107,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-ac", dest="ac", action="store_false", help="store all activations")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="parallel.backward_prefetch=false")
     parser.add_argument("--out-dir", default="/tmp/vitrain-memory-bench")
     parser.add_argument("--results", default=str(REPO / "results" / "memory_per_rank.json"))
     args = parser.parse_args()
@@ -121,7 +126,7 @@ def main() -> None:
         mp.spawn(_rank_job, args=(free_port(), args, strategy, str(out)), nprocs=2, join=True)
         ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
         measured = max(r["peak_bytes"] for r in ranks)
-        est = estimate(model_cfg, devices=2, strategy=strategy, ac=args.ac, batch=args.batch)
+        est = estimate(model_cfg, devices=2, strategy=strategy, ac=args.ac, batch=args.batch, prefetch=args.prefetch)
         rows.append(
             {
                 "strategy": strategy,

@@ -10,7 +10,7 @@ from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
-from vitrain.parallel import apply_activation_checkpointing
+from vitrain.parallel import apply_activation_checkpointing, init_distributed
 
 # name -> parallel section; all of them run in one spawned 2-process job.
 VARIANTS = {
@@ -23,6 +23,7 @@ VARIANTS = {
     "zero3_ac_block": {"strategy": "zero3", "activation_checkpointing": "block"},
     "zero3_ac_every_k": {"strategy": "zero3", "activation_checkpointing": "every_k", "checkpoint_every_k": 2},
     "zero3_offload": {"strategy": "zero3", "offload": "params"},
+    "zero3_no_prefetch": {"strategy": "zero3", "backward_prefetch": False},
 }
 
 
@@ -74,3 +75,14 @@ def test_offload_params_needs_an_fsdp_strategy():
 def test_unknown_strategy_suggests_the_closest():
     with pytest.raises(ConfigError, match="did you mean zero3"):
         load_config(overrides=["parallel.strategy=zer03"])
+
+
+def test_optimizer_only_offload_is_refused_with_the_alternative():
+    with pytest.raises(ConfigError, match="use parallel.offload=params with parallel.strategy=zero2 or zero3"):
+        load_config(overrides=["parallel.strategy=zero3", "parallel.offload=optimizer"])
+
+
+def test_several_processes_with_strategy_single_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 processes were launched but parallel.strategy=single"):
+        init_distributed(torch.device("cpu"), "single")

@@ -109,6 +109,9 @@ class ParallelConfig:
     offload: Literal["none", "optimizer", "params"] = "none"
     activation_checkpointing: Literal["none", "block", "every_k"] = "none"
     checkpoint_every_k: int = 2  # activation_checkpointing=every_k: recompute blocks 0, k, 2k, ...
+    # zero2/zero3: gather the next unit's parameters during this unit's backward (overlap on GPUs, one more
+    # unit of memory); off keeps one unit gathered at a time.
+    backward_prefetch: bool = True
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on cuda, gloo on cpu
 
 

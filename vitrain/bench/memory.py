@@ -7,7 +7,7 @@ stage divides one more of them by the number of devices N:
     stage      weights    gradients   optimizer + master
     ddp        P w        P g         P (o + m)
     zero1      P w        P g         P (o + m) / N
-    zero2      P w / N    P g / N     P (o + m) / N      + gathered weights (FSDP2 keeps them from forward to backward)
+    zero2      P w / N    P g / N     P (o + m) / N      + gathered weights (kept from forward to backward)
     zero3      P w / N    P g / N     P (o + m) / N      + the FSDP units in flight (one block each with wrap=block)
 
 FSDP2 adds transient full-size copies: the all-gathered parameters of the unit being computed and of the one
@@ -85,6 +85,7 @@ def estimate(
     ac: bool = False,
     batch: int = 1,
     precision: str = "fp32",
+    prefetch: bool = True,
 ) -> MemoryEstimate:
     """Per-device bytes for training `cfg` with AdamW on `devices` devices, `batch` images per device."""
     if strategy not in STRATEGIES:
@@ -105,13 +106,18 @@ def estimate(
     gathered = 0
     if strategy in ("zero2", "zero3") and n > 1:
         unit = _block_params(cfg) if wrap == "block" else params
-        units = min(UNITS_IN_FLIGHT, cfg.depth) if wrap == "block" else 1
+        units = min(UNITS_IN_FLIGHT if prefetch else 1, cfg.depth) if wrap == "block" else 1
         # Gradients: a unit's unsharded gradients plus the flat buffer they are reduce-scattered from.
         gathered = 2 * unit * g
-        # zero2 keeps every unit's gathered weights between forward and backward; zero3 only those in flight.
-        gathered += params * w if strategy == "zero2" else units * unit * w
-        if wrap == "block":
-            gathered += (params - cfg.depth * _block_params(cfg)) * w  # the root unit: embeddings, norm, head
+        if strategy == "zero3":
+            gathered += units * unit * w  # only the units in flight
+            if wrap == "block":
+                gathered += (params - cfg.depth * _block_params(cfg)) * w  # the root unit: embeddings, norm, head
+        else:
+            # zero2 keeps every unit's gathered weights from forward to backward. Backward releases them unit by
+            # unit while the gradient shards fill up, so the peak is at its start: all gathered weights, no
+            # gradient shards yet (the gradient term above stands for the same bytes, counted once).
+            gathered += max(0, params * w - gradients)
     host = 0
     if offload:
         host = weights + gradients + optimizer + master

@@ -53,6 +53,11 @@ def _fully_shard(model: nn.Module, cfg: ParallelConfig, device: torch.device) ->
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    if not cfg.backward_prefetch:
+        # An explicit prefetch list replaces FSDP2's default (the next unit); listing the unit itself, which is
+        # already gathered when its backward starts, prefetches nothing.
+        for unit in [*model.blocks, model] if cfg.wrap == "block" else [model]:
+            unit.set_modules_to_backward_prefetch([unit])
     return model
 
 
