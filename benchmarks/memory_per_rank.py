@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-ac", dest="ac", action="store_false", help="store all activations")
-    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="parallel.backward_prefetch=false")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="backward_prefetch=false")
     parser.add_argument("--out-dir", default="/tmp/vitrain-memory-bench")
     parser.add_argument("--results", default=str(REPO / "results" / "memory_per_rank.json"))
     args = parser.parse_args()

@@ -120,3 +120,11 @@ def test_a_file_is_not_a_checkpoint(tmp_path):
 def test_resume_without_a_checkpoint_says_so(tmp_path):
     with pytest.raises(CheckpointError, match="--resume: no checkpoint at"):
         Trainer(tiny_config(tmp_path, "fresh"), resume=True)
+
+
+def test_a_run_directory_resolves_to_its_newest_checkpoint(runs):
+    newest = ckpt.latest(runs / "zero3_full")
+    assert newest.name == "step_00000010"
+    assert ckpt.resolve(runs / "zero3_full") == newest
+    assert ckpt.resolve(runs / "zero3_full" / "checkpoints") == newest
+    assert ckpt.resolve(_step5(runs, "zero3_full")) == _step5(runs, "zero3_full")

@@ -172,6 +172,15 @@ def _zero1_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[s
 # ---------------------------------------------------------------------------------------------- load
 
 
+def resolve(path: Path) -> Path:
+    """A step directory as given; for a run directory or its checkpoints/ folder, the newest step in it."""
+    path = Path(path)
+    if path.is_dir() and not (path / META_FILE).exists():
+        run_dir = path.parent if path.name == CHECKPOINT_DIR else path
+        return latest(run_dir) or path
+    return path
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """A checkpoint's config and progress, or one line saying what is wrong with the path."""
     path = Path(path)

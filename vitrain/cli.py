@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=_eval)
 
     export = sub.add_parser("export", help="write a checkpoint's weights as one fp32 model.safetensors + config")
-    export.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_00000100")
+    export.add_argument("checkpoint", help="a step directory (runs/NAME/checkpoints/step_00000100) or a run directory")
     export.add_argument("out", help="output directory")
     export.add_argument("--format", choices=["vitrain", "timm"], default="vitrain", help="parameter names to use")
     export.set_defaults(func=_export)
@@ -114,7 +114,7 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.engine import evaluate, resolve_device
     from vitrain.models import create_model
 
-    path = Path(args.checkpoint)
+    path = ckpt.resolve(Path(args.checkpoint))
     meta = ckpt.read_meta(path)
     cfg = load_config(overrides=args.overrides, base=meta["config"])
     device = resolve_device(cfg.train.device)
@@ -143,7 +143,7 @@ def _export(args: argparse.Namespace) -> int:
     from vitrain.models import create_model
     from vitrain.weights import export
 
-    path = Path(args.checkpoint)
+    path = ckpt.resolve(Path(args.checkpoint))
     cfg = config_from_dict(ckpt.read_meta(path)["config"])
     model = create_model(cfg.model)
     ckpt.load_model_weights(path, model)

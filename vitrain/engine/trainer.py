@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -161,7 +162,8 @@ class Trainer:
     def load(self, path: Path) -> None:
         meta = ckpt.read_meta(path)
         saved = config_from_dict(meta["config"])
-        if saved.model != self.cfg.model:
+        # init_from only chose the starting weights; the checkpoint's weights replace them either way.
+        if dataclasses.replace(saved.model, init_from="") != dataclasses.replace(self.cfg.model, init_from=""):
             raise CheckpointError(
                 f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
             )
@@ -325,7 +327,7 @@ class Trainer:
             "steps": self.step,
             "params": count_parameters(self.model),
             "checkpoint": str(ckpt.latest(self.run_dir)),
-            "best_checkpoint": str(ckpt.best(self.run_dir)),
+            "best_checkpoint": str(ckpt.best(self.run_dir) or ckpt.latest(self.run_dir)),
             "device": str(self.device),
             "strategy": self.cfg.parallel.strategy,
             "world_size": self.dist.world_size,

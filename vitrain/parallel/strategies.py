@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -72,10 +70,7 @@ def build_parallel_optimizer(
     """AdamW over the (possibly sharded) parameters; zero1 shards its state with ZeroRedundancyOptimizer."""
     model = unwrap(model)
     if cfg.strategy != "zero1":
-        impl = optim_cfg.impl
-        if cfg.offload == "params" and resolve_impl(impl, device) == "fused" and device.type == "cuda":
-            impl = "foreach"  # offloaded parameters live on the CPU: the CUDA fused kernel cannot step them
-        return build_optimizer(model, _with_impl(optim_cfg, impl), device)
+        return build_optimizer(model, optim_cfg, device)
     impl = resolve_impl(optim_cfg.impl, device)
     return ZeroRedundancyOptimizer(
         param_groups(model, optim_cfg.weight_decay),
@@ -86,10 +81,6 @@ def build_parallel_optimizer(
         fused=impl == "fused",
         foreach=impl == "foreach",
     )
-
-
-def _with_impl(optim_cfg: OptimConfig, impl: str) -> OptimConfig:
-    return dataclasses.replace(optim_cfg, impl=impl)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
