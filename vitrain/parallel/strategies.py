@@ -12,8 +12,6 @@ from vitrain.config import OptimConfig, ParallelConfig
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 
-FSDP_STRATEGIES = ("zero2", "zero3")
-
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Activation checkpointing first (inside each FSDP unit), then the strategy's wrapper.
