@@ -9,6 +9,7 @@ import yaml
 
 from tests.conftest import run_cli, tiny_overrides
 from tests.test_data import make_tree
+from tests.test_trainer import snapshot
 from vitrain.models import PRESETS
 
 
@@ -79,31 +80,29 @@ def trained_run(tmp_path):
 
 
 def test_eval_reports_accuracy_of_a_checkpoint(trained_run):
-    result = run_cli("eval", str(trained_run / "last.pt"))
+    result = run_cli("eval", str(trained_run))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["step"] == 3 and report["val_samples"] == 360 and 0.0 <= report["val_top1"] <= 1.0
 
 
 def test_eval_of_checkpoint_from_another_model_exits_2(trained_run):
-    path = trained_run / "last.pt"
-    before = path.read_bytes()
-    assert_one_line_error(run_cli("eval", str(path), "model.width=64"), r"holds a different model")
-    assert path.read_bytes() == before
+    before = snapshot(trained_run)
+    assert_one_line_error(run_cli("eval", str(trained_run), "model.width=64"), r"different model")
+    assert snapshot(trained_run) == before
 
 
 def test_resume_with_another_model_exits_2_and_keeps_checkpoint(trained_run, tmp_path):
-    path = trained_run / "last.pt"
-    before = path.read_bytes()
+    before = snapshot(trained_run / "checkpoints")
     result = run_cli("train", *tiny_overrides(tmp_path, "model.depth=3"), "--resume")
     assert_one_line_error(result, r"different model")
-    assert path.read_bytes() == before
+    assert snapshot(trained_run / "checkpoints") == before
 
 
 def test_eval_of_a_file_that_is_not_a_checkpoint_exits_2(tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_text("not a checkpoint")
-    assert_one_line_error(run_cli("eval", str(junk)), r"junk\.pt cannot be read")
+    assert_one_line_error(run_cli("eval", str(junk)), r"junk\.pt is a file; a vitrain checkpoint is a directory")
 
 
 def test_eval_of_missing_checkpoint_exits_2(tmp_path):

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli, tiny_overrides
+from vitrain import checkpoint as ckpt
 from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError
+from vitrain.models import create_model
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    """Every file under a folder with its bytes, to show that nothing in it changed."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -36,8 +43,9 @@ def test_short_run_writes_summary_logs_and_checkpoints(tmp_path):
         assert key in summary
     assert 0.0 <= summary["val_top1"] <= 1.0 and summary["images_per_s"] > 0
     assert summary["epochs"] == 2 and summary["steps"] == 2 * (1437 // 64)
-    assert (run_dir / "last.pt").exists() and (run_dir / "best.pt").exists()
-    assert not list(run_dir.glob(".*.tmp")), "temporary checkpoint files must be renamed or removed"
+    assert ckpt.latest(run_dir) is not None and ckpt.best(run_dir) is not None
+    assert summary["checkpoint"] == str(ckpt.latest(run_dir))
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name] == [], "temporaries must go"
     evals = [r for r in read_metrics(run_dir) if "val_top1" in r]
     assert [r["epoch"] for r in evals] == [1, 2]
 
@@ -60,31 +68,33 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path):
     )
     Trainer(big).fit()
     Trainer(acc).fit()
-    a, b = torch.load(big.run_dir / "last.pt")["model"], torch.load(acc.run_dir / "last.pt")["model"]
+    a, b = create_model(big.model), create_model(acc.model)
+    ckpt.load_model_weights(ckpt.latest(big.run_dir), a)
+    ckpt.load_model_weights(ckpt.latest(acc.run_dir), b)
     # Same samples per step in a different grouping: equal up to float summation order, not bitwise.
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    for (key, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_rerun_without_resume_starts_a_new_folder_and_keeps_the_checkpoint(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, "train.max_steps=2"))
     Trainer(cfg).fit()
-    before = (cfg.run_dir / "last.pt").read_bytes()
+    before = snapshot(cfg.run_dir)
     second = Trainer(cfg)
     assert second.run_dir == cfg.run_dir.with_name("run-1")
     summary = second.fit()
-    assert summary["checkpoint"] == str(cfg.run_dir.with_name("run-1") / "last.pt")
-    assert (cfg.run_dir / "last.pt").read_bytes() == before
+    assert summary["checkpoint"].startswith(str(cfg.run_dir.with_name("run-1")))
+    assert snapshot(cfg.run_dir) == before
 
 
 def test_resume_with_another_model_is_refused_and_keeps_the_checkpoint(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, "train.max_steps=2"))
     Trainer(cfg).fit()
-    before = (cfg.run_dir / "last.pt").read_bytes()
+    before = snapshot(cfg.run_dir / "checkpoints")
     other = load_config(None, tiny_overrides(tmp_path, "train.max_steps=2", "model.width=64"))
     with pytest.raises(CheckpointError, match="different model"):
         Trainer(other, resume=True).fit()
-    assert (cfg.run_dir / "last.pt").read_bytes() == before
+    assert snapshot(cfg.run_dir / "checkpoints") == before
 
 
 def test_resume_after_max_steps_continues_exactly(tmp_path):
@@ -117,16 +127,17 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_same_step(tmp_path, kill
     deadline = time.time() + 120
     while time.time() < deadline:
         records = step_records(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
-        if records and max(records) >= kill_after_step and (run_dir / "last.pt").exists():
+        if records and max(records) >= kill_after_step and ckpt.latest(run_dir) is not None:
             break
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    saved_step = torch.load(run_dir / "last.pt", weights_only=False)["step"]
+    last = ckpt.latest(run_dir)
+    saved_step = ckpt.read_meta(last)["step"]
     assert saved_step % 5 == 0 and saved_step >= 5
     resumed = run_cli("train", *common, "name=killed", "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {run_dir / 'last.pt'} at step {saved_step}" in resumed.stderr
+    assert f"resumed from {last} at step {saved_step}" in resumed.stderr
     expected, got = step_records(tmp_path / "runs" / "reference"), step_records(run_dir)
     for step in range(saved_step + 1, max(expected) + 1):
         assert got[step]["lr"] == expected[step]["lr"]

@@ -47,6 +47,24 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="e.g. data.root=PATH")
     evaluate.set_defaults(func=_eval)
 
+    export = sub.add_parser("export", help="write a checkpoint's weights as one fp32 model.safetensors + config")
+    export.add_argument("checkpoint", help="a step directory (runs/NAME/checkpoints/step_00000100) or a run directory")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--format", choices=["vitrain", "timm"], default="vitrain", help="parameter names to use")
+    export.set_defaults(func=_export)
+
+    estimate = sub.add_parser("estimate", help="memory per device for a preset (or all) under a parallel strategy")
+    estimate.add_argument("preset", nargs="?", help="a preset name or alias; omit for a table of every preset")
+    estimate.add_argument("--devices", type=int, default=1)
+    estimate.add_argument("--strategy", choices=["single", "ddp", "zero1", "zero2", "zero3"], default="zero3")
+    estimate.add_argument("--wrap", choices=["block", "model"], default="block")
+    estimate.add_argument("--offload", action="store_true", help="sharded states in host memory (zero2/zero3)")
+    estimate.add_argument("--ac", action="store_true", help="per-block activation checkpointing")
+    estimate.add_argument("--batch", type=int, default=1, help="images per device")
+    estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    estimate.add_argument("--memory", type=float, default=80.0, help="GiB per device, for the devices-needed count")
+    estimate.set_defaults(func=_estimate)
+
     models = sub.add_parser("models", help="list model presets with their size and cost")
     models.set_defaults(func=_models)
 
@@ -99,10 +117,16 @@ def _load(args: list[str]):
 
 def _train(args: argparse.Namespace) -> int:
     from vitrain.engine import Trainer
+    from vitrain.parallel import shutdown
 
     cfg = _load(args.args)
-    summary = Trainer(cfg, resume=args.resume).fit()
-    print(json.dumps(summary, indent=2))
+    try:
+        trainer = Trainer(cfg, resume=args.resume)
+        summary = trainer.fit()
+    finally:
+        shutdown()
+    if trainer.is_main:
+        print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -115,15 +139,56 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.engine import evaluate, resolve_device
     from vitrain.models import create_model
 
-    path = Path(args.checkpoint)
-    state = ckpt.load(path)
-    cfg = load_config(overrides=args.overrides, base=state["config"])
+    path = ckpt.resolve(Path(args.checkpoint))
+    meta = ckpt.read_meta(path)
+    cfg = load_config(overrides=args.overrides, base=meta["config"])
     device = resolve_device(cfg.train.device)
-    model = create_model(cfg.model).to(device)
-    ckpt.load_model_state(model, state["model"], path)
+    model = create_model(cfg.model)
+    ckpt.load_model_weights(path, model)
+    model = model.to(device)
     _, loader = build_loaders(cfg, device)
-    result = {"checkpoint": str(path), "step": state.get("step"), **evaluate(model, loader)}
+    result = {"checkpoint": str(path), "step": meta.get("step"), **evaluate(model, loader)}
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitrain import checkpoint as ckpt
+    from vitrain.config import config_from_dict
+    from vitrain.models import create_model
+    from vitrain.weights import export
+
+    path = ckpt.resolve(Path(args.checkpoint))
+    cfg = config_from_dict(ckpt.read_meta(path)["config"])
+    model = create_model(cfg.model)
+    ckpt.load_model_weights(path, model)
+    print(export(model, cfg, Path(args.out), args.format))
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from vitrain.bench.memory import breakdown, table
+    from vitrain.config import load_config
+
+    setting = {
+        "devices": args.devices,
+        "strategy": args.strategy,
+        "wrap": args.wrap,
+        "offload": args.offload,
+        "ac": args.ac,
+        "batch": args.batch,
+        "precision": args.precision,
+    }
+    header = ", ".join(f"{k}={v}" for k, v in setting.items())
+    if args.preset is None:
+        print(f"memory per device with AdamW ({header})")
+        print(table(args.memory, **setting))
+    else:
+        model = load_config(base={"model": {"preset": args.preset}}).model
+        print(f"{args.preset}: memory per device with AdamW ({header})")
+        print(breakdown(model, args.memory, **setting))
     return 0
 
 

@@ -37,6 +37,7 @@ class ModelConfig:
     pos_embed: Literal["learned", "sincos"] = "learned"
     drop_path: float = 0.0
     dropout: float = 0.0
+    init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
 
     @property
     def hidden_dim(self) -> int:
@@ -100,6 +101,7 @@ class TrainConfig:
     eval_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # 0: checkpoint at the end of each epoch only
     max_steps: int = 0  # 0: no limit; otherwise stop after this many optimizer steps
+    keep_checkpoints: int = 3  # the newest K step checkpoints are kept (plus the best one)
 
 
 @dataclass
@@ -109,7 +111,19 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: Literal["single"] = "single"
+    """How the model is spread over devices; launched with torchrun (one process per device)."""
+
+    # single: one device; ddp: replicated model; zero1: DDP + sharded optimizer state (ZeroRedundancyOptimizer);
+    # zero2 / zero3: FSDP2 sharding that keeps / frees the gathered parameters between forward and backward.
+    strategy: Literal["single", "ddp", "zero1", "zero2", "zero3"] = "single"
+    wrap: Literal["model", "block"] = "block"  # FSDP unit: the whole model, or each block (peak = one block)
+    offload: Literal["none", "optimizer", "params"] = "none"
+    activation_checkpointing: Literal["none", "block", "every_k"] = "none"
+    checkpoint_every_k: int = 2  # activation_checkpointing=every_k: recompute blocks 0, k, 2k, ...
+    # zero2/zero3: gather the next unit's parameters during this unit's backward (overlap on GPUs, one more
+    # unit of memory); off keeps one unit gathered at a time.
+    backward_prefetch: bool = True
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on cuda, gloo on cpu
 
 
 @dataclass
@@ -404,11 +418,12 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= d.cutmix_prob <= 1.0:
         raise ConfigError(f"data.cutmix_prob={d.cutmix_prob} is a probability and must be in [0, 1]")
     t = cfg.train
-    for name in ("epochs", "batch_size", "accum_steps", "eval_every_epochs"):
+    for name in ("epochs", "batch_size", "accum_steps", "eval_every_epochs", "keep_checkpoints"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
+    _validate_parallel(cfg.parallel)
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
     if cfg.optim.clip_grad_norm < 0:
@@ -417,3 +432,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"schedule.warmup_epochs={cfg.schedule.warmup_epochs} must be >= 0")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    if p.offload == "optimizer":
+        raise ConfigError(
+            "parallel.offload=optimizer has no PyTorch-native engine: FSDP2 offloads parameters, gradients and "
+            "optimizer state together; use parallel.offload=params with parallel.strategy=zero2 or zero3"
+        )
+    if p.offload == "params" and p.strategy not in ("zero2", "zero3"):
+        raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")
+    if p.checkpoint_every_k <= 0:
+        raise ConfigError(f"parallel.checkpoint_every_k={p.checkpoint_every_k} must be positive")

@@ -1,1 +1,1 @@
-"""Benchmarks a reader can rerun from the command line (`vitrain bench ...`)."""
+"""Benchmarks a reader can rerun (`vitrain bench ...`) and cost models (memory per device per strategy)."""

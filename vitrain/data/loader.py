@@ -43,9 +43,9 @@ def batches_per_epoch(n: int, batch_size: int, world_size: int, drop_last: bool)
     return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
 
 
-def batch_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
-    """One generator per batch, so augmentation after a resume matches the uninterrupted run."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + batch)
+def batch_generator(seed: int, epoch: int, batch: int, rank: int = 0) -> torch.Generator:
+    """One generator per batch (and rank), so augmentation after a resume matches the uninterrupted run."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + batch + rank * 1_000_000_007)
 
 
 class BatchLoader:
@@ -95,7 +95,7 @@ class BatchLoader:
             images, labels = images.pin_memory(), labels.pin_memory()
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        return self.augment(images, labels, batch_generator(self.seed, epoch, b))
+        return self.augment(images, labels, batch_generator(self.seed, epoch, b, self.rank))
 
 
 _DONE = object()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -20,7 +21,16 @@ from vitrain.data.loader import WaitTimer
 from vitrain.engine.evaluate import evaluate
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import complexity, count_parameters, create_model
-from vitrain.optim import build_optimizer, lr_at, resolve_impl, set_lr
+from vitrain.optim import lr_at, resolve_impl, set_lr
+from vitrain.parallel import (
+    broadcast_object,
+    build_parallel_optimizer,
+    clip_grad_norm,
+    init_distributed,
+    mean_over_ranks,
+    parallelize,
+)
+from vitrain.weights import load_pretrained
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,24 +46,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 class RunLog:
-    """Human lines to stderr and log.txt; machine records to metrics.jsonl."""
+    """Human lines to stderr and log.txt; machine records to metrics.jsonl. Silent on ranks other than 0."""
 
-    def __init__(self, run_dir: Path):
-        self.text = open(run_dir / "log.txt", "a")
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.enabled = enabled
+        if enabled:
+            self.text = open(run_dir / "log.txt", "a")
+            self.jsonl = open(run_dir / "metrics.jsonl", "a")
 
     def info(self, message: str) -> None:
+        if not self.enabled:
+            return
         tqdm.write(message, file=sys.stderr)
         self.text.write(message + "\n")
         self.text.flush()
 
     def record(self, **fields: Any) -> None:
+        if not self.enabled:
+            return
         self.jsonl.write(json.dumps(fields) + "\n")
         self.jsonl.flush()
 
     def close(self) -> None:
-        self.text.close()
-        self.jsonl.close()
+        if self.enabled:
+            self.text.close()
+            self.jsonl.close()
 
 
 class Trainer:
@@ -62,14 +79,16 @@ class Trainer:
     def __init__(self, cfg: Config, resume: bool | str = False):
         self.cfg = cfg
         self.run_dir = cfg.run_dir
-        self.resume_path = self._resume_path(resume)
         torch.manual_seed(cfg.train.seed)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.device = resolve_device(cfg.train.device)
+        self.dist = init_distributed(resolve_device(cfg.train.device), cfg.parallel.strategy, cfg.parallel.backend)
+        self.device = self.dist.device
+        self.is_main = self.dist.is_main
+        self.resume_path = self._resume_path(resume)
 
         t = cfg.train
-        self.train_loader, self.val_loader = build_loaders(cfg, self.device)
+        self.train_loader, self.val_loader = build_loaders(cfg, self.device, self.dist.rank, self.dist.world_size)
         self.steps_per_epoch = len(self.train_loader) // t.accum_steps
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -79,8 +98,11 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * t.epochs
         self.warmup_steps = int(cfg.schedule.warmup_epochs * self.steps_per_epoch)
 
-        self.model = create_model(cfg.model).to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        model = create_model(cfg.model).to(self.device)
+        if cfg.model.init_from:
+            load_pretrained(model, Path(cfg.model.init_from))
+        self.model = parallelize(model, cfg.parallel, self.device)
+        self.optimizer = build_parallel_optimizer(self.model, cfg.optim, cfg.parallel, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
 
         self.step = 0
@@ -93,63 +115,75 @@ class Trainer:
 
     def _resume_path(self, resume: bool | str) -> Path | None:
         """The checkpoint to resume from; a new run never reuses a folder that holds one."""
-        last = self.run_dir / "last.pt"
+        last = ckpt.latest(self.run_dir)
         if resume:
             path = Path(resume) if isinstance(resume, str) else last
-            if not path.exists():
-                raise CheckpointError(f"--resume: checkpoint {path} does not exist; start without --resume")
+            if path is None or not path.exists():
+                where = path if path is not None else self.run_dir / ckpt.CHECKPOINT_DIR
+                raise CheckpointError(f"--resume: no checkpoint at {where}; start without --resume")
             return path
-        base, suffix = self.run_dir, 1
-        while self.run_dir.exists() and any(self.run_dir.iterdir()):
-            self.run_dir = base.with_name(f"{base.name}-{suffix}")
+        # Rank 0 picks the folder and tells the others, so that no rank sees another's first writes.
+        run_dir, suffix = self.run_dir, 1
+        while self.is_main and run_dir.exists() and any(run_dir.iterdir()):
+            run_dir = self.run_dir.with_name(f"{self.run_dir.name}-{suffix}")
             suffix += 1
+        self.run_dir = Path(broadcast_object(str(run_dir)))
         return None
 
-    def state_dict(self) -> dict[str, Any]:
+    def meta(self, is_best: bool = False) -> dict[str, Any]:
+        """Everything but the tensors; the data position is in samples so another world size can resume it."""
         return {
-            "format": ckpt.FORMAT_VERSION,
             "config": to_dict(self.cfg),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
+            "samples_in_epoch": self.batch_in_epoch * self.global_micro_batch,
             "best_top1": self.best_top1,
             "last_eval": self.last_eval,
             "rng": ckpt.rng_state(),
+            "world_size": self.dist.world_size,
+            "strategy": self.cfg.parallel.strategy,
+            "is_best": is_best,
         }
 
-    def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
-        saved = config_from_dict(state["config"])
-        if saved.model != self.cfg.model:
+    def load(self, path: Path) -> None:
+        meta = ckpt.read_meta(path)
+        saved = config_from_dict(meta["config"])
+        # init_from only chose the starting weights; the checkpoint's weights replace them either way.
+        if dataclasses.replace(saved.model, init_from="") != dataclasses.replace(self.cfg.model, init_from=""):
             raise CheckpointError(
                 f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
             )
-        ckpt.load_model_state(self.model, state["model"], path)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.epoch = state["step"], state["epoch"]
-        self.batch_in_epoch = state["batch_in_epoch"]
-        self.best_top1, self.last_eval = state["best_top1"], state["last_eval"]
-        ckpt.set_rng_state(state["rng"])
+        samples = meta["samples_in_epoch"]
+        if samples % self.global_micro_batch:
+            raise CheckpointError(
+                f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
+                f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
+            )
+        ckpt.load_training_state(path, self.model, self.optimizer)
+        self.step, self.epoch = meta["step"], meta["epoch"]
+        self.batch_in_epoch = samples // self.global_micro_batch
+        self.best_top1, self.last_eval = meta["best_top1"], meta["last_eval"]
+        ckpt.set_rng_state(meta["rng"])
+
+    @property
+    def global_micro_batch(self) -> int:
+        return self.cfg.train.batch_size * self.dist.world_size
 
     def save(self, is_best: bool = False) -> Path:
-        state = self.state_dict()
-        path = self.run_dir / "last.pt"
-        ckpt.atomic_save(state, path)
-        if is_best:
-            ckpt.atomic_save(state, self.run_dir / "best.pt")
-        return path
+        meta = self.meta(is_best)
+        return ckpt.save(self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.train.keep_checkpoints)
 
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = RunLog(self.run_dir)
+        log = RunLog(self.run_dir, enabled=self.is_main)
         if self.resume_path is not None:
-            self.load_state_dict(ckpt.load(self.resume_path), self.resume_path)
+            self.load(self.resume_path)
             log.info(f"resumed from {self.resume_path} at step {self.step} (epoch {self.epoch})")
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        if self.is_main:
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self._log_header(log)
 
         wall_start = time.perf_counter()
@@ -161,7 +195,7 @@ class Trainer:
                 total=self.steps_per_epoch,
                 initial=self.batch_in_epoch // t.accum_steps,
                 desc=f"epoch {self.epoch + 1}/{t.epochs}",
-                disable=not cfg.log.progress,
+                disable=not (cfg.log.progress and self.is_main),
                 file=sys.stderr,
                 dynamic_ncols=True,
                 leave=False,
@@ -187,7 +221,7 @@ class Trainer:
                 self.step += 1
 
                 now = time.perf_counter()
-                step_images = images.shape[0] * t.accum_steps
+                step_images = images.shape[0] * t.accum_steps * self.dist.world_size
                 step_wait_s = batches.take()
                 if compile_s is None and t.compile:
                     compile_s = now - step_start
@@ -201,7 +235,7 @@ class Trainer:
                 window_steps += 1
                 bar.update(1)
                 if self.step % cfg.log.every_steps == 0 or self.step == 1:
-                    loss_value = loss.item()
+                    loss_value = mean_over_ranks(loss.detach()).item()
                     images_per_s = window_images / max(now - window_start, 1e-9)
                     wait_frac = window_wait_s / max(now - window_start, 1e-9)
                     bar.set_postfix(
@@ -235,7 +269,8 @@ class Trainer:
         summary = self._summary(wall_s, train_images / train_seconds if train_seconds else 0.0, compile_s)
         summary["data_wait_s"] = data_wait_s
         summary["data_wait_frac"] = data_wait_s / train_seconds if train_seconds else 0.0
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(
             f"done: val_top1={summary['val_top1']:.4f} images/s={summary['images_per_s']:.0f} "
             f"data_wait={summary['data_wait_frac']:.1%} wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
@@ -247,7 +282,7 @@ class Trainer:
         clip = self.cfg.optim.clip_grad_norm
         grad_norm = None
         if clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            grad_norm = clip_grad_norm(self.model, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -266,11 +301,15 @@ class Trainer:
     def _log_header(self, log: RunLog) -> None:
         cfg = self.cfg
         cost = complexity(cfg.model)
-        global_batch = cfg.train.batch_size * cfg.train.accum_steps
+        p = cfg.parallel
+        global_batch = cfg.train.batch_size * self.dist.world_size * cfg.train.accum_steps
         log.info(
             f"vitrain: {count_parameters(self.model) / 1e6:.2f}M params, {cost.flops / 1e9:.3f} GFLOPs/image, "
             f"device={self.device}, optimizer={cfg.optim.name}[{resolve_impl(cfg.optim.impl, self.device)}], "
-            f"global batch={global_batch}, {self.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
+            f"parallel={p.strategy} x {self.dist.world_size} (wrap={p.wrap}, offload={p.offload}, "
+            f"activation checkpointing={p.activation_checkpointing}), "
+            f"global batch={global_batch} ({cfg.train.batch_size} x {self.dist.world_size} processes x "
+            f"{cfg.train.accum_steps} accumulation), {self.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
             f"{len(self.train_loader.data)} train / {len(self.val_loader.data)} val images, run dir {self.run_dir}"
         )
 
@@ -285,9 +324,12 @@ class Trainer:
             "epochs": self.epoch,
             "steps": self.step,
             "params": count_parameters(self.model),
-            "checkpoint": str(self.run_dir / "last.pt"),
-            "best_checkpoint": str(self.run_dir / "best.pt"),
+            "checkpoint": str(ckpt.latest(self.run_dir)),
+            "best_checkpoint": str(ckpt.best(self.run_dir) or ckpt.latest(self.run_dir)),
             "device": str(self.device),
+            "strategy": self.cfg.parallel.strategy,
+            "world_size": self.dist.world_size,
+            "global_batch": self.cfg.train.batch_size * self.dist.world_size * self.cfg.train.accum_steps,
         }
         if compile_s is not None:
             summary["compile_s"] = compile_s

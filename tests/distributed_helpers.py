@@ -1,0 +1,74 @@
+"""Helpers for tests that run the trainer in two gloo processes on CPU (spawned, cleaned up on exit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from vitrain.config import Config, load_config
+
+
+def tiny_config(out_dir: Path, name: str, batch_size: int = 16, **sections: dict[str, Any]) -> Config:
+    """A 2-block ViT on 64 synthetic 8x8 images, fp32, no augmentation or dropout: runs are exactly comparable."""
+    raw: dict[str, Any] = {
+        "name": name,
+        "model": {
+            "image_size": 8,
+            "patch_size": 4,
+            "in_chans": 3,
+            "num_classes": 4,
+            "width": 32,
+            "depth": 2,
+            "heads": 2,
+        },
+        "data": {"source": "synthetic", "synthetic_samples": 64},
+        "train": {"epochs": 3, "batch_size": batch_size, "max_steps": 5, "threads": 1, "keep_checkpoints": 10},
+        "log": {"out_dir": str(out_dir), "every_steps": 1, "progress": False},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return load_config(base=raw)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Training loss by step from a run's metrics.jsonl (rank 0 logs the mean over ranks)."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(job: Callable[..., None], *args: Any) -> None:
+    """Run `job(*args)` in 2 processes joined in one gloo group, as torchrun would set them up."""
+    mp.spawn(_worker, args=(free_port(), job, args), nprocs=2, join=True)
+
+
+def torchrun_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
+    """The variables torchrun sets for one local process."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def _worker(rank: int, port: int, job: Callable[..., None], args: tuple) -> None:
+    os.environ.update(torchrun_env(rank, port))
+    from vitrain.parallel import shutdown
+
+    try:
+        job(*args)
+    finally:
+        shutdown()

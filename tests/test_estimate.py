@@ -1,0 +1,134 @@
+"""The memory model: ZeRO stage arithmetic, activations with and without checkpointing, devices needed, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vitrain.bench.memory import activation_bytes, devices_needed, estimate
+from vitrain.cli import main
+from vitrain.config import load_config
+from vitrain.errors import ConfigError
+from vitrain.models import PRESETS, complexity
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _preset(name):
+    return load_config(base={"model": {"preset": name}}).model
+
+
+BASE = _preset("ViT-B/16")
+P = complexity(BASE).params
+
+
+def test_ddp_holds_sixteen_bytes_per_parameter_in_fp32():
+    est = estimate(BASE, devices=8, strategy="ddp")
+    assert (est.weights, est.gradients, est.optimizer, est.master) == (4 * P, 4 * P, 8 * P, 0)
+
+
+def test_mixed_precision_holds_the_zero_papers_sixteen_bytes():
+    est = estimate(BASE, devices=1, strategy="ddp", precision="bf16")
+    assert (est.weights, est.gradients, est.optimizer, est.master) == (2 * P, 2 * P, 8 * P, 4 * P)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "divided"),
+    [
+        ("zero1", {"optimizer"}),
+        ("zero2", {"optimizer", "gradients", "weights"}),
+        ("zero3", {"optimizer", "gradients", "weights"}),
+    ],
+)
+def test_each_zero_stage_divides_its_states_by_the_devices(strategy, divided):
+    one = estimate(BASE, devices=4, strategy="ddp")
+    sharded = estimate(BASE, devices=4, strategy=strategy)
+    for term in ("weights", "gradients", "optimizer"):
+        expected = getattr(one, term) // 4 if term in divided else getattr(one, term)
+        assert getattr(sharded, term) == expected, term
+
+
+def test_zero3_gathers_two_blocks_where_zero2_keeps_all_weights():
+    zero2 = estimate(BASE, devices=4, strategy="zero2")
+    zero3 = estimate(BASE, devices=4, strategy="zero3")
+    d, h = 768, 3072
+    block = (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d) + 4 * d  # qkv, proj, fc1, fc2, norms
+    # zero2 holds all gathered fp32 weights when backward starts, before any gradient shard exists.
+    assert zero2.gathered + zero2.gradients == 4 * P + 4 * (2 * block)
+    root = P - 12 * block  # patch embedding, class token, positions, final norm, head
+    # fp32: two blocks' weights in flight, one block's gradients plus its reduce-scatter buffer, the root unit.
+    assert zero3.gathered == 4 * (2 * block + 2 * block + root)
+
+
+def test_offload_moves_the_sharded_states_to_the_host():
+    est = estimate(BASE, devices=4, strategy="zero3", offload=True)
+    assert est.weights == est.gradients == est.optimizer == 0
+    assert est.host_bytes == 16 * P // 4
+
+
+def test_checkpointing_keeps_a_fraction_of_the_activations():
+    full = activation_bytes(BASE, batch=32, ac=False, bytes_per_element=4)
+    kept = activation_bytes(BASE, batch=32, ac=True, bytes_per_element=4)
+    assert kept < full / 5
+    assert activation_bytes(BASE, batch=64, ac=False, bytes_per_element=4) == 2 * full
+
+
+def test_devices_needed_is_the_smallest_count_that_fits():
+    big = _preset("ViT-120B/14")
+    setting = {"strategy": "zero3", "ac": True, "precision": "bf16"}
+    n = devices_needed(big, 80 * 2**30, **setting)
+    assert estimate(big, devices=n, **setting).total <= 80 * 2**30 < estimate(big, devices=n - 1, **setting).total
+    assert devices_needed(big, 80 * 2**30, strategy="ddp") is None
+
+
+def test_unknown_strategy_is_refused():
+    with pytest.raises(ConfigError, match="strategy=zero4 is unknown"):
+        estimate(BASE, devices=2, strategy="zero4")
+
+
+def test_cli_prints_every_preset_up_to_120b_with_devices_needed(capsys):
+    assert main(["estimate", "--devices", "8", "--strategy", "zero3", "--ac", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "devices@80GiB" in out
+    for preset in PRESETS.values():
+        assert preset.alias in out
+    last = out.strip().splitlines()[-1].split()
+    assert last[0] == "ViT-120B/14" and int(last[-1]) > 8
+
+
+def test_cli_breaks_one_preset_down(capsys):
+    assert main(["estimate", "ViT-B/16", "--devices", "2", "--strategy", "zero3", "--memory", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer states" in out and "devices of 0.5 GiB needed: 5" in out
+
+
+@pytest.mark.slow
+def test_estimate_is_within_ten_percent_of_measured_peak_for_vit_b16(tmp_path):
+    """Runs benchmarks/memory_per_rank.py (2 gloo ranks, ~3 minutes); run it under the timing lock."""
+    results = tmp_path / "memory.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "memory_per_rank.py"),
+            "--strategies",
+            "ddp",
+            "zero3",
+            "--results",
+            str(results),
+            "--out-dir",
+            str(tmp_path),
+        ],
+        check=True,
+        env=env,
+        timeout=900,
+    )
+    rows = {r["strategy"]: r for r in json.loads(results.read_text())["rows"]}
+    for row in rows.values():
+        assert abs(row["error"]) <= 0.10, row["strategy"]
+    assert rows["zero3"]["measured_peak_bytes"] < 0.65 * rows["ddp"]["measured_peak_bytes"]

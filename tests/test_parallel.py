@@ -1,0 +1,88 @@
+"""Every strategy trains exactly like one process: DDP, ZeRO-1, FSDP2 zero2/zero3, activation checkpointing, offload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_helpers import losses, run_two_ranks, tiny_config
+
+from vitrain.config import load_config
+from vitrain.engine import Trainer
+from vitrain.errors import ConfigError
+from vitrain.models import create_model
+from vitrain.parallel import apply_activation_checkpointing, init_distributed
+
+# name -> parallel section; all of them run in one spawned 2-process job.
+VARIANTS = {
+    "ddp": {"strategy": "ddp"},
+    "zero1": {"strategy": "zero1"},
+    "zero2_block": {"strategy": "zero2", "wrap": "block"},
+    "zero2_model": {"strategy": "zero2", "wrap": "model"},
+    "zero3_block": {"strategy": "zero3", "wrap": "block"},
+    "zero3_model": {"strategy": "zero3", "wrap": "model"},
+    "zero3_ac_block": {"strategy": "zero3", "activation_checkpointing": "block"},
+    "zero3_ac_every_k": {"strategy": "zero3", "activation_checkpointing": "every_k", "checkpoint_every_k": 2},
+    "zero3_offload": {"strategy": "zero3", "offload": "params"},
+    "zero3_no_prefetch": {"strategy": "zero3", "backward_prefetch": False},
+}
+
+
+def _train_variants(out_dir):
+    for name, parallel in VARIANTS.items():
+        # Same global batch as the single-process run: 8 per rank x 2 ranks = 16.
+        Trainer(tiny_config(out_dir, name, batch_size=8, parallel=parallel)).fit()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("parallel")
+    Trainer(tiny_config(out_dir, "single")).fit()
+    run_two_ranks(_train_variants, out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_two_ranks_match_one_process_for_five_steps(runs, name):
+    reference = losses(runs / "single")
+    got = losses(runs / name)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), f"{name} step {step}"
+    # Training moved: the losses are not all the same number (a frozen model would also "match").
+    assert len({round(v, 6) for v in reference.values()}) > 1
+
+
+def test_activation_checkpointing_keeps_gradients_and_names():
+    cfg = load_config(overrides=["model.width=32", "model.depth=4", "model.heads=2", "model.image_size=16"])
+    torch.manual_seed(0)
+    plain = create_model(cfg.model)
+    checkpointed = create_model(cfg.model)
+    checkpointed.load_state_dict(plain.state_dict())
+    assert apply_activation_checkpointing(checkpointed.blocks, "every_k", every_k=3) == 2
+    images = torch.randn(2, 3, 16, 16)
+    plain(images).square().sum().backward()
+    checkpointed(images).square().sum().backward()
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_offload_params_needs_an_fsdp_strategy():
+    with pytest.raises(ConfigError, match="parallel.offload=params needs parallel.strategy=zero2 or zero3"):
+        load_config(overrides=["parallel.strategy=ddp", "parallel.offload=params"])
+
+
+def test_unknown_strategy_suggests_the_closest():
+    with pytest.raises(ConfigError, match="did you mean zero3"):
+        load_config(overrides=["parallel.strategy=zer03"])
+
+
+def test_optimizer_only_offload_is_refused_with_the_alternative():
+    with pytest.raises(ConfigError, match="use parallel.offload=params with parallel.strategy=zero2 or zero3"):
+        load_config(overrides=["parallel.strategy=zero3", "parallel.offload=optimizer"])
+
+
+def test_several_processes_with_strategy_single_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 processes were launched but parallel.strategy=single"):
+        init_distributed(torch.device("cpu"), "single")

@@ -1,0 +1,89 @@
+"""Parallel strategies applied to a single-device model: single, ddp, zero1 (ZeRO-1), zero2/zero3 (FSDP2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from vitrain.config import OptimConfig, ParallelConfig
+from vitrain.optim import build_optimizer, param_groups, resolve_impl
+from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+    """Activation checkpointing first (inside each FSDP unit), then the strategy's wrapper.
+
+    Returns the module to call for forward/backward. For ddp/zero1 that is a DistributedDataParallel
+    wrapper around `model`; for zero2/zero3 `model` itself, whose parameters become sharded DTensors.
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None:
+        apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.checkpoint_every_k)
+    if cfg.strategy == "single":
+        return model
+    if cfg.strategy in ("ddp", "zero1"):
+        # Gradients as views into the all-reduce buckets: no second copy of the gradients.
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
+    return _fully_shard(model, cfg, device)
+
+
+def _fully_shard(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+    from torch.distributed import get_world_size
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (get_world_size(),))
+    # Pinned host memory needs an accelerator; on a CPU-only machine the offload is a plain CPU copy.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
+    # zero3 frees each unit's gathered parameters after its forward (gathered again in backward);
+    # zero2 keeps them until backward: less communication, full parameters resident between the two.
+    reshard_after_forward = cfg.strategy == "zero3"
+    if cfg.wrap == "block":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    if not cfg.backward_prefetch:
+        # An explicit prefetch list replaces FSDP2's default (the next unit); listing the unit itself, which is
+        # already gathered when its backward starts, prefetches nothing.
+        for unit in [*model.blocks, model] if cfg.wrap == "block" else [model]:
+            unit.set_modules_to_backward_prefetch([unit])
+    return model
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The single-device model inside a DDP wrapper (FSDP2 keeps the model itself)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def build_parallel_optimizer(
+    model: nn.Module, optim_cfg: OptimConfig, cfg: ParallelConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW over the (possibly sharded) parameters; zero1 shards its state with ZeroRedundancyOptimizer."""
+    model = unwrap(model)
+    if cfg.strategy != "zero1":
+        return build_optimizer(model, optim_cfg, device)
+    impl = resolve_impl(optim_cfg.impl, device)
+    return ZeroRedundancyOptimizer(
+        param_groups(model, optim_cfg.weight_decay),
+        optimizer_class=torch.optim.AdamW,
+        lr=optim_cfg.lr,
+        betas=optim_cfg.betas,
+        eps=optim_cfg.eps,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
+    )
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip by the global gradient norm; with FSDP the norm is reduced over every rank's shard."""
+    norm = torch.nn.utils.clip_grad_norm_(unwrap(model).parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)

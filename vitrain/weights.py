@@ -1,0 +1,125 @@
+"""Weight files in and out: consolidated fp32 exports (vitrain or timm names) and `model.init_from` imports."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitrain.config import Config, ModelConfig, to_yaml
+from vitrain.errors import CheckpointError
+
+FORMATS = ("vitrain", "timm")
+WEIGHTS_FILE = "model.safetensors"
+# Sub-keys under which training scripts (timm's included) nest a state dict in .pt/.pth files.
+_NESTED_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
+
+
+def timm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Our state dict under timm's VisionTransformer names.
+
+    Parameter names already follow timm (patch_embed.proj, cls_token, pos_embed, blocks.i.{norm1,attn.qkv,
+    attn.proj,norm2,mlp.fc1,mlp.fc2}, norm, fc_norm, head). The one difference: a fixed sin-cos position table
+    is a non-persistent buffer here but a parameter in timm, so it is written out as `pos_embed`.
+    """
+    state = {k: v for k, v in model.state_dict().items()}
+    if "pos_embed" not in state:
+        state["pos_embed"] = model.pos_embed.detach()
+    return state
+
+
+def timm_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """Arguments for timm.models.vision_transformer.VisionTransformer with exactly this architecture."""
+    return {
+        "img_size": cfg.image_size,
+        "patch_size": cfg.patch_size,
+        "in_chans": cfg.in_chans,
+        "num_classes": cfg.num_classes,
+        "global_pool": "token" if cfg.pool == "cls" else "avg",
+        "class_token": cfg.pool == "cls",
+        "embed_dim": cfg.width,
+        "depth": cfg.depth,
+        "num_heads": cfg.heads,
+        "mlp_ratio": cfg.hidden_dim / cfg.width,
+        "qkv_bias": cfg.qkv_bias,
+    }
+
+
+def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain") -> Path:
+    """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise CheckpointError(f"export --format {fmt} is unknown; choose one of: {', '.join(FORMATS)}")
+    state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / WEIGHTS_FILE
+    tmp = out_dir / f".{WEIGHTS_FILE}.tmp"
+    save_file(state, str(tmp), metadata={"format": fmt, "producer": "vitrain"})
+    tmp.replace(path)
+    (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    if fmt == "timm":
+        (out_dir / "timm.json").write_text(json.dumps(timm_kwargs(cfg.model), indent=2) + "\n")
+    return path
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A flat name -> tensor dict from .safetensors, or a .pt/.pth holding one (possibly nested, DDP-prefixed)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"model.init_from={path} is not a file; give a .safetensors, .pt or .pth weights file")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        what = type(exc).__name__
+        raise CheckpointError(f"model.init_from={path} cannot be read ({what}); is it a weights file?") from None
+    for key in _NESTED_KEYS:
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"model.init_from={path} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def load_pretrained(model: nn.Module, path: Path) -> None:
+    """Start from a timm or vitrain weights file. A classifier head of another size is left freshly initialized
+    (fine-tuning to new classes); any other difference is an error naming the tensor."""
+    state = read_weights(path)
+    own = model.state_dict()
+    if "pos_embed" in state and "pos_embed" not in own:  # a timm export of a sin-cos model: the table is fixed
+        state.pop("pos_embed")
+    head = [k for k in ("head.weight", "head.bias") if k in state and k in own and state[k].shape != own[k].shape]
+    if head:
+        warnings.warn(
+            f"model.init_from={path}: its head has {state['head.weight'].shape[0]} classes, this model "
+            f"{own['head.weight'].shape[0]}; the head starts from scratch",
+            stacklevel=2,
+        )
+        for key in head:
+            state[key] = own[key]
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        what = f"lacks tensor {missing[0]}" if missing else f"has an extra tensor {extra[0]}"
+        raise CheckpointError(f"model.init_from={path} holds a different architecture: it {what}")
+    for key, tensor in state.items():
+        if tensor.shape != own[key].shape:
+            raise CheckpointError(
+                f"model.init_from={path} holds a different architecture: {key} is {tuple(tensor.shape)} there, "
+                f"{tuple(own[key].shape)} here; set the model.* keys to match it"
+            )
+    with torch.no_grad():
+        for key, tensor in state.items():
+            own[key].copy_(tensor)
