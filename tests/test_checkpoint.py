@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from distributed_helpers import losses, run_two_ranks, tiny_config
 
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError

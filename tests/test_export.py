@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_helpers import tiny_config
 from safetensors.torch import load_file
 
+from tests.distributed_helpers import tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.cli import main
 from vitrain.engine import Trainer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_helpers import losses, run_two_ranks, tiny_config
 
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
