@@ -19,7 +19,8 @@ from vitrain.data import BatchAugment, BatchLoader, build_datasets
 from vitrain.engine.evaluate import evaluate
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import complexity, count_parameters, create_model
-from vitrain.optim import build_optimizer, lr_at, resolve_impl, set_lr
+from vitrain.optim import Schedule, build_optimizer, resolve_impl, scaled_lr, set_lr
+from vitrain.precision import PrecisionPolicy, fp32_state_dict
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,11 +93,15 @@ class Trainer:
                 f"{len(train_set)} training samples; lower the batch size"
             )
         self.total_steps = self.steps_per_epoch * t.epochs
-        self.warmup_steps = int(cfg.schedule.warmup_epochs * self.steps_per_epoch)
+        peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps)
+        self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
 
-        self.model = create_model(cfg.model).to(self.device)
+        self.model = create_model(cfg.model).to(self.device)  # fp32: the weights checkpoints hold
+        # The policy may hand back a low-precision working copy; the optimizer always updates self.model.
+        self.precision = PrecisionPolicy(cfg.precision, self.device)
+        train_model = self.precision.prepare(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        self.forward = torch.compile(self.model) if t.compile else self.model
+        self.forward = torch.compile(train_model) if t.compile else train_model
 
         self.step = 0
         self.epoch = 0
@@ -124,8 +129,9 @@ class Trainer:
         return {
             "format": ckpt.FORMAT_VERSION,
             "config": to_dict(self.cfg),
-            "model": self.model.state_dict(),
+            "model": fp32_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(),
+            "precision": self.precision.state_dict(),
             "step": self.step,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
@@ -142,6 +148,7 @@ class Trainer:
             )
         ckpt.load_model_state(self.model, state["model"], path)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state.get("precision"))
         self.step, self.epoch = state["step"], state["epoch"]
         self.batch_in_epoch = state["batch_in_epoch"]
         self.best_top1, self.last_eval = state["best_top1"], state["last_eval"]
@@ -188,17 +195,20 @@ class Trainer:
             batches = itertools.islice(self.train_loader.epoch(self.epoch, self.batch_in_epoch), remaining)
             for images, labels in batches:
                 if micro == 0:
-                    lr = lr_at(self.step, self.total_steps, self.warmup_steps, cfg.optim.lr, cfg.schedule)
+                    lr = self.schedule(self.step)
                     set_lr(self.optimizer, lr)
-                loss = F.cross_entropy(self.forward(images), labels, label_smoothing=t.label_smoothing)
-                (loss / t.accum_steps).backward()
+                with self.precision.autocast():
+                    loss = F.cross_entropy(self.forward(images).float(), labels, label_smoothing=t.label_smoothing)
+                self.precision.backward(loss / t.accum_steps)
                 micro += 1
                 self.batch_in_epoch += 1
                 if micro < t.accum_steps:
                     continue
-                grad_norm = self._optimizer_step()
+                grad_norm, skipped = self.precision.step(self.optimizer, cfg.optim.clip_grad_norm)
                 micro = 0
                 self.step += 1
+                if skipped:
+                    log.record(step=self.step, epoch=self.epoch, skipped=True, **self._scaler_fields())
 
                 now = time.perf_counter()
                 step_images = images.shape[0] * t.accum_steps
@@ -221,6 +231,7 @@ class Trainer:
                         lr=lr,
                         grad_norm=grad_norm,
                         images_per_s=images_per_s,
+                        **self._scaler_fields(),
                     )
                     window_images, window_start = 0, time.perf_counter()
                 if t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
@@ -246,17 +257,13 @@ class Trainer:
         log.close()
         return summary
 
-    def _optimizer_step(self) -> float | None:
-        clip = self.cfg.optim.clip_grad_norm
-        grad_norm = None
-        if clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+    def _scaler_fields(self) -> dict[str, Any]:
+        scaler = self.precision.scaler
+        return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
 
     def _evaluate_and_save(self, log: RunLog) -> None:
-        self.last_eval = evaluate(self.forward, self.val_loader)
+        with self.precision.autocast():
+            self.last_eval = evaluate(self.forward, self.val_loader)
         is_best = self.last_eval["val_top1"] > self.best_top1
         self.best_top1 = max(self.best_top1, self.last_eval["val_top1"])
         log.record(step=self.step, epoch=self.epoch, **self.last_eval)
@@ -270,12 +277,14 @@ class Trainer:
         cfg = self.cfg
         cost = complexity(cfg.model)
         global_batch = cfg.train.batch_size * cfg.train.accum_steps
+        impl = resolve_impl(cfg.optim.impl, self.device, cfg.optim.name)
         log.info(
             f"vitrain: {count_parameters(self.model) / 1e6:.2f}M params, {cost.flops / 1e9:.3f} GFLOPs/image, "
-            f"device={self.device}, optimizer={cfg.optim.name}[{resolve_impl(cfg.optim.impl, self.device)}], "
+            f"device={self.device}, optimizer={cfg.optim.name}[{impl}], "
             f"global batch={global_batch}, {self.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
             f"{len(self.train_loader.data)} train / {len(self.val_loader.data)} val images, run dir {self.run_dir}"
         )
+        log.info(self.precision.describe())
 
     def _summary(self, wall_s: float, images_per_s: float, compile_s: float | None) -> dict[str, Any]:
         summary = {
@@ -291,6 +300,8 @@ class Trainer:
             "checkpoint": str(self.run_dir / "last.pt"),
             "best_checkpoint": str(self.run_dir / "best.pt"),
             "device": str(self.device),
+            "precision": self.precision.resolved.label,
+            **self._scaler_fields(),
         }
         if compile_s is not None:
             summary["compile_s"] = compile_s
