@@ -1,0 +1,1 @@
+"""Benchmarks users can rerun: `vitrain bench <what>`."""
