@@ -68,11 +68,26 @@ def test_build_optimizer_sets_each_group_lr_from_its_scale():
     assert lrs == pytest.approx([1e-3 / 16, 1e-3 / 8, 1e-3 / 4, 5e-4, 1e-3])
 
 
-def test_auto_picks_fused_for_adamw_and_sgd_and_foreach_for_lamb_and_lars():
-    assert resolve_impl("auto", CPU, "adamw") == "fused"
-    assert resolve_impl("auto", CPU, "sgd") == "fused"
+def test_auto_picks_flat_on_cpu_fused_on_cuda_and_foreach_for_lamb_and_lars():
+    assert resolve_impl("auto", CPU, "adamw") == "flat"
+    assert resolve_impl("auto", CPU, "sgd") == "flat"
+    assert resolve_impl("auto", torch.device("cuda"), "adamw") == "fused"
     assert resolve_impl("auto", CPU, "lamb") == "foreach"
     assert resolve_impl("auto", CPU, "lars") == "foreach"
+
+
+def test_auto_falls_back_to_fused_when_a_group_cannot_be_flattened():
+    model = create_model(TINY_VIT)
+    model.head.to(torch.bfloat16)  # the decay group now mixes fp32 and bf16
+    optimizer = build_optimizer(model, OptimConfig(impl="auto"), CPU)
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]
+
+
+def test_explicit_flat_on_mixed_dtypes_names_the_fix():
+    model = create_model(TINY_VIT)
+    model.head.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="optim.impl=flat cannot be used here: a parameter group mixes dtypes"):
+        build_optimizer(model, OptimConfig(impl="flat"), CPU)
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])

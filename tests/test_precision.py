@@ -262,3 +262,19 @@ def test_resume_restores_the_loss_scale_and_the_working_copy(tmp_path):
     resumed.load_state_dict(torch.load(path, weights_only=False), path)
     assert resumed.precision.scaler.scale == 1234.0
     assert torch.equal(resumed.forward.module.head.weight, first.model.head.weight.detach().to(torch.float16))
+
+
+@pytest.fixture(scope="module")
+def digits_fp32_top1(tmp_path_factory) -> float:
+    out = tmp_path_factory.mktemp("digits-fp32")
+    cfg = load_config("configs/digits.yaml", [f"log.out_dir={out}", "log.progress=false", "precision.mode=fp32"])
+    return Trainer(cfg).fit()["val_top1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["amp_o1", "amp_o2", "pure"])
+def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32(mode, digits_fp32_top1, tmp_path):
+    """The full digits recipe, same seed; bf16 on this CPU is slow (~10-30 min per mode on 2 loaded cores)."""
+    overrides = [f"log.out_dir={tmp_path}", "log.progress=false", f"precision.mode={mode}", "precision.dtype=bf16"]
+    top1 = Trainer(load_config("configs/digits.yaml", overrides)).fit()["val_top1"]
+    assert abs(top1 - digits_fp32_top1) <= 0.01, (mode, top1, digits_fp32_top1)

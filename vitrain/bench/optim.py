@@ -47,33 +47,42 @@ def bench_optimizer_step(
     warmup: int = 3,
     device: torch.device | None = None,
 ) -> tuple[int, list[StepTiming]]:
-    """Median time of `optimizer.step()` per impl on the same parameters and gradients; returns (params, timings)."""
+    """Median time of `optimizer.step()` per impl on the same parameters and gradients; returns (params, timings).
+
+    The impls take turns step by step, so load from other processes on a shared machine hits them all alike.
+    """
     device = device or torch.device("cpu")
-    timings, params = [], 0
+    optimizers, params = [], 0
     for impl in impls:
         torch.manual_seed(0)
         model = create_model(model_cfg).to(device)
         params = count_parameters(model)
         cfg = OptimConfig(**{**optim_cfg.__dict__, "impl": impl})
-        optimizer = build_optimizer(model, cfg, device)
+        optimizers.append(build_optimizer(model, cfg, device))
         with torch.no_grad():
             for p in model.parameters():  # the flat impl already gave each parameter a gradient view: fill it
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
                 p.grad.normal_(std=1e-3)
-        samples = []
-        for i in range(warmup + steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+    samples: list[list[float]] = [[] for _ in impls]
+    for i in range(warmup + steps):
+        for optimizer, times in zip(optimizers, samples, strict=True):
+            _sync(device)
             start = time.perf_counter()
             optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             if i >= warmup:
-                samples.append(time.perf_counter() - start)
-        timings.append(StepTiming(impl, resolve_impl(impl, device, cfg.name), 1e3 * statistics.median(samples), None))
-        del model, optimizer
+                times.append(time.perf_counter() - start)
+    timings = [
+        StepTiming(impl, resolve_impl(impl, device, optim_cfg.name), 1e3 * statistics.median(times), None)
+        for impl, times in zip(impls, samples, strict=True)
+    ]
     loop = next((t.ms_per_step for t in timings if t.resolved == "loop"), None)
     for t in timings:
         t.speedup_vs_loop = loop / t.ms_per_step if loop else None
     return params, timings
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()

@@ -59,7 +59,7 @@ def lr_range_test(cfg: Config, start_lr: float, end_lr: float, num_steps: int, o
         set_lr(trainer.optimizer, lr)
         with trainer.precision.autocast():
             loss = F.cross_entropy(trainer.forward(images).float(), labels, label_smoothing=cfg.train.label_smoothing)
-        value = float(loss)
+        value = float(loss.detach())
         if not math.isfinite(value):
             break
         trainer.precision.backward(loss)
@@ -104,6 +104,8 @@ def _plot(lrs: list[float], losses: list[float], smoothed: list[float], suggeste
     ax.plot(lrs, smoothed, label="smoothed loss")
     ax.axvline(suggested, color="red", linestyle="--", label=f"suggested lr {suggested:.2e}")
     ax.set_xscale("log")
+    # The divergence at the end would flatten everything else: show up to 1.5x the starting loss.
+    ax.set_ylim(min(smoothed) * 0.95, max(smoothed[0] * 1.5, min(smoothed) * 1.1))
     ax.set_xlabel("learning rate")
     ax.set_ylabel("training loss")
     ax.legend()
