@@ -13,13 +13,14 @@ Modes (`precision.mode`, low dtype from `precision.dtype`):
 - fp32: nothing changes.
 - amp_o1: weights stay fp32; matmuls run in the low dtype under `torch.autocast`.
 - amp_o2: `prepare` returns a working copy whose weights and activations are in the low dtype, except every norm
-  layer (LayerNorm, BatchNorm, GroupNorm; their parameters and running statistics) which stays fp32, shared with
+  layer (LayerNorm, RMSNorm, GroupNorm, BatchNorm; parameters and running statistics) which stays fp32, shared with
   the fp32 model and computed in fp32. The fp32 `model` is the master copy: the optimizer updates it and the
   working copy is refreshed from it after each step, so checkpoints always hold fp32 master weights.
 - pure: the model itself is cast to the low dtype (norms included) and the optimizer updates it directly: no master
-  copy, half the memory of O2. Accuracy risk: updates smaller than the low dtype's resolution next to a weight
-  (bf16 keeps 8 significant bits, so lr x update below ~1/256 of |w| rounds away) are lost, and optimizer moments
-  are low precision too; long runs and small learning rates drift from fp32. Checkpoints are upcast to fp32.
+  copy and optimizer state in the low dtype too (the least memory). Accuracy risk: updates smaller than the low
+  dtype's resolution next to a weight (bf16 keeps 8 significant bits, so lr x update below ~1/256 of |w| rounds
+  away) are lost, and the optimizer moments are low precision; long runs and small learning rates drift from fp32.
+  Checkpoints are upcast to fp32.
 
 fp16 gets dynamic loss scaling in every mode (`LossScaler`); bf16 and fp32 need none.
 """
@@ -38,7 +39,8 @@ from vitrain.config import PrecisionConfig
 from vitrain.errors import VitrainError
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+# _NormBase covers every BatchNorm and InstanceNorm, whose running statistics must stay fp32 too.
+NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 
 
 class TrainingDiverged(VitrainError):
