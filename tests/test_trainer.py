@@ -97,13 +97,13 @@ def test_resume_with_another_model_is_refused_and_keeps_the_checkpoint(tmp_path)
     assert snapshot(cfg.run_dir / "checkpoints") == before
 
 
-def test_resume_after_max_steps_continues_exactly(tmp_path):
-    """Stop at step 7 and resume: steps 8.. equal the uninterrupted run (loss, lr and data order)."""
-    whole = load_config(None, tiny_overrides(tmp_path, "name=whole", "train.epochs=2", "data.crop_padding=1"))
+@pytest.mark.parametrize("impl", ["fused", "flat"])
+def test_resume_after_max_steps_continues_exactly(tmp_path, impl):
+    """Stop at step 30 and resume: steps 31.. equal the uninterrupted run (loss, lr and data order)."""
+    common = ["train.epochs=2", "data.crop_padding=1", f"optim.impl={impl}"]
+    whole = load_config(None, tiny_overrides(tmp_path, "name=whole", *common))
     Trainer(whole).fit()
-    part = load_config(
-        None, tiny_overrides(tmp_path, "name=part", "train.epochs=2", "data.crop_padding=1", "train.max_steps=30")
-    )
+    part = load_config(None, tiny_overrides(tmp_path, "name=part", *common, "train.max_steps=30"))
     Trainer(part).fit()
     part.train.max_steps = 0
     Trainer(part, resume=True).fit()

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from vitrain.errors import CheckpointError
+from vitrain.optim.flat import ensure_state, is_flat, per_parameter_state
 from vitrain.parallel.distributed import barrier, is_distributed, rank
 from vitrain.parallel.strategies import unwrap
 
@@ -150,7 +151,13 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     """Model and optimizer state keyed by single-device parameter names (shards stay DTensors under FSDP)."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return get_model_state_dict(model), _zero1_state(model, optimizer)
+    if is_flat(optimizer):
+        return get_model_state_dict(model), per_parameter_state(optimizer, _names(model))
     return get_state_dict(model, optimizer)
+
+
+def _names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {p: n for n, p in unwrap(model).named_parameters()}
 
 
 def _zero1_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
@@ -230,6 +237,16 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
     check_model_matches(path, model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         _load_zero1(path, model, optimizer)
+        return
+    if is_flat(optimizer):
+        # Read straight into views of the flat buffers: the model's parameters and the optimizer's moments.
+        ensure_state(optimizer)
+        wanted = {"model": get_model_state_dict(model), "optim": per_parameter_state(optimizer, _names(model))}
+        wanted["optim"].pop("param_groups")
+        _dcp(dcp.load, wanted, path)
+        with torch.no_grad():
+            for name, param in unwrap(model).named_parameters():
+                param.copy_(wanted["model"][name])
         return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}

@@ -92,6 +92,21 @@ def _parser() -> argparse.ArgumentParser:
     loader.add_argument("--out", default=None, help="also write the result as JSON to this file")
     loader.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="e.g. train.batch_size=256 data.hflip=0.5")
     loader.set_defaults(func=_bench_loader)
+    lr_find = sub.add_parser("lr-find", help="lr range test: writes lr_find.csv, a plot and a suggested lr")
+    lr_find.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, overrides")
+    lr_find.add_argument("--start", type=float, default=1e-7, help="first learning rate (default 1e-7)")
+    lr_find.add_argument("--end", type=float, default=10.0, help="last learning rate (default 10)")
+    lr_find.add_argument("--steps", type=int, default=100, help="number of steps (default 100)")
+    lr_find.add_argument("--out", default=None, help="output folder (default: <log.out_dir>/<name>-lr-find)")
+    lr_find.set_defaults(func=_lr_find)
+
+    bench_optim = bench_sub.add_parser("optim", help="time one optimizer step per kernel (loop/foreach/fused/flat)")
+    bench_optim.add_argument("--model", default="vit_small_patch16", help="a preset (default ViT-S/16)")
+    bench_optim.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "lamb", "lars"])
+    bench_optim.add_argument("--impls", default="loop,foreach,fused,flat,auto", help="comma-separated kernels")
+    bench_optim.add_argument("--steps", type=int, default=20, help="timed steps per kernel (median reported)")
+    bench_optim.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bench_optim.set_defaults(func=_bench_optim)
 
     config = sub.add_parser("config", help="inspect configs")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -264,6 +279,50 @@ def _bench_loader(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _lr_find(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitrain.errors import ConfigError
+    from vitrain.optim.lr_find import lr_range_test
+
+    if not 0 < args.start < args.end or args.steps < 3:
+        raise ConfigError(
+            f"lr-find needs 0 < --start < --end and --steps >= 3; got --start={args.start} --end={args.end} "
+            f"--steps={args.steps}"
+        )
+    cfg = _load(args.args)
+    out = Path(args.out) if args.out else cfg.run_dir.with_name(f"{cfg.name}-lr-find")
+    result = lr_range_test(cfg, args.start, args.end, args.steps, out)
+    print(f"lr range test: {len(result.lrs)} steps from {result.lrs[0]:.2e} to {result.lrs[-1]:.2e}")
+    print(f"suggested lr: {result.suggested_lr:.3e} (steepest loss descent); losses in {result.csv_path}")
+    if result.plot_path is not None:
+        print(f"plot: {result.plot_path}")
+    else:
+        print("no plot: matplotlib is not installed; pip install 'vitrain[plot]' and rerun to get lr_find.png")
+    return 0
+
+
+def _bench_optim(args: argparse.Namespace) -> int:
+    import torch
+
+    from vitrain.bench.optim import bench_optimizer_step, preset_model_config
+    from vitrain.config import OptimConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    impls = tuple(i.strip() for i in args.impls.split(",") if i.strip())
+    model_cfg = preset_model_config(args.model)
+    params, timings = bench_optimizer_step(model_cfg, OptimConfig(name=args.optimizer), impls, args.steps)
+    print(
+        f"{args.optimizer} step over {args.model} ({params / 1e6:.1f}M params, fp32, cpu, "
+        f"{torch.get_num_threads()} threads), median of {args.steps} steps"
+    )
+    print(f"{'impl':<9}{'runs as':<10}{'ms/step':>10}{'vs loop':>10}")
+    for t in timings:
+        speedup = f"{t.speedup_vs_loop:.1f}x" if t.speedup_vs_loop else "-"
+        print(f"{t.impl:<9}{t.resolved:<10}{t.ms_per_step:>10.1f}{speedup:>10}")
     return 0
 
 

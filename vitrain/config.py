@@ -72,20 +72,36 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw"] = "adamw"
+    name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw, lamb
     eps: float = 1e-8
-    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    momentum: float = 0.9  # sgd, lars
+    nesterov: bool = False  # sgd
+    trust_coefficient: float = 0.001  # lars: scales each layer's step by ||w|| / ||g||
+    # auto: fastest on the device; flat: all parameters as views into one buffer per group, one fused update each.
+    impl: Literal["auto", "fused", "foreach", "loop", "flat"] = "auto"
     clip_grad_norm: float = 1.0  # 0 turns clipping off
+    head_lr_scale: float = 1.0  # the classifier head's lr = lr x this
+    head_weight_decay: float | None = None  # None: same as weight_decay
+    layer_decay: float = 1.0  # layer-wise lr decay for fine-tuning: block i gets lr x layer_decay^(depth+1-i); 1 = off
 
 
 @dataclass
 class ScheduleConfig:
-    name: Literal["warmup_cosine", "constant"] = "warmup_cosine"
-    warmup_epochs: float = 1.0
+    name: Literal["warmup_cosine", "constant", "onecycle", "cyclic", "step"] = "warmup_cosine"
+    warmup_epochs: float = 1.0  # linear warmup before cosine, cyclic and step (onecycle has its own ramp)
     min_lr: float = 1e-6
+    onecycle_pct: float = 0.3  # onecycle: fraction of the run spent ramping up from lr / div_factor
+    div_factor: float = 25.0  # onecycle: starting lr = lr / div_factor
+    final_div_factor: float = 1e4  # onecycle: final lr = lr / div_factor / final_div_factor
+    cycle_epochs: float = 4.0  # cyclic: length of one triangle min_lr -> lr -> min_lr
+    cycle_decay: float = 1.0  # cyclic: the peak is multiplied by this after each cycle (0.5: "triangular2")
+    milestones: tuple[float, ...] = ()  # step: epochs at which the lr is multiplied by gamma
+    gamma: float = 0.1  # step
+    scale_lr: Literal["none", "linear"] = "none"  # linear: lr x global_batch / base_batch_size (Goyal et al.)
+    base_batch_size: int = 256
 
 
 @dataclass
@@ -106,7 +122,14 @@ class TrainConfig:
 
 @dataclass
 class PrecisionConfig:
-    mode: Literal["fp32"] = "fp32"
+    # auto: the fastest numerically safe policy for the device (logged); see vitrain/precision.py for each mode.
+    mode: Literal["auto", "fp32", "amp_o1", "amp_o2", "pure"] = "auto"
+    dtype: Literal["bf16", "fp16"] = "bf16"  # the low dtype of amp_o1, amp_o2 and pure
+    # fp16 dynamic loss scaling (bf16 and fp32 use none).
+    init_scale: float = 65536.0
+    growth_interval: int = 2000  # double the scale after this many steps without an overflow
+    min_scale: float = 1.0
+    max_overflows_at_min: int = 20  # this many consecutive overflows at min_scale stop the run
 
 
 @dataclass
@@ -430,6 +453,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.clip_grad_norm={cfg.optim.clip_grad_norm} must be >= 0 (0 turns it off)")
     if cfg.schedule.warmup_epochs < 0:
         raise ConfigError(f"schedule.warmup_epochs={cfg.schedule.warmup_epochs} must be >= 0")
+    _validate_optim_schedule_precision(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")
 
@@ -444,3 +468,39 @@ def _validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")
     if p.checkpoint_every_k <= 0:
         raise ConfigError(f"parallel.checkpoint_every_k={p.checkpoint_every_k} must be positive")
+
+
+def _validate_optim_schedule_precision(cfg: Config) -> None:
+    o, s, p = cfg.optim, cfg.schedule, cfg.precision
+    if o.weight_decay < 0 or (o.head_weight_decay is not None and o.head_weight_decay < 0):
+        raise ConfigError("optim.weight_decay and optim.head_weight_decay must be >= 0")
+    if o.head_lr_scale <= 0:
+        raise ConfigError(f"optim.head_lr_scale={o.head_lr_scale} must be positive")
+    if not 0.0 < o.layer_decay <= 1.0:
+        raise ConfigError(f"optim.layer_decay={o.layer_decay} must be in (0, 1]; 1 turns layer-wise decay off")
+    if not 0.0 <= o.momentum < 1.0:
+        raise ConfigError(f"optim.momentum={o.momentum} must be in [0, 1)")
+    if o.name in ("lamb", "lars") and o.impl in ("fused", "flat"):
+        raise ConfigError(
+            f"optim.impl={o.impl} is not available for optim.name={o.name} (it needs per-tensor norms); "
+            "use optim.impl=foreach, loop or auto"
+        )
+    if s.name == "step" and not s.milestones:
+        raise ConfigError("schedule.name=step needs schedule.milestones=[EPOCH,...], e.g. [30,60]")
+    if list(s.milestones) != sorted(s.milestones):
+        raise ConfigError(f"schedule.milestones={list(s.milestones)} must be in increasing order")
+    if not 0.0 < s.onecycle_pct < 1.0:
+        raise ConfigError(f"schedule.onecycle_pct={s.onecycle_pct} must be in (0, 1)")
+    if s.cycle_epochs <= 0 or s.base_batch_size <= 0 or s.div_factor <= 0 or s.final_div_factor <= 0:
+        raise ConfigError("schedule.cycle_epochs, base_batch_size, div_factor and final_div_factor must be positive")
+    if s.min_lr < 0 or s.min_lr > o.lr:
+        raise ConfigError(f"schedule.min_lr={s.min_lr} must be between 0 and optim.lr={o.lr}")
+    if p.mode in ("amp_o2", "pure") and cfg.parallel.strategy != "single":
+        raise ConfigError(
+            f"precision.mode={p.mode} keeps a low-precision copy of a single-device model; with "
+            f"parallel.strategy={cfg.parallel.strategy} use precision.mode=amp_o1 (autocast) or fp32"
+        )
+    if p.init_scale < p.min_scale or p.min_scale <= 0:
+        raise ConfigError(f"precision.init_scale={p.init_scale} must be >= precision.min_scale={p.min_scale} > 0")
+    if p.growth_interval <= 0 or p.max_overflows_at_min <= 0:
+        raise ConfigError("precision.growth_interval and precision.max_overflows_at_min must be positive")

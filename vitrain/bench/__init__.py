@@ -1,1 +1,1 @@
-"""Benchmarks a reader can rerun (`vitrain bench ...`) and cost models (memory per device per strategy)."""
+"""Benchmarks a reader can rerun (`vitrain bench loader|optim`) and cost models (memory per device)."""

@@ -21,15 +21,15 @@ from vitrain.data.loader import WaitTimer
 from vitrain.engine.evaluate import evaluate
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import complexity, count_parameters, create_model
-from vitrain.optim import lr_at, resolve_impl, set_lr
+from vitrain.optim import Schedule, resolve_impl, scaled_lr, set_lr
 from vitrain.parallel import (
     broadcast_object,
     build_parallel_optimizer,
-    clip_grad_norm,
     init_distributed,
     mean_over_ranks,
     parallelize,
 )
+from vitrain.precision import PrecisionPolicy, check_finite
 from vitrain.weights import load_pretrained
 
 
@@ -96,14 +96,21 @@ class Trainer:
                 f"{len(self.train_loader.data)} training samples; lower the batch size"
             )
         self.total_steps = self.steps_per_epoch * t.epochs
-        self.warmup_steps = int(cfg.schedule.warmup_epochs * self.steps_per_epoch)
+        peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.world_size)
+        self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
 
         model = create_model(cfg.model).to(self.device)
         if cfg.model.init_from:
             load_pretrained(model, Path(cfg.model.init_from))
-        self.model = parallelize(model, cfg.parallel, self.device)
+        # The policy may hand back a low-precision working copy (amp_o2/pure, single device only); the
+        # optimizer and the checkpoints always use self.model, which holds the fp32 master weights under amp_o2.
+        self.precision = PrecisionPolicy(cfg.precision, self.device, cfg.parallel.strategy)
+        working = self.precision.prepare(model)
+        if working is model:
+            working = model = parallelize(model, cfg.parallel, self.device)
+        self.model = model
         self.optimizer = build_parallel_optimizer(self.model, cfg.optim, cfg.parallel, self.device)
-        self.forward = torch.compile(self.model) if t.compile else self.model
+        self.forward = torch.compile(working) if t.compile else working
 
         self.step = 0
         self.epoch = 0
@@ -134,6 +141,7 @@ class Trainer:
         """Everything but the tensors; the data position is in samples so another world size can resume it."""
         return {
             "config": to_dict(self.cfg),
+            "precision": self.precision.state_dict(),
             "step": self.step,
             "epoch": self.epoch,
             "samples_in_epoch": self.batch_in_epoch * self.global_micro_batch,
@@ -160,6 +168,7 @@ class Trainer:
                 f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
             )
         ckpt.load_training_state(path, self.model, self.optimizer)
+        self.precision.load_state_dict(meta.get("precision"))
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = samples // self.global_micro_batch
         self.best_top1, self.last_eval = meta["best_top1"], meta["last_eval"]
@@ -170,6 +179,7 @@ class Trainer:
         return self.cfg.train.batch_size * self.dist.world_size
 
     def save(self, is_best: bool = False) -> Path:
+        check_finite(self.model)  # a diverged run keeps its last good checkpoint instead of saving inf/NaN
         meta = self.meta(is_best)
         return ckpt.save(self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.train.keep_checkpoints)
 
@@ -208,17 +218,20 @@ class Trainer:
             batches = WaitTimer(itertools.islice(self.train_loader.epoch(self.epoch, self.batch_in_epoch), remaining))
             for images, labels in batches:
                 if micro == 0:
-                    lr = lr_at(self.step, self.total_steps, self.warmup_steps, cfg.optim.lr, cfg.schedule)
+                    lr = self.schedule(self.step)
                     set_lr(self.optimizer, lr)
-                loss = F.cross_entropy(self.forward(images), labels, label_smoothing=t.label_smoothing)
-                (loss / t.accum_steps).backward()
+                with self.precision.autocast():
+                    loss = F.cross_entropy(self.forward(images).float(), labels, label_smoothing=t.label_smoothing)
+                self.precision.backward(loss / t.accum_steps)
                 micro += 1
                 self.batch_in_epoch += 1
                 if micro < t.accum_steps:
                     continue
-                grad_norm = self._optimizer_step()
+                grad_norm, skipped = self.precision.step(self.optimizer, cfg.optim.clip_grad_norm)
                 micro = 0
                 self.step += 1
+                if skipped:
+                    log.record(step=self.step, epoch=self.epoch, skipped=True, **self._scaler_fields())
 
                 now = time.perf_counter()
                 step_images = images.shape[0] * t.accum_steps * self.dist.world_size
@@ -250,6 +263,7 @@ class Trainer:
                         images_per_s=images_per_s,
                         data_wait_s=window_wait_s / window_steps,  # mean per step over the logged window
                         data_wait_frac=wait_frac,  # share of the window's step time spent waiting for data
+                        **self._scaler_fields(),
                     )
                     window_images, window_start, window_wait_s, window_steps = 0, time.perf_counter(), 0.0, 0
                 if t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
@@ -278,17 +292,13 @@ class Trainer:
         log.close()
         return summary
 
-    def _optimizer_step(self) -> float | None:
-        clip = self.cfg.optim.clip_grad_norm
-        grad_norm = None
-        if clip > 0:
-            grad_norm = clip_grad_norm(self.model, clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+    def _scaler_fields(self) -> dict[str, Any]:
+        scaler = self.precision.scaler
+        return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
 
     def _evaluate_and_save(self, log: RunLog) -> None:
-        self.last_eval = evaluate(self.forward, self.val_loader)
+        with self.precision.autocast():
+            self.last_eval = evaluate(self.forward, self.val_loader)
         is_best = self.last_eval["val_top1"] > self.best_top1
         self.best_top1 = max(self.best_top1, self.last_eval["val_top1"])
         log.record(step=self.step, epoch=self.epoch, **self.last_eval)
@@ -303,15 +313,17 @@ class Trainer:
         cost = complexity(cfg.model)
         p = cfg.parallel
         global_batch = cfg.train.batch_size * self.dist.world_size * cfg.train.accum_steps
+        impl = resolve_impl(cfg.optim.impl, self.device, cfg.optim.name, cfg.parallel.strategy)
         log.info(
             f"vitrain: {count_parameters(self.model) / 1e6:.2f}M params, {cost.flops / 1e9:.3f} GFLOPs/image, "
-            f"device={self.device}, optimizer={cfg.optim.name}[{resolve_impl(cfg.optim.impl, self.device)}], "
+            f"device={self.device}, optimizer={cfg.optim.name}[{impl}], "
             f"parallel={p.strategy} x {self.dist.world_size} (wrap={p.wrap}, offload={p.offload}, "
             f"activation checkpointing={p.activation_checkpointing}), "
             f"global batch={global_batch} ({cfg.train.batch_size} x {self.dist.world_size} processes x "
             f"{cfg.train.accum_steps} accumulation), {self.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
             f"{len(self.train_loader.data)} train / {len(self.val_loader.data)} val images, run dir {self.run_dir}"
         )
+        log.info(self.precision.describe())
 
     def _summary(self, wall_s: float, images_per_s: float, compile_s: float | None) -> dict[str, Any]:
         summary = {
@@ -330,6 +342,8 @@ class Trainer:
             "strategy": self.cfg.parallel.strategy,
             "world_size": self.dist.world_size,
             "global_batch": self.cfg.train.batch_size * self.dist.world_size * self.cfg.train.accum_steps,
+            "precision": self.precision.resolved.label,
+            **self._scaler_fields(),
         }
         if compile_s is not None:
             summary["compile_s"] = compile_s

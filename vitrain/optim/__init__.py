@@ -1,6 +1,6 @@
-"""Optimizers and learning-rate schedules."""
+"""Optimizers, learning-rate schedules and the lr range test."""
 
 from vitrain.optim.optimizers import build_optimizer, param_groups, resolve_impl
-from vitrain.optim.schedules import lr_at, set_lr
+from vitrain.optim.schedules import Schedule, scaled_lr, set_lr
 
-__all__ = ["build_optimizer", "lr_at", "param_groups", "resolve_impl", "set_lr"]
+__all__ = ["Schedule", "build_optimizer", "param_groups", "resolve_impl", "scaled_lr", "set_lr"]

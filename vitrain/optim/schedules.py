@@ -3,17 +3,67 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from vitrain.config import ScheduleConfig
 
 
-def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float, cfg: ScheduleConfig) -> float:
-    if cfg.name == "constant":
-        return base_lr
-    if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return cfg.min_lr + 0.5 * (base_lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+def scaled_lr(base_lr: float, cfg: ScheduleConfig, global_batch: int) -> float:
+    """`schedule.scale_lr=linear`: lr x global_batch / base_batch_size (Goyal et al., 2017); otherwise `base_lr`."""
+    if cfg.scale_lr == "linear":
+        return base_lr * global_batch / cfg.base_batch_size
+    return base_lr
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """lr(step) for one run: `peak_lr` is the (possibly batch-scaled) optim.lr."""
+
+    cfg: ScheduleConfig
+    peak_lr: float
+    total_steps: int
+    steps_per_epoch: int
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.cfg.warmup_epochs * self.steps_per_epoch)
+
+    def __call__(self, step: int) -> float:
+        cfg, peak = self.cfg, self.peak_lr
+        if cfg.name == "constant":
+            return peak
+        if cfg.name == "onecycle":
+            return self._onecycle(step)
+        warmup = self.warmup_steps
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        if cfg.name == "warmup_cosine":
+            progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
+            return _cosine(peak, cfg.min_lr, progress)
+        if cfg.name == "step":
+            passed = sum(step >= m * self.steps_per_epoch for m in cfg.milestones)
+            return peak * cfg.gamma**passed
+        # cyclic: triangles peak -> min_lr -> peak (continuing from warmup), the peak shrinking by cycle_decay
+        cycle_steps = max(2, int(cfg.cycle_epochs * self.steps_per_epoch))
+        cycle, position = divmod(step - warmup, cycle_steps)
+        top = cfg.min_lr + (peak - cfg.min_lr) * cfg.cycle_decay**cycle
+        depth = 1.0 - abs(2.0 * position / cycle_steps - 1.0)  # 0 at the cycle's ends, 1 mid-cycle
+        return top - (top - cfg.min_lr) * depth
+
+    def _onecycle(self, step: int) -> float:
+        """Smith's 1cycle as in torch's OneCycleLR (cosine annealing): lr/div up to lr, then down to lr/div/final."""
+        cfg = self.cfg
+        start = self.peak_lr / cfg.div_factor
+        end = start / cfg.final_div_factor
+        up = max(1, int(cfg.onecycle_pct * self.total_steps))
+        if step < up:
+            return _cosine(self.peak_lr, start, 1.0 - step / up)
+        return _cosine(self.peak_lr, end, min(1.0, (step - up) / max(1, self.total_steps - up)))
+
+
+def _cosine(high: float, low: float, progress: float) -> float:
+    """high at progress 0, low at progress 1, half a cosine in between."""
+    return low + 0.5 * (high - low) * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer, lr: float) -> None:

@@ -2,14 +2,13 @@
 
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.distributed import DistInfo, broadcast_object, init_distributed, mean_over_ranks, shutdown
-from vitrain.parallel.strategies import build_parallel_optimizer, clip_grad_norm, parallelize, unwrap
+from vitrain.parallel.strategies import build_parallel_optimizer, parallelize, unwrap
 
 __all__ = [
     "DistInfo",
     "apply_activation_checkpointing",
     "broadcast_object",
     "build_parallel_optimizer",
-    "clip_grad_norm",
     "init_distributed",
     "mean_over_ranks",
     "parallelize",

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from vitrain.config import OptimConfig, ParallelConfig
+from vitrain.errors import ConfigError
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
+from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 
 
@@ -65,25 +66,12 @@ def unwrap(module: nn.Module) -> nn.Module:
 def build_parallel_optimizer(
     model: nn.Module, optim_cfg: OptimConfig, cfg: ParallelConfig, device: torch.device
 ) -> torch.optim.Optimizer:
-    """AdamW over the (possibly sharded) parameters; zero1 shards its state with ZeroRedundancyOptimizer."""
+    """The configured optimizer over the (possibly sharded) parameters; zero1 shards its state across ranks."""
     model = unwrap(model)
     if cfg.strategy != "zero1":
-        return build_optimizer(model, optim_cfg, device)
-    impl = resolve_impl(optim_cfg.impl, device)
-    return ZeroRedundancyOptimizer(
-        param_groups(model, optim_cfg.weight_decay),
-        optimizer_class=torch.optim.AdamW,
-        lr=optim_cfg.lr,
-        betas=optim_cfg.betas,
-        eps=optim_cfg.eps,
-        fused=impl == "fused",
-        foreach=impl == "foreach",
-    )
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip by the global gradient norm; with FSDP the norm is reduced over every rank's shard."""
-    norm = torch.nn.utils.clip_grad_norm_(unwrap(model).parameters(), max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+        return build_optimizer(model, optim_cfg, device, cfg.strategy)
+    impl = resolve_impl(optim_cfg.impl, device, optim_cfg.name, cfg.strategy)
+    if impl == "flat":
+        raise ConfigError("optim.impl=flat cannot be used with parallel.strategy=zero1; use optim.impl=fused or auto")
+    optimizer_class, kwargs = optimizer_class_and_kwargs(optim_cfg, impl)
+    return ZeroRedundancyOptimizer(param_groups(model, optim_cfg), optimizer_class=optimizer_class, **kwargs)

@@ -1,0 +1,288 @@
+"""Precision policies: dtypes under each mode, fp16 loss scaling, fp32 checkpoints, auto's choice on this CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitrain.config import ModelConfig, PrecisionConfig, load_config
+from vitrain.engine import Trainer
+from vitrain.models import create_model
+from vitrain.precision import PrecisionPolicy, TrainingDiverged, fp32_state_dict, resolve
+
+CPU = torch.device("cpu")
+TINY_VIT = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=10, width=32, depth=2, heads=2)
+
+
+def tiny_run(tmp_path: Path, *overrides: str):
+    """The digits recipe shrunk to a few seconds: a 2-block ViT for a handful of steps."""
+    return load_config(
+        "configs/digits.yaml",
+        [
+            f"log.out_dir={tmp_path}",
+            "log.progress=false",
+            "log.every_steps=1",
+            "model.width=32",
+            "model.depth=2",
+            "model.heads=2",
+            "train.epochs=1",
+            "train.batch_size=32",
+            *overrides,
+        ],
+    )
+
+
+class NormZoo(nn.Module):
+    """Linear layers around each kind of norm, so O2 must keep every norm (and BatchNorm's statistics) in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.ln = nn.LayerNorm(16)
+        self.gn = nn.GroupNorm(4, 16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(self.gn(self.ln(self.bn(self.fc1(x)))))
+
+
+def policy(mode: str, dtype: str = "bf16", **kwargs) -> PrecisionPolicy:
+    return PrecisionPolicy(PrecisionConfig(mode=mode, dtype=dtype, **kwargs), CPU)
+
+
+def train_step(pol: PrecisionPolicy, forward: nn.Module, optimizer, seed: int = 0, poison=None):
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    with pol.autocast():
+        loss = F.cross_entropy(forward(x).float(), y)
+    pol.backward(loss)
+    if poison is not None:
+        poison()
+    return pol.step(optimizer, clip_grad_norm=1.0)
+
+
+def weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters only: BatchNorm's running statistics move with every forward, skipped step or not."""
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def test_o2_keeps_norms_their_statistics_and_master_weights_fp32_and_the_rest_low():
+    model = NormZoo()
+    pol = policy("amp_o2")
+    working = pol.prepare(model)
+    for name, tensor in working.module.state_dict().items():
+        is_norm = name.split(".")[0] in ("bn", "ln", "gn")
+        if tensor.is_floating_point():
+            assert tensor.dtype == (torch.float32 if is_norm else torch.bfloat16), name
+    assert all(t.dtype == torch.float32 for t in model.state_dict().values() if t.is_floating_point())
+    assert working.module.bn.running_mean.dtype == torch.float32
+
+
+def test_o2_runs_batchnorm_statistics_in_fp32_on_the_master():
+    model = NormZoo()
+    pol = policy("amp_o2")
+    working = pol.prepare(model)
+    before = model.bn.running_mean.clone()
+    logits = working(torch.randn(16, 8))
+    assert logits.dtype == torch.float32  # the loss is computed in fp32
+    assert model.bn.running_mean.dtype == torch.float32
+    assert not torch.equal(model.bn.running_mean, before)  # the working copy updated the master's statistics
+
+
+def test_o2_optimizer_updates_fp32_master_and_refreshes_low_copy():
+    model = NormZoo()
+    pol = policy("amp_o2")
+    working = pol.prepare(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model.fc1.weight.detach().clone()
+    _, skipped = train_step(pol, working, optimizer)
+    assert not skipped
+    assert model.fc1.weight.dtype == torch.float32 and not torch.equal(model.fc1.weight, before)
+    assert torch.equal(working.module.fc1.weight, model.fc1.weight.detach().to(torch.bfloat16))
+    assert working.module.fc1.weight.grad is None  # gradients moved to the master, not kept twice
+
+
+def test_o2_vit_layernorms_fp32_other_weights_bf16():
+    model = create_model(TINY_VIT)
+    working = policy("amp_o2").prepare(model).module
+    for name, param in working.named_parameters():
+        expected = torch.float32 if "norm" in name else torch.bfloat16
+        assert param.dtype == expected, name
+
+
+def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls():
+    model = create_model(TINY_VIT)
+    pol = policy("amp_o1")
+    forward = pol.prepare(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pol.autocast():
+        logits = forward(torch.randn(4, 1, 16, 16))
+        assert logits.dtype == torch.bfloat16
+        loss = F.cross_entropy(logits.float(), torch.randint(0, 10, (4,)))
+    pol.backward(loss)
+    pol.step(optimizer, 1.0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(s.dtype == torch.float32 for st in optimizer.state.values() for s in st.values() if s.ndim)
+
+
+def test_pure_casts_every_weight_low_and_checkpoint_upcasts_to_fp32():
+    model = create_model(TINY_VIT)
+    policy("pure").prepare(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    state = fp32_state_dict(model)
+    assert all(t.dtype == torch.float32 for t in state.values())
+    assert torch.equal(state["head.weight"].to(torch.bfloat16), model.head.weight)
+
+
+def test_injected_inf_gradient_skips_exactly_that_step_and_halves_the_scale():
+    model = NormZoo()
+    pol = policy("amp_o2", dtype="fp16", init_scale=1024.0)
+    working = pol.prepare(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert train_step(pol, working, optimizer, seed=0)[1] is False
+    master, low = weights(model), weights(working)
+    moments = {p: {n: t.clone() for n, t in st.items()} for p, st in optimizer.state.items()}
+
+    def poison():
+        working.module.fc2.weight.grad[0, 0] = float("inf")
+
+    grad_norm, skipped = train_step(pol, working, optimizer, seed=1, poison=poison)
+    assert skipped and grad_norm is None
+    assert all(torch.equal(master[k], v) for k, v in model.named_parameters())  # bitwise unchanged
+    assert all(torch.equal(low[k], v) for k, v in working.named_parameters())
+    assert all(torch.equal(moments[p][n], t) for p, st in optimizer.state.items() for n, t in st.items())
+    assert pol.scaler.scale == 512.0 and pol.scaler.skipped_steps == 1
+    assert all(p.grad is None for p in model.parameters())  # nothing leaks into the next step
+
+    assert train_step(pol, working, optimizer, seed=2)[1] is False  # training continues
+    assert not torch.equal(master["fc1.weight"], model.fc1.weight)
+    assert pol.scaler.scale == 512.0
+
+
+def test_loss_scale_grows_after_growth_interval_clean_steps():
+    model = NormZoo()
+    pol = policy("amp_o1", dtype="fp16", init_scale=8.0, growth_interval=2)
+    forward = pol.prepare(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for seed in range(4):
+        train_step(pol, forward, optimizer, seed=seed)
+    assert pol.scaler.scale == 32.0
+
+
+def test_consecutive_overflows_at_min_scale_stop_with_a_clear_message():
+    model = NormZoo()
+    pol = policy("amp_o1", dtype="fp16", init_scale=2.0, min_scale=1.0, max_overflows_at_min=3)
+    forward = pol.prepare(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def poison():
+        model.fc1.weight.grad.fill_(float("nan"))
+
+    train_step(pol, forward, optimizer, poison=poison)  # 2 -> 1
+    train_step(pol, forward, optimizer, poison=poison)  # first overflow at the minimum
+    train_step(pol, forward, optimizer, poison=poison)
+    with pytest.raises(TrainingDiverged, match=r"3 steps in a row at the minimum loss scale precision.min_scale"):
+        train_step(pol, forward, optimizer, poison=poison)
+
+
+def test_bf16_and_fp32_use_no_loss_scaler():
+    assert policy("amp_o2", "bf16").scaler is None
+    assert policy("fp32").scaler is None
+    assert policy("pure", "fp16").scaler is not None
+
+
+def test_fp32_state_dict_refuses_a_non_finite_weight():
+    model = NormZoo()
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = float("inf")
+    with pytest.raises(TrainingDiverged, match="fc1.weight holds inf/NaN"):
+        fp32_state_dict(model)
+
+
+@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX bf16 units: auto picks bf16 there")
+def test_auto_selects_fp32_on_this_cpu_and_says_why():
+    chosen = resolve(PrecisionConfig(mode="auto"), CPU)
+    assert chosen.mode == "fp32" and chosen.dtype == torch.float32
+    assert "CPU without AMX bf16 matmul units" in chosen.reason and "slower than fp32" in chosen.reason
+
+
+@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX bf16 units: auto picks bf16 there")
+def test_trainer_logs_why_auto_chose_fp32(tmp_path):
+    cfg = tiny_run(tmp_path, "precision.mode=auto", "train.max_steps=1")
+    summary = Trainer(cfg).fit()
+    assert summary["precision"] == "fp32"
+    log = (cfg.run_dir / "log.txt").read_text()
+    assert "precision fp32 (auto: CPU without AMX bf16 matmul units" in log
+
+
+def test_fp16_o2_run_checkpoint_is_all_fp32_and_finite(tmp_path):
+    cfg = tiny_run(tmp_path, "precision.mode=amp_o2", "precision.dtype=fp16", "train.max_steps=6")
+    Trainer(cfg).fit()
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from vitrain import checkpoint as ckpt
+    from vitrain.cli import main
+
+    step_dir = ckpt.latest(cfg.run_dir)
+    dcp_to_torch_save(step_dir, tmp_path / "whole.pt")
+    state = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert main(["export", str(step_dir), str(tmp_path / "export")]) == 0
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    tensors = list(state["model"].values()) + list(exported.values())
+    tensors += [t for s in state["optim"]["state"].values() for t in s.values() if torch.is_tensor(t) and t.ndim]
+    assert tensors and all(t.dtype == torch.float32 for t in tensors)
+    assert all(bool(torch.isfinite(t).all()) for t in tensors)
+    assert ckpt.read_meta(step_dir)["precision"]["scaler"]["scale"] > 0
+
+
+def test_trainer_skips_and_logs_an_injected_overflow_then_continues(tmp_path):
+    cfg = tiny_run(tmp_path, "precision.mode=amp_o1", "precision.dtype=fp16", "train.max_steps=6")
+    trainer = Trainer(cfg)
+    calls = []
+
+    def overflow_on_third_backward(grad):
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 3 else grad
+
+    trainer.model.head.weight.register_hook(overflow_on_third_backward)
+    summary = trainer.fit()
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r.get("skipped")]
+    assert [r["step"] for r in skipped] == [3]
+    steps = {r["step"]: r for r in records if "loss" in r}
+    assert steps[3]["loss_scale"] == steps[2]["loss_scale"] / 2
+    assert summary["steps"] == 6 and summary["skipped_steps"] == 1
+
+
+def test_resume_restores_the_loss_scale_and_the_working_copy(tmp_path):
+    cfg = tiny_run(tmp_path, "precision.mode=amp_o2", "precision.dtype=fp16", "train.max_steps=2")
+    first = Trainer(cfg)
+    first.precision.scaler.scale = 1234.0  # as if overflows had lowered it
+    first.fit()
+    resumed = Trainer(cfg, resume=True)
+    resumed.load(resumed.resume_path)
+    assert resumed.precision.scaler.scale == 1234.0
+    assert torch.equal(resumed.forward.module.head.weight, first.model.head.weight.detach().to(torch.float16))
+
+
+@pytest.fixture(scope="module")
+def digits_fp32_top1(tmp_path_factory) -> float:
+    out = tmp_path_factory.mktemp("digits-fp32")
+    cfg = load_config("configs/digits.yaml", [f"log.out_dir={out}", "log.progress=false", "precision.mode=fp32"])
+    return Trainer(cfg).fit()["val_top1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["amp_o1", "amp_o2", "pure"])
+def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32(mode, digits_fp32_top1, tmp_path):
+    """The full digits recipe, same seed; bf16 on this CPU is slow (~10-30 min per mode on 2 loaded cores)."""
+    overrides = [f"log.out_dir={tmp_path}", "log.progress=false", f"precision.mode={mode}", "precision.dtype=bf16"]
+    top1 = Trainer(load_config("configs/digits.yaml", overrides)).fit()["val_top1"]
+    assert abs(top1 - digits_fp32_top1) <= 0.01, (mode, top1, digits_fp32_top1)

@@ -1,0 +1,103 @@
+"""Learning-rate schedules, linear lr scaling and the lr range test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vitrain.cli import main
+from vitrain.config import ScheduleConfig, load_config
+from vitrain.errors import ConfigError
+from vitrain.optim import Schedule, scaled_lr
+from vitrain.optim.lr_find import suggest_lr
+
+
+def schedule(name: str, total: int = 100, per_epoch: int = 10, peak: float = 1.0, **kwargs) -> Schedule:
+    return Schedule(ScheduleConfig(name=name, **kwargs), peak, total, per_epoch)
+
+
+def test_warmup_cosine_ramps_linearly_then_decays_to_min_lr():
+    s = schedule("warmup_cosine", warmup_epochs=1, min_lr=0.01)
+    assert [s(i) for i in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert s(10) == pytest.approx(1.0)
+    assert s(55) == pytest.approx(0.01 + 0.5 * 0.99)
+    assert s(100) == pytest.approx(0.01)
+
+
+def test_onecycle_starts_low_peaks_at_pct_and_ends_far_below():
+    s = schedule("onecycle", onecycle_pct=0.3, div_factor=25, final_div_factor=1e4)
+    assert s(0) == pytest.approx(1 / 25)
+    assert s(30) == pytest.approx(1.0)
+    assert max(s(i) for i in range(100)) == pytest.approx(1.0)
+    assert s(100) == pytest.approx(1 / 25 / 1e4)
+
+
+def test_cyclic_falls_to_min_mid_cycle_and_shrinks_each_cycle():
+    s = schedule("cyclic", warmup_epochs=0, min_lr=0.0, cycle_epochs=2, cycle_decay=0.5)  # 20-step cycles
+    assert s(0) == pytest.approx(1.0)
+    assert s(10) == pytest.approx(0.0)
+    assert s(5) == pytest.approx(0.5)
+    assert s(20) == pytest.approx(0.5)  # second cycle peaks at half
+    assert s(30) == pytest.approx(0.0)
+
+
+def test_step_multiplies_by_gamma_at_each_milestone():
+    s = schedule("step", warmup_epochs=0, milestones=(3, 6), gamma=0.1)
+    assert [s(29), s(30), s(59), s(60)] == pytest.approx([1.0, 0.1, 0.1, 0.01])
+
+
+def test_step_without_milestones_is_refused():
+    with pytest.raises(ConfigError, match="schedule.name=step needs schedule.milestones"):
+        load_config("configs/digits.yaml", ["schedule.name=step"])
+
+
+def test_linear_scaling_multiplies_lr_by_global_batch_over_base():
+    cfg = ScheduleConfig(scale_lr="linear", base_batch_size=256)
+    assert scaled_lr(1e-3, cfg, 1024) == pytest.approx(4e-3)
+    assert scaled_lr(1e-3, ScheduleConfig(), 1024) == 1e-3
+
+
+def test_suggested_lr_is_where_the_loss_falls_fastest():
+    lrs = [10 ** (-6 + i * 0.25) for i in range(25)]  # 1e-6 .. 1
+    # flat, then a steep drop centred on 1e-3 (index 12), then blowing up
+    losses = [2.0 - 1.5 / (1 + math.exp(-(i - 12) * 2.0)) + (0.5 * (i - 20) ** 2 if i > 20 else 0) for i in range(25)]
+    assert suggest_lr(lrs, losses) == pytest.approx(1e-3)
+
+
+def test_lr_find_command_writes_csv_and_suggests_an_lr(tmp_path, capsys):
+    code = main(
+        [
+            "lr-find",
+            "model.width=32",
+            "model.depth=1",
+            "model.heads=2",
+            "log.progress=false",
+            "train.batch_size=32",
+            "--steps",
+            "25",
+            "--start",
+            "1e-5",
+            "--end",
+            "10",
+            "--out",
+            str(tmp_path / "lrf"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = (tmp_path / "lrf" / "lr_find.csv").read_text().splitlines()
+    assert lines[0] == "lr,loss,smoothed_loss" and len(lines) >= 4
+    suggested = float(out.split("suggested lr: ")[1].split()[0])
+    assert 1e-5 <= suggested <= 10
+    try:
+        import matplotlib  # noqa: F401
+
+        assert (tmp_path / "lrf" / "lr_find.png").exists()
+    except ImportError:
+        assert "pip install 'vitrain[plot]'" in out
+
+
+def test_lr_find_rejects_a_backwards_range(capsys):
+    assert main(["lr-find", "--start", "1", "--end", "0.1"]) == 2
+    assert "lr-find needs 0 < --start < --end" in capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""Optimizer-step benchmark: time one step of each kernel (loop, foreach, fused, flat) over a preset's parameters."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vitrain.config import ModelConfig, OptimConfig
+from vitrain.models import count_parameters, create_model, find_preset
+from vitrain.optim import build_optimizer, resolve_impl
+
+DEFAULT_IMPLS = ("loop", "foreach", "fused", "flat", "auto")
+
+
+@dataclass
+class StepTiming:
+    impl: str  # as asked for
+    resolved: str  # what `auto` became
+    ms_per_step: float  # median over the timed steps
+    speedup_vs_loop: float | None
+
+
+def preset_model_config(name: str) -> ModelConfig:
+    preset = find_preset(name)
+    if preset is None:
+        from vitrain.errors import ConfigError
+
+        raise ConfigError(f"--model {name} is not a known preset; run `vitrain models` for the list")
+    return ModelConfig(
+        width=preset.width,
+        depth=preset.depth,
+        heads=preset.heads,
+        mlp_dim=preset.mlp_dim,
+        patch_size=preset.patch_size,
+        image_size=preset.image_size,
+    )
+
+
+def bench_optimizer_step(
+    model_cfg: ModelConfig,
+    optim_cfg: OptimConfig,
+    impls: tuple[str, ...] = DEFAULT_IMPLS,
+    steps: int = 20,
+    warmup: int = 3,
+    device: torch.device | None = None,
+) -> tuple[int, list[StepTiming]]:
+    """Median time of `optimizer.step()` per impl on the same parameters and gradients; returns (params, timings).
+
+    The impls take turns step by step, so load from other processes on a shared machine hits them all alike.
+    """
+    device = device or torch.device("cpu")
+    optimizers, params = [], 0
+    for impl in impls:
+        torch.manual_seed(0)
+        model = create_model(model_cfg).to(device)
+        params = count_parameters(model)
+        cfg = OptimConfig(**{**optim_cfg.__dict__, "impl": impl})
+        optimizers.append(build_optimizer(model, cfg, device))
+        with torch.no_grad():
+            for p in model.parameters():  # the flat impl already gave each parameter a gradient view: fill it
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.normal_(std=1e-3)
+    samples: list[list[float]] = [[] for _ in impls]
+    for i in range(warmup + steps):
+        for optimizer, times in zip(optimizers, samples, strict=True):
+            _sync(device)
+            start = time.perf_counter()
+            optimizer.step()
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    timings = [
+        StepTiming(impl, resolve_impl(impl, device, optim_cfg.name), 1e3 * statistics.median(times), None)
+        for impl, times in zip(impls, samples, strict=True)
+    ]
+    loop = next((t.ms_per_step for t in timings if t.resolved == "loop"), None)
+    for t in timings:
+        t.speedup_vs_loop = loop / t.ms_per_step if loop else None
+    return params, timings
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,295 @@
+"""Precision policies (fp32, AMP O1, AMP O2 with fp32 master weights, pure low precision) and fp16 loss scaling.
+
+The trainer talks to one `PrecisionPolicy` through a narrow interface:
+
+    forward_model = policy.prepare(model)      # before the optimizer is built over `model`
+    with policy.autocast():
+        loss = loss_fn(forward_model(images))  # logits come back fp32, so the loss is fp32
+    policy.backward(loss)
+    grad_norm, skipped = policy.step(optimizer, clip_grad_norm)
+
+Modes (`precision.mode`, low dtype from `precision.dtype`):
+
+- fp32: nothing changes.
+- amp_o1: weights stay fp32; matmuls run in the low dtype under `torch.autocast`.
+- amp_o2: `prepare` returns a working copy whose weights and activations are in the low dtype, except every norm
+  layer (LayerNorm, RMSNorm, GroupNorm, BatchNorm; parameters and running statistics) which stays fp32, shared with
+  the fp32 model and computed in fp32. The fp32 `model` is the master copy: the optimizer updates it and the
+  working copy is refreshed from it after each step, so checkpoints always hold fp32 master weights.
+- pure: the model itself is cast to the low dtype (norms included) and the optimizer updates it directly: no master
+  copy and optimizer state in the low dtype too (the least memory). Accuracy risk: updates smaller than the low
+  dtype's resolution next to a weight (bf16 keeps 8 significant bits, so lr x update below ~1/256 of |w| rounds
+  away) are lost, and the optimizer moments are low precision; long runs and small learning rates drift from fp32.
+  Checkpoints are upcast to fp32.
+
+fp16 gets dynamic loss scaling in every mode (`LossScaler`); bf16 and fp32 need none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitrain.config import PrecisionConfig
+from vitrain.errors import VitrainError
+
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# _NormBase covers every BatchNorm and InstanceNorm, whose running statistics must stay fp32 too.
+NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
+class TrainingDiverged(VitrainError):
+    """Gradients or weights became inf/NaN beyond recovery; raised before anything bad is written."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a config's precision means on one device, and why (auto explains its choice)."""
+
+    mode: str  # fp32 | amp_o1 | amp_o2 | pure
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def label(self) -> str:
+        return "fp32" if self.mode == "fp32" else f"{self.mode} {str(self.dtype).removeprefix('torch.')}"
+
+
+def resolve(cfg: PrecisionConfig, device: torch.device, strategy: str = "single") -> Resolved:
+    """Turn `precision.mode=auto` into a concrete policy for `device`; explicit modes pass through.
+
+    amp_o2 keeps a separate low-precision working copy of a single-device model, so under a parallel strategy
+    auto picks autocast (amp_o1) instead; config validation refuses an explicit amp_o2/pure there.
+    """
+    if cfg.mode != "auto":
+        dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
+        return Resolved(cfg.mode, dtype, f"precision.mode={cfg.mode} set in the config")
+    if device.type == "cuda":
+        # CUDA branches are not exercised on the CPU-only machine this was developed on.
+        if torch.cuda.is_bf16_supported() and strategy != "single":
+            return Resolved("amp_o1", torch.bfloat16, f"auto: CUDA with bf16, parallel.strategy={strategy} -> bf16 O1")
+        if torch.cuda.is_bf16_supported():
+            return Resolved("amp_o2", torch.bfloat16, "auto: CUDA with bf16 support -> bf16 O2 (no loss scaling)")
+        return Resolved("amp_o1", torch.float16, "auto: CUDA without bf16 -> fp16 O1 with dynamic loss scaling")
+    if device.type == "cpu":
+        if _cpu_has_bf16_matmul_units():
+            # Untested here: AMX CPUs run bf16 matmuls faster than fp32; autocast keeps fp32 weights.
+            return Resolved("amp_o1", torch.bfloat16, "auto: CPU with AMX bf16 matmul units -> bf16 O1")
+        avx = "with" if torch.cpu._is_avx512_bf16_supported() else "without"
+        return Resolved(
+            "fp32",
+            torch.float32,
+            f"auto: CPU without AMX bf16 matmul units ({avx} avx512_bf16 conversion instructions): "
+            "bf16/fp16 matmuls are slower than fp32 here -> fp32",
+        )
+    return Resolved("fp32", torch.float32, f"auto: device type {device.type} -> fp32")
+
+
+def _cpu_has_bf16_matmul_units() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: multiply the loss by `scale`; on inf/NaN gradients skip the step and halve it."""
+
+    def __init__(self, cfg: PrecisionConfig):
+        self.scale = cfg.init_scale
+        self.min_scale = cfg.min_scale
+        self.growth_interval = cfg.growth_interval
+        self.max_overflows_at_min = cfg.max_overflows_at_min
+        self.good_steps = 0  # finite steps since the last overflow or growth
+        self.overflows_at_min = 0  # consecutive overflows while already at min_scale
+        self.skipped_steps = 0
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Divide `grads` by the scale in place; True when any is inf/NaN (one fused kernel per device/dtype)."""
+        if not grads:
+            return False
+        found_inf = torch.zeros(1, device=grads[0].device)
+        inv_scale = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+        return bool(found_inf.item())
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.skipped_steps += 1
+            self.good_steps = 0
+            if self.scale <= self.min_scale:
+                self.overflows_at_min += 1
+                if self.overflows_at_min >= self.max_overflows_at_min:
+                    raise TrainingDiverged(
+                        f"fp16 gradients overflowed {self.overflows_at_min} steps in a row at the minimum loss "
+                        f"scale precision.min_scale={self.min_scale}: the run is diverging; lower optim.lr, "
+                        "use precision.dtype=bf16 or precision.mode=fp32 (checkpoints already written are kept)"
+                    )
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            return
+        self.overflows_at_min = 0
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = state["scale"]
+        self.good_steps = state["good_steps"]
+        self.skipped_steps = state["skipped_steps"]
+
+
+class _LowPrecisionIO(nn.Module):
+    """Feeds `module` its inputs in the low dtype and hands fp32 logits back (the loss and softmax run in fp32)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.module(images.to(self.dtype)).float()
+
+
+def _norm_in_fp32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _norm_out_low(dtype: torch.dtype):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.to(dtype)
+
+    return hook
+
+
+class PrecisionPolicy:
+    """One precision mode applied from outside the model: preparation, autocast, loss scaling and the step."""
+
+    def __init__(self, cfg: PrecisionConfig, device: torch.device, strategy: str = "single"):
+        self.resolved = resolve(cfg, device, strategy)
+        self.mode, self.dtype, self.device = self.resolved.mode, self.resolved.dtype, device
+        self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
+        self.master: nn.Module | None = None
+        # (working low-dtype parameter, fp32 master parameter) pairs; filled by prepare() under amp_o2.
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+
+    # ------------------------------------------------------------------------------------------ model
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Return the module to run forward/backward on; build the optimizer over `model` afterwards."""
+        if self.mode in ("fp32", "amp_o1"):
+            return model
+        if self.mode == "pure":
+            return _LowPrecisionIO(model.to(self.dtype), self.dtype)
+        self.master = model
+        working = copy.deepcopy(model)
+        for work_mod, master_mod in zip(working.modules(), model.modules(), strict=True):
+            if isinstance(work_mod, NORM_TYPES):
+                # Share the fp32 parameters and running statistics with the master: one copy, always fp32.
+                for name, param in master_mod.named_parameters(recurse=False):
+                    setattr(work_mod, name, param)
+                for name, buf in master_mod.named_buffers(recurse=False):
+                    work_mod._buffers[name] = buf
+                work_mod.register_forward_pre_hook(_norm_in_fp32)
+                work_mod.register_forward_hook(_norm_out_low(self.dtype))
+                continue
+            for name, param in list(work_mod.named_parameters(recurse=False)):
+                low = nn.Parameter(param.detach().to(self.dtype), requires_grad=param.requires_grad)
+                setattr(work_mod, name, low)
+                self.pairs.append((low, getattr(master_mod, name)))
+            for name, buf in list(work_mod.named_buffers(recurse=False)):
+                if buf.is_floating_point():
+                    work_mod._buffers[name] = buf.to(self.dtype)
+        return _LowPrecisionIO(working, self.dtype)
+
+    def sync_working_copy(self) -> None:
+        """Refresh the low-dtype working weights from the fp32 master (after a step or a checkpoint load)."""
+        if self.pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([w for w, _ in self.pairs], [m for _, m in self.pairs])
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mode != "amp_o1":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler is not None else None
+
+    def step(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float) -> tuple[float | None, bool]:
+        """Unscale, check, clip and apply the gradients; returns (gradient norm before clipping, skipped)."""
+        self._gradients_to_master()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.scaler is not None:
+            overflow = self.scaler.unscale_and_check([p.grad for p in params if p.grad is not None])
+            self.scaler.update(overflow)
+            if overflow:
+                optimizer.zero_grad(set_to_none=True)  # the weights are not touched: the whole step is skipped
+                return None, True
+        grad_norm = None
+        if clip_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            # Sharded (FSDP2) gradients give a DTensor norm, already reduced over every rank's shard.
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.sync_working_copy()
+        return grad_norm, False
+
+    def _gradients_to_master(self) -> None:
+        with torch.no_grad():
+            for work, master in self.pairs:
+                if work.grad is None:
+                    continue
+                if master.grad is None:
+                    master.grad = work.grad.float()
+                else:  # e.g. the flat optimizer's gradient views: fill them in place
+                    master.grad.copy_(work.grad)
+                work.grad = None
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore the loss scale and refresh the working copy from the (just loaded) master weights."""
+        if state and state.get("scaler") and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.sync_working_copy()
+
+    def describe(self) -> str:
+        scaling = f", dynamic loss scaling from {self.scaler.scale:g}" if self.scaler is not None else ""
+        return f"precision {self.resolved.label}{scaling} ({self.resolved.reason})"
+
+
+def check_finite(model: nn.Module) -> None:
+    """Refuse to keep weights that hold inf/NaN (each rank checks its own shard of sharded parameters)."""
+    for key, tensor in model.state_dict().items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise TrainingDiverged(
+                f"weight {key} holds inf/NaN: training diverged, so it is not saved (the last good checkpoint "
+                "is kept); lower optim.lr or use precision.mode=fp32"
+            )
+
+
+def fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state for checkpoints and exports: every floating tensor fp32 and finite, whatever trained it."""
+    check_finite(model)
+    return {key: t.float() if t.is_floating_point() else t for key, t in model.state_dict().items()}
