@@ -55,6 +55,7 @@ def _rank_job(rank: int, port: int, args: argparse.Namespace, strategy: str, out
             "parallel": {
                 "strategy": strategy,
                 "activation_checkpointing": "block" if args.ac else "none",
+                "wrap": args.wrap,
                 "backward_prefetch": args.prefetch,
             },
             "log": {"out_dir": args.out_dir, "progress": False},
@@ -83,7 +84,7 @@ def _rank_job(rank: int, port: int, args: argparse.Namespace, strategy: str, out
         phase_done("forward", counted)
         loss.backward()
         phase_done("backward", counted)
-        trainer._optimizer_step()
+        trainer.precision.step(trainer.optimizer, cfg.optim.clip_grad_norm)
         phase_done("optimizer", counted)
         step_s.append(time.perf_counter() - start)
         if len(step_s) == args.steps:
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-ac", dest="ac", action="store_false", help="store all activations")
+    parser.add_argument("--wrap", default="block", choices=["block", "sublayer", "model"], help="FSDP units")
     parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="backward_prefetch=false")
     parser.add_argument("--out-dir", default="/tmp/vitrain-memory-bench")
     parser.add_argument("--results", default=str(REPO / "results" / "memory_per_rank.json"))
@@ -126,7 +128,7 @@ def main() -> None:
         mp.spawn(_rank_job, args=(free_port(), args, strategy, str(out)), nprocs=2, join=True)
         ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
         measured = max(r["peak_bytes"] for r in ranks)
-        est = estimate(model_cfg, devices=2, strategy=strategy, ac=args.ac, batch=args.batch, prefetch=args.prefetch)
+        est = estimate(model_cfg, 2, strategy, wrap=args.wrap, ac=args.ac, batch=args.batch, prefetch=args.prefetch)
         rows.append(
             {
                 "strategy": strategy,
@@ -149,7 +151,11 @@ def main() -> None:
         print(f"zero3 / ddp measured per-rank peak: {ratio:.3f}")
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(
-        json.dumps({"preset": args.preset, "batch_per_rank": args.batch, "ac": args.ac, "rows": rows}, indent=2) + "\n"
+        json.dumps(
+            {"preset": args.preset, "batch_per_rank": args.batch, "ac": args.ac, "wrap": args.wrap, "rows": rows},
+            indent=2,
+        )
+        + "\n"
     )
 
 

@@ -65,6 +65,17 @@ def test_zero3_gathers_two_blocks_where_zero2_keeps_all_weights():
     assert zero3.gathered == 4 * (2 * block + 2 * block + root)
 
 
+def test_sublayer_wrap_gathers_less_than_block_wrap():
+    block = estimate(BASE, devices=2, strategy="zero3", wrap="block").gathered
+    sublayer = estimate(BASE, devices=2, strategy="zero3", wrap="sublayer").gathered
+    d, h = 768, 3072
+    mlp = (d * h + h) + (h * d + d)  # the larger of a block's two units (attention has 4d^2 + 4d)
+    root = P - 12 * ((3 * d * d + 3 * d) + (d * d + d) + mlp + 4 * d)
+    # fp32: two MLP units' weights in flight, one unit's gradients plus its reduce-scatter buffer, the root unit.
+    assert sublayer == 4 * (2 * mlp + 2 * mlp + root)
+    assert sublayer < 0.7 * block
+
+
 def test_offload_moves_the_sharded_states_to_the_host():
     est = estimate(BASE, devices=4, strategy="zero3", offload=True)
     assert est.weights == est.gradients == est.optimizer == 0

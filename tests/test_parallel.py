@@ -20,6 +20,7 @@ VARIANTS = {
     "zero2_model": {"strategy": "zero2", "wrap": "model"},
     "zero3_block": {"strategy": "zero3", "wrap": "block"},
     "zero3_model": {"strategy": "zero3", "wrap": "model"},
+    "zero3_sublayer": {"strategy": "zero3", "wrap": "sublayer"},
     "zero3_ac_block": {"strategy": "zero3", "activation_checkpointing": "block"},
     "zero3_ac_every_k": {"strategy": "zero3", "activation_checkpointing": "every_k", "checkpoint_every_k": 2},
     "zero3_offload": {"strategy": "zero3", "offload": "params"},

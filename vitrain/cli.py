@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("preset", nargs="?", help="a preset name or alias; omit for a table of every preset")
     estimate.add_argument("--devices", type=int, default=1)
     estimate.add_argument("--strategy", choices=["single", "ddp", "zero1", "zero2", "zero3"], default="zero3")
-    estimate.add_argument("--wrap", choices=["block", "model"], default="block")
+    estimate.add_argument("--wrap", choices=["block", "sublayer", "model"], default="block")
     estimate.add_argument("--offload", action="store_true", help="sharded states in host memory (zero2/zero3)")
     estimate.add_argument("--ac", action="store_true", help="per-block activation checkpointing")
     estimate.add_argument("--batch", type=int, default=1, help="images per device")

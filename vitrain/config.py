@@ -139,7 +139,9 @@ class ParallelConfig:
     # single: one device; ddp: replicated model; zero1: DDP + sharded optimizer state (ZeroRedundancyOptimizer);
     # zero2 / zero3: FSDP2 sharding that keeps / frees the gathered parameters between forward and backward.
     strategy: Literal["single", "ddp", "zero1", "zero2", "zero3"] = "single"
-    wrap: Literal["model", "block"] = "block"  # FSDP unit: the whole model, or each block (peak = one block)
+    # FSDP unit: the whole model, each block (peak = one block), or each block's attention and MLP separately
+    # (sublayer: half a block's parameters gathered at a time, for the lowest peak).
+    wrap: Literal["model", "block", "sublayer"] = "block"
     offload: Literal["none", "optimizer", "params"] = "none"
     activation_checkpointing: Literal["none", "block", "every_k"] = "none"
     checkpoint_every_k: int = 2  # activation_checkpointing=every_k: recompute blocks 0, k, 2k, ...

@@ -64,6 +64,13 @@ def _block_params(cfg: ModelConfig) -> int:
     return complexity(dataclasses.replace(cfg, depth=2)).params - complexity(dataclasses.replace(cfg, depth=1)).params
 
 
+def _sublayer_params(cfg: ModelConfig) -> int:
+    """The larger of a block's two FSDP units under wrap=sublayer: attention or MLP."""
+    d, h = cfg.width, cfg.hidden_dim
+    attention = 3 * d * d + (3 * d if cfg.qkv_bias else 0) + d * d + d
+    return max(attention, 2 * d * h + h + d)
+
+
 def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: int) -> int:
     """Saved activations of one training step on one device with `batch` images."""
     one = complexity(dataclasses.replace(cfg, depth=1), batch).activations
@@ -105,13 +112,13 @@ def estimate(
     optimizer, master = params * o // o_div, params * m // o_div
     gathered = 0
     if strategy in ("zero2", "zero3") and n > 1:
-        unit = _block_params(cfg) if wrap == "block" else params
-        units = min(UNITS_IN_FLIGHT if prefetch else 1, cfg.depth) if wrap == "block" else 1
+        unit = {"block": _block_params(cfg), "sublayer": _sublayer_params(cfg)}.get(wrap, params)
+        units = min(UNITS_IN_FLIGHT if prefetch else 1, cfg.depth) if wrap != "model" else 1
         # Gradients: a unit's unsharded gradients plus the flat buffer they are reduce-scattered from.
         gathered = 2 * unit * g
         if strategy == "zero3":
             gathered += units * unit * w  # only the units in flight
-            if wrap == "block":
+            if wrap != "model":
                 gathered += (params - cfg.depth * _block_params(cfg)) * w  # the root unit: embeddings, norm, head
         else:
             # zero2 keeps every unit's gathered weights from forward to backward. Backward releases them unit by

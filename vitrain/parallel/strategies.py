@@ -46,14 +46,17 @@ def _fully_shard(model: nn.Module, cfg: ParallelConfig, device: torch.device) ->
     # zero3 frees each unit's gathered parameters after its forward (gathered again in backward);
     # zero2 keeps them until backward: less communication, full parameters resident between the two.
     reshard_after_forward = cfg.strategy == "zero3"
-    if cfg.wrap == "block":
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    units = []
+    if cfg.wrap == "sublayer":
+        units += [sub for block in model.blocks for sub in (block.attn, block.mlp)]
+    if cfg.wrap in ("block", "sublayer"):
+        units += list(model.blocks)  # with sublayer, a block's own unit holds just its two norms
+    for unit in [*units, model]:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     if not cfg.backward_prefetch:
         # An explicit prefetch list replaces FSDP2's default (the next unit); listing the unit itself, which is
         # already gathered when its backward starts, prefetches nothing.
-        for unit in [*model.blocks, model] if cfg.wrap == "block" else [model]:
+        for unit in [*units, model]:
             unit.set_modules_to_backward_prefetch([unit])
     return model
 
