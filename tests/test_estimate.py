@@ -130,6 +130,8 @@ def test_estimate_is_within_ten_percent_of_measured_peak_for_vit_b16(tmp_path):
             "--strategies",
             "ddp",
             "zero3",
+            "--wrap",
+            "sublayer",
             "--results",
             str(results),
             "--out-dir",
@@ -142,4 +144,5 @@ def test_estimate_is_within_ten_percent_of_measured_peak_for_vit_b16(tmp_path):
     rows = {r["strategy"]: r for r in json.loads(results.read_text())["rows"]}
     for row in rows.values():
         assert abs(row["error"]) <= 0.10, row["strategy"]
-    assert rows["zero3"]["measured_peak_bytes"] < 0.65 * rows["ddp"]["measured_peak_bytes"]
+    # The issue's bar: zero3's per-rank peak at most 0.55x DDP's with 2 ranks (attention and MLP as FSDP units).
+    assert rows["zero3"]["measured_peak_bytes"] <= 0.55 * rows["ddp"]["measured_peak_bytes"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -48,6 +50,9 @@ def _fully_shard(model: nn.Module, cfg: ParallelConfig, device: torch.device) ->
     reshard_after_forward = cfg.strategy == "zero3"
     units = []
     if cfg.wrap == "sublayer":
+        # FSDP2 warns when a unit returns a view (in-place ops on it would skip its backward hook); the blocks
+        # only ever add the attention and MLP outputs out of place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         units += [sub for block in model.blocks for sub in (block.attn, block.mlp)]
     if cfg.wrap in ("block", "sublayer"):
         units += list(model.blocks)  # with sublayer, a block's own unit holds just its two norms
