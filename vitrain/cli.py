@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     except VitrainError as exc:
         print(f"vitrain: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `vitrain models | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("vitrain: interrupted; continue the run with --resume", file=sys.stderr)
         return 130
@@ -208,21 +211,13 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from vitrain.config import ModelConfig
+    from vitrain.config import load_config
     from vitrain.models import PRESETS, complexity
 
     bytes_per_param = 16  # fp32 AdamW: weights 4 + gradients 4 + two moments 8
     print(f"{'preset':<22}{'alias':<13}{'params':>16}{'image':>7}{'GFLOPs':>11}{'train GiB':>12}")
     for p in PRESETS.values():
-        cfg = ModelConfig(
-            width=p.width,
-            depth=p.depth,
-            heads=p.heads,
-            mlp_dim=p.mlp_dim,
-            patch_size=p.patch_size,
-            image_size=p.image_size,
-        )
-        cost = complexity(cfg)
+        cost = complexity(load_config(overrides=[f"model.preset={p.name}"]).model)
         gib = cost.params * bytes_per_param / 2**30
         print(f"{p.name:<22}{p.alias:<13}{cost.params:>16,}{p.image_size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}")
     print("GFLOPs: one forward pass of one image, multiply-add = 2 FLOPs (timm's tables count MACs: half).")
@@ -251,6 +246,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
             progress=lambda n: bars[0].update(n),
             on_plan=start_bar,
         )
+    except BrokenPipeError:  # `vitrain models | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(
             "\nvitrain: interrupted; run the same command again to finish (finished shards are kept)", file=sys.stderr

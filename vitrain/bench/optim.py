@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vitrain.config import ModelConfig, OptimConfig
-from vitrain.models import count_parameters, create_model, find_preset
+from vitrain.config import ModelConfig, OptimConfig, load_config
+from vitrain.models import count_parameters, create_model
 from vitrain.optim import build_optimizer, resolve_impl
 
 DEFAULT_IMPLS = ("loop", "foreach", "fused", "flat", "auto")
@@ -24,19 +24,8 @@ class StepTiming:
 
 
 def preset_model_config(name: str) -> ModelConfig:
-    preset = find_preset(name)
-    if preset is None:
-        from vitrain.errors import ConfigError
-
-        raise ConfigError(f"--model {name} is not a known preset; run `vitrain models` for the list")
-    return ModelConfig(
-        width=preset.width,
-        depth=preset.depth,
-        heads=preset.heads,
-        mlp_dim=preset.mlp_dim,
-        patch_size=preset.patch_size,
-        image_size=preset.image_size,
-    )
+    """The architecture of a preset (an unknown name gets the config's one-line error with a suggestion)."""
+    return load_config(overrides=[f"model.preset={name}"]).model
 
 
 def bench_optimizer_step(
