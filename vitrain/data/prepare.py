@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from vitrain.data.prepared import FORMAT, MANIFEST, sha256_file
-from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, checked_class_folders, decode_image
+from vitrain.data.sources import (
+    IMAGE_SUFFIXES,
+    ImageTree,
+    checked_class_folders,
+    decode_image,
+    file_reader,
+    location,
+)
 from vitrain.errors import DataError
 
 PLAN = "plan.json"
@@ -127,25 +134,19 @@ def _find_splits(tree: ImageTree) -> dict[str, dict[str, list[str]]]:
 def _probe(tree: ImageTree, splits: dict[str, dict[str, list[str]]]) -> tuple[int, list[tuple[int, int]]]:
     """(channels, sizes seen) from the first image of every class; 1 channel only if all of them are grey."""
     import io
-    import zipfile
 
     from PIL import Image
 
     firsts = [files[0] for folders in splits.values() for files in folders.values()]
-    archive = zipfile.ZipFile(tree.root) if tree.is_zip else None
     grey, sizes = True, set()
-    try:
+    with file_reader(tree.root, tree.is_zip) as read:
         for name in firsts:
-            raw = archive.read(name) if archive is not None else (tree.root / name).read_bytes()
             try:
-                with Image.open(io.BytesIO(raw)) as img:
+                with Image.open(io.BytesIO(read(name))) as img:
                     grey = grey and img.mode in GREY_MODES
                     sizes.add(img.size)
             except Exception:  # a bad first file is reported by the conversion itself
                 continue
-    finally:
-        if archive is not None:
-            archive.close()
     return (1 if grey else 3), sorted(sizes)
 
 
@@ -213,26 +214,18 @@ def _run(jobs: list[tuple], workers: int, progress: Callable[[int], None] | None
 
 def _convert_shard(job: tuple) -> int:
     """Decode one shard's files and write <name>.npy then <name>.done.json; return the number of files."""
-    import zipfile
-
     root, is_zip, name, files, labels, mode, size, dst = job
     dst = Path(dst)
-    archive = zipfile.ZipFile(root) if is_zip else None
     out = np.empty((len(files), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
     kept, failed = [], []
-    try:
+    with file_reader(root, is_zip) as read:
         for f, label in zip(files, labels, strict=True):
-            where = f"{root}:{f}" if is_zip else str(Path(root) / f)
             try:
-                raw = archive.read(f) if archive is not None else (Path(root) / f).read_bytes()
-                out[len(kept)] = decode_image(raw, mode, size)
+                out[len(kept)] = decode_image(read(f), mode, size)
             except Exception as exc:  # PIL raises many types for bad files; report and keep going
-                failed.append((where, f"{type(exc).__name__}: {exc}"))
+                failed.append((location(root, is_zip, f), f"{type(exc).__name__}: {exc}"))
                 continue
             kept.append(label)
-    finally:
-        if archive is not None:
-            archive.close()
     images = dst / f"{name}.npy"
     tmp = dst / f"{name}.npy.tmp"
     with open(tmp, "wb") as fh:

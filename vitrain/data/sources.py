@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import zipfile
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -137,7 +139,22 @@ class ImageTree:
         return {k: sorted(v) for k, v in sorted(folders.items())}
 
     def location(self, name: str) -> str:
-        return f"{self.root}:{name}" if self.is_zip else str(self.root / name)
+        return location(self.root, self.is_zip, name)
+
+
+def location(root: str | Path, is_zip: bool, name: str) -> str:
+    """How a file of a tree is named in messages: `archive.zip:inner/path` or the path on disk."""
+    return f"{root}:{name}" if is_zip else str(Path(root) / name)
+
+
+@contextlib.contextmanager
+def file_reader(root: str | Path, is_zip: bool) -> Iterator[Callable[[str], bytes]]:
+    """Bytes of a tree's files by relative name: one open archive for a zip (picklable inputs for workers)."""
+    if not is_zip:
+        yield lambda name: (Path(root) / name).read_bytes()
+        return
+    with zipfile.ZipFile(root) as archive:
+        yield archive.read
 
 
 def _folder(cfg: Config) -> tuple[ImageSet, ImageSet]:
@@ -238,19 +255,13 @@ def decode_image(raw: bytes, mode: str, size: int) -> np.ndarray:
 def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> np.ndarray | str:
     """Decode one chunk to (n, C, size, size) uint8; on a bad file return the error line instead."""
     root, is_zip, names, mode, size = job
-    archive = zipfile.ZipFile(root) if is_zip else None
     out = np.empty((len(names), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
-    try:
+    with file_reader(root, is_zip) as read:
         for i, name in enumerate(names):
-            where = f"{root}:{name}" if is_zip else str(Path(root) / name)
             try:
-                raw = archive.read(name) if archive is not None else (Path(root) / name).read_bytes()
-                out[i] = decode_image(raw, mode, size)
+                out[i] = decode_image(read(name), mode, size)
             except Exception as exc:  # PIL raises many types for bad files
-                return f"cannot decode image {where}: {exc}; fix or remove the file"
-    finally:
-        if archive is not None:
-            archive.close()
+                return f"cannot decode image {location(root, is_zip, name)}: {exc}; fix or remove the file"
     return out
 
 
