@@ -8,6 +8,17 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+# A model small enough for 8x8 RGB test images, two classes.
+TINY_MODEL = [
+    "model.image_size=8",
+    "model.patch_size=4",
+    "model.in_chans=3",
+    "model.num_classes=2",
+    "model.width=32",
+    "model.depth=1",
+    "model.heads=2",
+]
+
 
 def make_tree(
     root: Path,

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tests.conftest import run_cli, tiny_overrides
-from tests.test_data import make_tree
+from tests.data_helpers import make_tree
 from tests.test_trainer import snapshot
 from vitrain.models import PRESETS
 
@@ -66,7 +66,8 @@ def test_empty_data_folder_exits_2(tmp_path):
 
 
 def test_undecodable_image_exits_2(tmp_path):
-    root = make_tree(tmp_path / "data", size=32)
+    root = tmp_path / "data"
+    make_tree(root, {"train": 3, "test": 3}, size=32)
     (root / "train" / "dog" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     overrides = ["model.num_classes=2", "data.decode_workers=1", f"data.root={root}", f"log.out_dir={tmp_path}"]
     assert_one_line_error(run_cli("train", "cifar10", *overrides), r"cannot decode image .*train/dog/bad\.png")

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from tests.conftest import tiny_overrides
+from tests.data_helpers import make_tree, zip_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets
 from vitrain.errors import DataError
-
-
-def make_tree(root: Path, splits=("train", "test"), classes=("cat", "dog"), per_class=3, size=8) -> Path:
-    rng = np.random.default_rng(0)
-    for split in splits:
-        for c in classes:
-            folder = root / split / c
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.png")
-    return root
 
 
 def folder_cfg(tmp_path: Path, root: Path, *extra: str):
@@ -48,28 +34,27 @@ def test_digits_split_is_held_out_and_stratified(tiny_cfg):
 
 
 def test_folder_tree_decodes_every_image_with_class_labels(tmp_path):
-    root = make_tree(tmp_path / "data")
+    root = tmp_path / "data"
+    pixels = make_tree(root, {"train": 3, "test": 3})
     train, val = build_datasets(folder_cfg(tmp_path, root))
     assert train.classes == ["cat", "dog"]
     assert (len(train), len(val)) == (6, 6)
-    expected = np.array(Image.open(root / "train" / "dog" / "1.png")).transpose(2, 0, 1)
-    assert torch.equal(train.images[4], torch.from_numpy(expected))
+    assert torch.equal(train.images[4], torch.from_numpy(pixels["train/dog/001.png"]))
     assert train.labels.tolist() == [0, 0, 0, 1, 1, 1]
 
 
 def test_zip_with_top_folder_reads_like_the_tree(tmp_path):
-    root = make_tree(tmp_path / "tree" / "top")
-    archive = tmp_path / "data.zip"
-    with zipfile.ZipFile(archive, "w") as z:
-        for path in sorted(root.rglob("*.png")):
-            z.write(path, path.relative_to(tmp_path / "tree").as_posix())
+    root = tmp_path / "tree"
+    make_tree(root, {"train": 3, "test": 3})
+    archive = zip_tree(root, tmp_path / "data.zip", top="top")
     from_zip, _ = build_datasets(folder_cfg(tmp_path, archive))
     from_tree, _ = build_datasets(folder_cfg(tmp_path, root))
     assert torch.equal(from_zip.images, from_tree.images)
 
 
 def test_missing_val_split_holds_out_a_fraction(tmp_path):
-    root = make_tree(tmp_path / "data", splits=("train",), per_class=10)
+    root = tmp_path / "data"
+    make_tree(root, {"train": 10})
     train, val = build_datasets(folder_cfg(tmp_path, root, "data.val_fraction=0.25"))
     assert (len(train), len(val)) == (15, 5)
 
@@ -86,27 +71,31 @@ def test_empty_root_is_an_error(tmp_path):
 
 
 def test_missing_train_split_is_an_error(tmp_path):
-    root = make_tree(tmp_path / "data", splits=("valid",))
+    root = tmp_path / "data"
+    make_tree(root, {"valid": 3})
     with pytest.raises(DataError, match=r"has no 'train' folder"):
         build_datasets(folder_cfg(tmp_path, root))
 
 
 def test_empty_class_folder_is_an_error_naming_it(tmp_path):
-    root = make_tree(tmp_path / "data")
+    root = tmp_path / "data"
+    make_tree(root, {"train": 3, "test": 3})
     (root / "train" / "emu").mkdir()
     with pytest.raises(DataError, match=r"class folder .*train/emu is empty"):
         build_datasets(folder_cfg(tmp_path, root))
 
 
 def test_image_that_does_not_decode_is_an_error_naming_the_file(tmp_path):
-    root = make_tree(tmp_path / "data")
+    root = tmp_path / "data"
+    make_tree(root, {"train": 3, "test": 3})
     (root / "train" / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     with pytest.raises(DataError, match=r"cannot decode image .*train/cat/broken\.jpg"):
         build_datasets(folder_cfg(tmp_path, root))
 
 
 def test_channel_mismatch_names_the_fix(tmp_path):
-    root = make_tree(tmp_path / "data")
+    root = tmp_path / "data"
+    make_tree(root, {"train": 3, "test": 3})
     cfg = folder_cfg(tmp_path, root)
     cfg.model.num_classes = 3
     with pytest.raises(DataError, match=r"set model\.num_classes=2"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.data_helpers import make_tree
+from tests.data_helpers import TINY_MODEL, make_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
 from vitrain.data.augment import pad_crop_flip, random_resized_crop
@@ -21,20 +21,10 @@ from vitrain.engine import Trainer
 from vitrain.errors import DataError
 
 CPU = torch.device("cpu")
-TINY_MODEL = [
-    "model.image_size=8",
-    "model.patch_size=4",
-    "model.in_chans=3",
-    "model.num_classes=2",
-    "model.width=32",
-    "model.depth=1",
-    "model.heads=2",
-    "log.progress=false",
-]
 
 
 def _cfg(*overrides: str):
-    return load_config(overrides=TINY_MODEL + list(overrides))
+    return load_config(overrides=[*TINY_MODEL, "log.progress=false", *overrides])
 
 
 def _image_set(n: int = 40, size: int = 8) -> ImageSet:
