@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.config import ModelConfig, PrecisionConfig, load_config
+from vitrain.config import ModelConfig, OptimConfig, PrecisionConfig, load_config
 from vitrain.engine import Trainer
 from vitrain.models import create_model
-from vitrain.precision import PrecisionPolicy, TrainingDiverged, fp32_state_dict, resolve
+from vitrain.optim import build_optimizer
+from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, resolve
 
 CPU = torch.device("cpu")
 TINY_VIT = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=10, width=32, depth=2, heads=2)
@@ -131,13 +132,94 @@ def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls():
     assert all(s.dtype == torch.float32 for st in optimizer.state.values() for s in st.values() if s.ndim)
 
 
-def test_pure_casts_every_weight_low_and_checkpoint_upcasts_to_fp32():
+def test_pure_casts_every_weight_low_norms_included():
     model = create_model(TINY_VIT)
-    policy("pure").prepare(model)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    state = fp32_state_dict(model)
-    assert all(t.dtype == torch.float32 for t in state.values())
-    assert torch.equal(state["head.weight"].to(torch.bfloat16), model.head.weight)
+    forward = policy("pure").prepare(model)
+    assert all(t.dtype == torch.bfloat16 for t in model.state_dict().values() if t.is_floating_point())
+    assert forward(torch.randn(2, 1, 16, 16)).dtype == torch.float32  # the loss is computed in fp32
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "flat"])
+def test_pure_compensated_keeps_updates_below_bf16_resolution(impl):
+    """100 SGD steps of 1e-3 on a weight of 1.0: each is below bf16's half-ulp there (2^-8), so plain bf16 loses all."""
+    results = {}
+    for compensated in (False, True):
+        model = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        pol = policy("pure", compensated=compensated)
+        pol.prepare(model)
+        sgd = OptimConfig(name="sgd", lr=1e-3, momentum=0.0, weight_decay=0.0, impl=impl)
+        optimizer = build_optimizer(model, sgd, CPU)
+        for _ in range(100):
+            if model.weight.grad is None:
+                model.weight.grad = torch.ones_like(model.weight)
+            else:  # the flat optimizer's gradient is a view into its buffer: fill it in place
+                model.weight.grad.fill_(1.0)
+            pol.step(optimizer, clip_grad_norm=0.0)
+        assert model.weight.dtype == torch.bfloat16
+        results[compensated] = model.weight.item()
+        if compensated:
+            results[compensated] += pol.compensation_state(model, optimizer)["weight"].item()
+    assert results[False] == 1.0
+    assert results[True] == pytest.approx(0.9, abs=1e-4)
+
+
+def test_pure_compensated_adamw_tracks_fp32_and_keeps_fp32_state():
+    """A few hundred AdamW steps with weight decay on a small regression: pure+compensation stays close to fp32."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 8, generator=gen), torch.randn(256, 1, generator=gen)
+    finals = {}
+    for mode, compensated in (("fp32", True), ("pure", True), ("pure", False)):
+        model = nn.Linear(8, 1)
+        with torch.no_grad():
+            model.weight.fill_(0.5), model.bias.fill_(0.0)
+        pol = policy(mode, compensated=compensated)
+        forward = pol.prepare(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        for _ in range(300):
+            pol.backward(F.mse_loss(forward(x).float(), y))
+            pol.step(optimizer, clip_grad_norm=1.0)
+        finals[(mode, compensated)] = model.weight.detach().float()
+        if mode == "pure" and compensated:
+            finals[(mode, compensated)] += pol.compensation_state(model, optimizer)["weight"]
+        expected_state = torch.bfloat16 if (mode, compensated) == ("pure", False) else torch.float32
+        assert all(t.dtype == expected_state for st in optimizer.state.values() for t in st.values() if t.ndim)
+    reference = finals[("fp32", True)]
+    compensated_error = (finals[("pure", True)] - reference).abs().max()
+    plain_error = (finals[("pure", False)] - reference).abs().max()
+    assert compensated_error < 2e-3 and plain_error > 5 * compensated_error, (compensated_error, plain_error)
+
+
+@pytest.mark.parametrize("impl", ["fused", "flat"])
+def test_pure_run_checkpoints_fp32_and_resumes_exactly(tmp_path, impl):
+    common = ["precision.mode=pure", "precision.dtype=bf16", f"optim.impl={impl}", "log.every_steps=1"]
+    whole = tiny_run(tmp_path, "name=whole", "train.max_steps=8", *common)
+    Trainer(whole).fit()
+    part = tiny_run(tmp_path, "name=part", "train.max_steps=4", *common)
+    Trainer(part).fit()
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from vitrain import checkpoint as ckpt
+
+    dcp_to_torch_save(ckpt.latest(part.run_dir), tmp_path / "whole.pt")
+    state = torch.load(tmp_path / "whole.pt", weights_only=False)
+    tensors = list(state["model"].values()) + [t for s in state["optim"]["state"].values() for t in s.values()]
+    assert all(t.dtype == torch.float32 for t in tensors if t.ndim)
+    # The weights the run evaluated with, upcast exactly; what bf16 rounded away is in the compensation beside them.
+    assert all(torch.equal(t, t.to(torch.bfloat16).float()) for t in state["model"].values())
+    assert state["compensation"].keys() == state["model"].keys()
+    assert any(bool(c.any()) for c in state["compensation"].values())
+    part.train.max_steps = 8
+    Trainer(part, resume=True).fit()
+    expected, got = step_losses(whole.run_dir), step_losses(part.run_dir)
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    assert all(got[step] == pytest.approx(expected[step], abs=1e-6) for step in range(5, 9))
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def test_injected_inf_gradient_skips_exactly_that_step_and_halves_the_scale():
@@ -197,12 +279,12 @@ def test_bf16_and_fp32_use_no_loss_scaler():
     assert policy("pure", "fp16").scaler is not None
 
 
-def test_fp32_state_dict_refuses_a_non_finite_weight():
+def test_check_finite_refuses_a_non_finite_weight():
     model = NormZoo()
     with torch.no_grad():
         model.fc1.weight[0, 0] = float("inf")
     with pytest.raises(TrainingDiverged, match="fc1.weight holds inf/NaN"):
-        fp32_state_dict(model)
+        check_finite(model)
 
 
 @pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX bf16 units: auto picks bf16 there")

@@ -102,9 +102,18 @@ def _dcp(operation, state: dict[str, Any], path: Path) -> None:
 
 
 def save(
-    run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any], keep: int
+    run_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    keep: int,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank writes its shards into a temporary directory that rank 0 renames when complete."""
+    """Collective: every rank writes its shards into a temporary directory that rank 0 renames when complete.
+
+    `extra` holds more tensors to save beside the model and optimizer (top-level keys); `load_extra` reads them.
+    """
     root = Path(run_dir) / CHECKPOINT_DIR
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
@@ -113,7 +122,7 @@ def save(
         tmp.mkdir(parents=True)
     barrier()
     model_state, optim_state = training_state(model, optimizer)
-    _dcp(dcp.save, {"model": model_state, "optim": optim_state}, tmp)
+    _dcp(dcp.save, {"model": model_state, "optim": optim_state, **(extra or {})}, tmp)
     if rank() == 0:
         atomic_save({"format": FORMAT_VERSION, **meta}, tmp / META_FILE)
         _replace_dir(tmp, final)
@@ -273,6 +282,11 @@ def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer
     unwrap(model).load_state_dict(wanted["model"])
     for p in owned:
         local.state[p] = wanted["optim"]["state"][names[p]]
+
+
+def load_extra(path: Path, state: dict[str, Any]) -> None:
+    """Collective: fill `state`'s tensors in place from the same keys that `save(extra=...)` wrote."""
+    _dcp(dcp.load, state, path)
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

@@ -125,6 +125,10 @@ class PrecisionConfig:
     # auto: the fastest numerically safe policy for the device (logged); see vitrain/precision.py for each mode.
     mode: Literal["auto", "fp32", "amp_o1", "amp_o2", "pure"] = "auto"
     dtype: Literal["bf16", "fp16"] = "bf16"  # the low dtype of amp_o1, amp_o2 and pure
+    # pure only: keep a low-dtype Kahan compensation buffer per weight, so that updates below the low dtype's
+    # resolution accumulate instead of rounding away (2 more bytes per parameter, fp32 optimizer state);
+    # false = the least memory (optimizer state in the low dtype too) and the accuracy risk in docs/precision.
+    compensated: bool = True
     # fp16 dynamic loss scaling (bf16 and fp32 use none).
     init_scale: float = 65536.0
     growth_interval: int = 2000  # double the scale after this many steps without an overflow

@@ -16,11 +16,16 @@ Modes (`precision.mode`, low dtype from `precision.dtype`):
   layer (LayerNorm, RMSNorm, GroupNorm, BatchNorm; parameters and running statistics) which stays fp32, shared with
   the fp32 model and computed in fp32. The fp32 `model` is the master copy: the optimizer updates it and the
   working copy is refreshed from it after each step, so checkpoints always hold fp32 master weights.
-- pure: the model itself is cast to the low dtype (norms included) and the optimizer updates it directly: no master
-  copy and optimizer state in the low dtype too (the least memory). Accuracy risk: updates smaller than the low
-  dtype's resolution next to a weight (bf16 keeps 8 significant bits, so lr x update below ~1/256 of |w| rounds
-  away) are lost, and the optimizer moments are low precision; long runs and small learning rates drift from fp32.
-  Checkpoints are upcast to fp32.
+- pure: the model itself is cast to the low dtype (norms included); no fp32 master copy. With
+  `precision.compensated` (the default) each weight also keeps a low-dtype Kahan compensation term: the optimizer
+  steps on fp32 `weight + compensation` made only for the step, its state is fp32, and what rounding to the low
+  dtype drops is carried in the compensation to the next step, so small updates and weight decay accumulate as in
+  fp32 (2 bytes per parameter more). Without it the optimizer updates the low-dtype weights directly with its
+  state in the low dtype too (the least memory), and the accuracy risk is real: an update smaller than the low
+  dtype's resolution next to a weight (bf16 keeps 8 significant bits, so lr x update below ~1/256 of |w|) is lost,
+  weight decay mostly with it, and long runs or small learning rates drift from fp32.
+  Checkpoints hold the weights upcast to fp32 (the weights the run evaluated with) and, beside them, the
+  compensation, so that a resume continues bit for bit.
 
 fp16 gets dynamic loss scaling in every mode (`LossScaler`); bf16 and fp32 need none.
 """
@@ -178,6 +183,9 @@ class PrecisionPolicy:
         self.resolved = resolve(cfg, device, strategy)
         self.mode, self.dtype, self.device = self.resolved.mode, self.resolved.dtype, device
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
+        self.compensated = self.mode == "pure" and cfg.compensated
+        # pure + compensated: Kahan compensation per optimizer parameter (a flat buffer's members get views of it).
+        self.compensation: dict[nn.Parameter, torch.Tensor] = {}
         self.master: nn.Module | None = None
         # (working low-dtype parameter, fp32 master parameter) pairs; filled by prepare() under amp_o2.
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -242,11 +250,12 @@ class PrecisionPolicy:
                 optimizer.zero_grad(set_to_none=True)  # the weights are not touched: the whole step is skipped
                 return None, True
         grad_norm = None
-        if clip_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            # Sharded (FSDP2) gradients give a DTensor norm, already reduced over every rank's shard.
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        optimizer.step()
+        with self.full_precision(optimizer, step=True) if self.compensated else contextlib.nullcontext():
+            if clip_grad_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+                # Sharded (FSDP2) gradients give a DTensor norm, already reduced over every rank's shard.
+                grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.sync_working_copy()
         return grad_norm, False
@@ -262,10 +271,68 @@ class PrecisionPolicy:
                     master.grad.copy_(work.grad)
                 work.grad = None
 
+    @contextlib.contextmanager
+    def full_precision(self, optimizer: torch.optim.Optimizer, step: bool = False):
+        """pure mode: inside, the optimizer's parameters are fp32; other modes: nothing happens.
+
+        Checkpoint saves and loads run in here, so they write and read fp32 weights (the low-dtype weights upcast
+        exactly) and allocate fp32 optimizer state; on exit whatever the parameters hold is rounded back into
+        their low-dtype storage (views into it, such as a flat buffer's members, stay valid). With `step` the
+        parameters are `weight + compensation` and the gradients are fp32 too: the optimizer steps in fp32, and
+        what rounding the result drops becomes the new compensation.
+        """
+        if self.mode != "pure":
+            yield
+            return
+        compensate = step and self.compensated
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        low, low_grads = [p.data for p in params], [p.grad for p in params]
+        with torch.no_grad():
+            for p in params:
+                exact = p.data.float()
+                if compensate:
+                    exact += self._compensation(p)
+                _repoint(p, exact)
+                if step and p.grad is not None:
+                    p.grad = p.grad.float()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, weight, grad in zip(params, low, low_grads, strict=True):
+                    exact = p.data
+                    weight.copy_(exact)  # round to nearest
+                    if compensate:
+                        self._compensation(p).copy_(exact.sub_(weight))
+                    _repoint(p, weight)
+                    p.grad = grad
+            if not self.compensated:  # the uncompensated optimizer keeps its state in the low dtype
+                for state in optimizer.state.values():
+                    for key, value in state.items():
+                        if torch.is_tensor(value) and value.ndim and value.is_floating_point():
+                            state[key] = value.to(self.dtype)
+
+    def compensation_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """The compensation terms by parameter name, as views that a checkpoint load fills in place."""
+        names = {p: n for n, p in model.named_parameters()}
+        state = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                comp = self._compensation(p)
+                for member, offset in getattr(p, "members", [(p, 0)]):
+                    state[names[member]] = comp[offset : offset + member.numel()].view_as(member)
+        return state
+
+    def _compensation(self, param: nn.Parameter) -> torch.Tensor:
+        if param not in self.compensation:
+            self.compensation[param] = torch.zeros_like(param, dtype=self.dtype)
+        return self.compensation[param]
+
     # ------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        return {"mode": self.mode, "scaler": scaler, "compensated": self.compensated}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore the loss scale and refresh the working copy from the (just loaded) master weights."""
@@ -278,6 +345,13 @@ class PrecisionPolicy:
         return f"precision {self.resolved.label}{scaling} ({self.resolved.reason})"
 
 
+def _repoint(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Make `param` (and, for a flat optimizer's buffer, each member parameter's view of it) use `data`."""
+    param.data = data
+    for member, offset in getattr(param, "members", ()):
+        member.data = data[offset : offset + member.numel()].view_as(member)
+
+
 def check_finite(model: nn.Module) -> None:
     """Refuse to keep weights that hold inf/NaN (each rank checks its own shard of sharded parameters)."""
     for key, tensor in model.state_dict().items():
@@ -287,9 +361,3 @@ def check_finite(model: nn.Module) -> None:
                 f"weight {key} holds inf/NaN: training diverged, so it is not saved (the last good checkpoint "
                 "is kept); lower optim.lr or use precision.mode=fp32"
             )
-
-
-def fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state for checkpoints and exports: every floating tensor fp32 and finite, whatever trained it."""
-    check_finite(model)
-    return {key: t.float() if t.is_floating_point() else t for key, t in model.state_dict().items()}

@@ -32,6 +32,8 @@ from vitrain.parallel import (
 from vitrain.precision import PrecisionPolicy, check_finite
 from vitrain.weights import load_pretrained
 
+COMPENSATION = "compensation"  # pure mode's Kahan terms, saved beside the model and optimizer
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -167,7 +169,10 @@ class Trainer:
                 f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
                 f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
             )
-        ckpt.load_training_state(path, self.model, self.optimizer)
+        with self.precision.full_precision(self.optimizer):  # pure mode: fp32 weights and optimizer state
+            ckpt.load_training_state(path, self.model, self.optimizer)
+        if self.precision.compensated and (meta.get("precision") or {}).get("compensated"):
+            ckpt.load_extra(path, {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)})
         self.precision.load_state_dict(meta.get("precision"))
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = samples // self.global_micro_batch
@@ -179,9 +184,15 @@ class Trainer:
         return self.cfg.train.batch_size * self.dist.world_size
 
     def save(self, is_best: bool = False) -> Path:
-        check_finite(self.model)  # a diverged run keeps its last good checkpoint instead of saving inf/NaN
         meta = self.meta(is_best)
-        return ckpt.save(self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.train.keep_checkpoints)
+        extra = None
+        if self.precision.compensated:
+            extra = {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)}
+        with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
+            check_finite(self.model)  # a diverged run keeps its last good checkpoint instead of saving inf/NaN
+            return ckpt.save(
+                self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.train.keep_checkpoints, extra
+            )
 
     # ------------------------------------------------------------------------------------------ loop
 
