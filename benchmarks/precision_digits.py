@@ -73,7 +73,10 @@ def main() -> None:
     print(f"largest gap: {worst:.2f} points")
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(
-        json.dumps({"overrides": args.overrides, "rows": rows, "largest_gap_points": worst}, indent=2) + "\n"
+        json.dumps(
+            {"threads": args.threads, "overrides": args.overrides, "rows": rows, "largest_gap_points": worst}, indent=2
+        )
+        + "\n"
     )
 
 

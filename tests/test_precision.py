@@ -210,6 +210,7 @@ def test_pure_run_checkpoints_fp32_and_resumes_exactly(tmp_path, impl):
     assert all(torch.equal(t, t.to(torch.bfloat16).float()) for t in state["model"].values())
     assert state["compensation"].keys() == state["model"].keys()
     assert any(bool(c.any()) for c in state["compensation"].values())
+    assert "precision pure bfloat16, Kahan-compensated updates" in (part.run_dir / "log.txt").read_text()
     part.train.max_steps = 8
     Trainer(part, resume=True).fit()
     expected, got = step_losses(whole.run_dir), step_losses(part.run_dir)
@@ -367,4 +368,5 @@ def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32(mode, digits_fp32_t
     """The full digits recipe, same seed; bf16 on this CPU is slow (~10-30 min per mode on 2 loaded cores)."""
     overrides = [f"log.out_dir={tmp_path}", "log.progress=false", f"precision.mode={mode}", "precision.dtype=bf16"]
     top1 = Trainer(load_config("configs/digits.yaml", overrides)).fit()["val_top1"]
+    print(f"digits bf16 {mode}: val_top1 {top1:.4f}, fp32 {digits_fp32_top1:.4f}")  # the figures, with -s
     assert abs(top1 - digits_fp32_top1) <= 0.01, (mode, top1, digits_fp32_top1)

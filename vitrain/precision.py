@@ -342,7 +342,8 @@ class PrecisionPolicy:
 
     def describe(self) -> str:
         scaling = f", dynamic loss scaling from {self.scaler.scale:g}" if self.scaler is not None else ""
-        return f"precision {self.resolved.label}{scaling} ({self.resolved.reason})"
+        compensation = ", Kahan-compensated updates" if self.compensated else ""
+        return f"precision {self.resolved.label}{scaling}{compensation} ({self.resolved.reason})"
 
 
 def _repoint(param: nn.Parameter, data: torch.Tensor) -> None:
