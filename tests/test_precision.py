@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from vitrain.optim import build_optimizer
 from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, resolve
 
 CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parent.parent
 TINY_VIT = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=10, width=32, depth=2, heads=2)
 
 
@@ -137,6 +141,33 @@ def test_pure_casts_every_weight_low_norms_included():
     forward = policy("pure").prepare(model)
     assert all(t.dtype == torch.bfloat16 for t in model.state_dict().values() if t.is_floating_point())
     assert forward(torch.randn(2, 1, 16, 16)).dtype == torch.float32  # the loss is computed in fp32
+
+
+def test_pure_computes_norms_in_fp32_with_low_weights_and_fp32_statistics():
+    model = NormZoo()
+    forward = policy("pure").prepare(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.bn.running_mean.dtype == model.bn.running_var.dtype == torch.float32
+    before = model.bn.running_mean.clone()
+    forward(torch.randn(16, 8)).sum().backward()
+    assert not torch.equal(model.bn.running_mean, before)  # the statistics are updated in place, in fp32
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    assert list(model.state_dict()) == list(NormZoo().state_dict())  # checkpoint names unchanged
+
+
+def test_pure_norm_gradients_match_fp32():
+    """A bf16 LayerNorm backward sums its weight/bias gradients over all tokens in bf16 (~15% off); pure must not."""
+    torch.manual_seed(0)
+    reference = create_model(TINY_VIT)
+    images, labels = torch.randn(64, 1, 16, 16), torch.randint(0, 10, (64,))
+    grads = {}
+    for mode in ("fp32", "pure"):
+        model = copy.deepcopy(reference)
+        forward = policy(mode).prepare(model)
+        F.cross_entropy(forward(images).float(), labels).backward()
+        grads[mode] = {n: p.grad.float() for n, p in model.named_parameters()}
+    errors = {n: float((grads["pure"][n] - g).norm() / g.norm()) for n, g in grads["fp32"].items()}
+    assert max(errors[n] for n in errors if "norm" in n) < 0.04, errors
 
 
 @pytest.mark.parametrize("impl", ["fused", "foreach", "flat"])
@@ -355,18 +386,21 @@ def test_resume_restores_the_loss_scale_and_the_working_copy(tmp_path):
     assert torch.equal(resumed.forward.module.head.weight, first.model.head.weight.detach().to(torch.float16))
 
 
-@pytest.fixture(scope="module")
-def digits_fp32_top1(tmp_path_factory) -> float:
-    out = tmp_path_factory.mktemp("digits-fp32")
-    cfg = load_config("configs/digits.yaml", [f"log.out_dir={out}", "log.progress=false", "precision.mode=fp32"])
-    return Trainer(cfg).fit()["val_top1"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["amp_o1", "amp_o2", "pure"])
-def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32(mode, digits_fp32_top1, tmp_path):
-    """The full digits recipe, same seed; bf16 on this CPU is slow (~10-30 min per mode on 2 loaded cores)."""
-    overrides = [f"log.out_dir={tmp_path}", "log.progress=false", f"precision.mode={mode}", "precision.dtype=bf16"]
-    top1 = Trainer(load_config("configs/digits.yaml", overrides)).fit()["val_top1"]
-    print(f"digits bf16 {mode}: val_top1 {top1:.4f}, fp32 {digits_fp32_top1:.4f}")  # the figures, with -s
-    assert abs(top1 - digits_fp32_top1) <= 0.01, (mode, top1, digits_fp32_top1)
+def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32_over_three_seeds(tmp_path):
+    """The full digits recipe in fp32 and bf16 O1, O2, pure for seeds 0-2, two runs at a time (~13 min here).
+
+    One seed is not enough: fp32 alone spreads with a standard deviation of 0.68 points over seeds, and any change
+    in rounding moves a run as far as a new seed does (docs/precision-and-optimizers.md), so each mode's mean
+    over the seeds is compared with fp32's.
+    """
+    results = tmp_path / "results.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "precision_digits.py"), "--seeds", "0", "1", "2"]
+    done = subprocess.run([*command, "--out-dir", str(tmp_path / "runs"), "--results", str(results)], cwd=REPO)
+    assert done.returncode == 0
+    rows = json.loads(results.read_text())["rows"]
+    mean = {
+        mode: sum(r["val_top1"] for r in rows if r["mode"] == mode) / 3 for mode in ("fp32", "amp_o1", "amp_o2", "pure")
+    }
+    for mode in ("amp_o1", "amp_o2", "pure"):
+        assert abs(mean[mode] - mean["fp32"]) <= 0.01, (mode, mean)
