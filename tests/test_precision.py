@@ -387,20 +387,20 @@ def test_resume_restores_the_loss_scale_and_the_working_copy(tmp_path):
 
 
 @pytest.mark.slow
-def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32_over_three_seeds(tmp_path):
+def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32(tmp_path):
     """The full digits recipe in fp32 and bf16 O1, O2, pure for seeds 0-2, two runs at a time (~13 min here).
 
-    One seed is not enough: fp32 alone spreads with a standard deviation of 0.68 points over seeds, and any change
-    in rounding moves a run as far as a new seed does (docs/precision-and-optimizers.md), so each mode's mean
-    over the seeds is compared with fp32's.
+    The acceptance is the recipe as it ships (its seed, 0): every bf16 mode within 1 point of fp32. Other seeds
+    are compared by their mean, not one by one: fp32 alone spreads with a standard deviation of 0.68 points over
+    seeds, and any change in rounding (even fp32 on another thread count) moves a run as far as a new seed does
+    (docs/precision-and-optimizers.md).
     """
     results = tmp_path / "results.json"
     command = [sys.executable, str(REPO / "benchmarks" / "precision_digits.py"), "--seeds", "0", "1", "2"]
     done = subprocess.run([*command, "--out-dir", str(tmp_path / "runs"), "--results", str(results)], cwd=REPO)
     assert done.returncode == 0
-    rows = json.loads(results.read_text())["rows"]
-    mean = {
-        mode: sum(r["val_top1"] for r in rows if r["mode"] == mode) / 3 for mode in ("fp32", "amp_o1", "amp_o2", "pure")
-    }
+    top1 = {(r["mode"], r["seed"]): r["val_top1"] for r in json.loads(results.read_text())["rows"]}
+    mean = {mode: sum(top1[(mode, seed)] for seed in (0, 1, 2)) / 3 for mode in ("fp32", "amp_o1", "amp_o2", "pure")}
     for mode in ("amp_o1", "amp_o2", "pure"):
-        assert abs(mean[mode] - mean["fp32"]) <= 0.01, (mode, mean)
+        assert abs(top1[(mode, 0)] - top1[("fp32", 0)]) <= 0.01, (mode, "seed 0", top1)
+        assert abs(mean[mode] - mean["fp32"]) <= 0.01, (mode, "mean", mean)
