@@ -14,7 +14,7 @@ from tests.data_helpers import TINY_MODEL, make_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
 from vitrain.data.augment import pad_crop_flip, random_resized_crop
-from vitrain.data.loader import epoch_order
+from vitrain.data.loader import PAD_LABEL, epoch_order
 from vitrain.data.prepare import prepare
 from vitrain.data.prepared import PreparedSet
 from vitrain.engine import Trainer
@@ -55,6 +55,20 @@ def test_ranks_get_disjoint_shares_that_cover_the_epoch():
     joined = torch.cat(shares)
     assert all(len(s) == 25 for s in shares)
     assert len(set(joined.tolist())) == 100
+
+
+def test_validation_shares_are_equal_and_hold_every_sample_once_the_padding_labelled_to_ignore():
+    n, world_size = 13, 3  # padded to 15: two ranks end with one padding sample each
+    data = ImageSet(torch.zeros(n, 3, 8, 8, dtype=torch.uint8), torch.arange(n), [str(i) for i in range(n)])
+    augment = BatchAugment(_cfg().data, 3, False, 8, n)
+    labels = []
+    for rank in range(world_size):
+        loader = BatchLoader(data, 2, augment, CPU, shuffle=False, rank=rank, world_size=world_size, drop_last=False)
+        batches = [y for _, y in loader.epoch(0)]
+        assert len(loader) == len(batches) == 3 and sum(len(y) for y in batches) == 5
+        labels += torch.cat(batches).tolist()
+    assert sorted(y for y in labels if y != PAD_LABEL) == list(range(n))
+    assert labels.count(PAD_LABEL) == 2
 
 
 def test_order_depends_only_on_seed_and_epoch():
@@ -223,6 +237,19 @@ def test_plain_loader_yields_the_same_batches_as_the_fast_path(prepared_tree):
     for (x, y), (px, py) in zip(fast.epoch(2), plain.epoch(2), strict=True):
         torch.testing.assert_close(x, px)
         assert torch.equal(y, py)
+
+
+def test_plain_loader_shards_validation_like_the_fast_path(prepared_tree):
+    src, out = prepared_tree
+    common = ["train.batch_size=3", "data.loader_workers=1", "data.source=folder"]
+    for rank in range(3):
+        _, fast = build_loaders(_cfg(*common, f"data.root={out}"), CPU, rank, 3)
+        _, plain = build_loaders(_cfg(*common, f"data.root={src}", "data.loader=plain"), CPU, rank, 3)
+        pairs = list(zip(fast.epoch(0), plain.epoch(0), strict=True))
+        assert pairs
+        for (x, y), (px, py) in pairs:
+            torch.testing.assert_close(x, px)
+            assert torch.equal(y, py)
 
 
 def test_plain_loader_applies_the_configured_augmentations(prepared_tree):

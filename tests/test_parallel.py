@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -28,16 +30,22 @@ VARIANTS = {
 }
 
 
+# 70 synthetic images hold out 7 for validation: split over 2 ranks, one share is padded.
+ODD_VAL = {"synthetic_samples": 70}
+
+
 def _train_variants(out_dir):
     for name, parallel in VARIANTS.items():
         # Same global batch as the single-process run: 8 per rank x 2 ranks = 16.
         Trainer(tiny_config(out_dir, name, batch_size=8, parallel=parallel)).fit()
+    Trainer(tiny_config(out_dir, "zero3_odd_val", batch_size=8, data=ODD_VAL, parallel={"strategy": "zero3"})).fit()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("parallel")
     Trainer(tiny_config(out_dir, "single")).fit()
+    Trainer(tiny_config(out_dir, "single_odd_val", data=ODD_VAL)).fit()
     run_two_ranks(_train_variants, out_dir)
     return out_dir
 
@@ -51,6 +59,25 @@ def test_two_ranks_match_one_process_for_five_steps(runs, name):
         assert got[step] == pytest.approx(loss, abs=1e-5), f"{name} step {step}"
     # Training moved: the losses are not all the same number (a frozen model would also "match").
     assert len({round(v, 6) for v in reference.values()}) > 1
+
+
+def _last_eval(run_dir) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "val_top1" in r][-1]
+
+
+# two-rank run -> (one-process run, validation images): each rank evaluates its share, the counts are summed.
+EVAL_PAIRS = {name: ("single", 6) for name in VARIANTS} | {"zero3_odd_val": ("single_odd_val", 7)}
+
+
+@pytest.mark.parametrize("name", list(EVAL_PAIRS))
+def test_two_ranks_evaluate_each_validation_sample_once_like_one_process(runs, name):
+    single, samples = EVAL_PAIRS[name]
+    reference, got = _last_eval(runs / single), _last_eval(runs / name)
+    assert got["step"] == reference["step"] == 5
+    assert got["val_samples"] == reference["val_samples"] == samples
+    assert got["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+    assert got["val_top1"] == reference["val_top1"] and got["val_top5"] == reference["val_top5"]
 
 
 def test_activation_checkpointing_keeps_gradients_and_names():

@@ -25,17 +25,42 @@ class BatchSource(Protocol):
     def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+# The label of a sample that pads a rank's share (cross_entropy's default ignore_index: it adds no loss).
+PAD_LABEL = -100
+
+
 def epoch_order(
     n: int, epoch: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, drop_last: bool = True
 ) -> torch.Tensor:
-    """This rank's sample indices for `epoch`: a disjoint share of one permutation fixed by (seed, epoch)."""
+    """This rank's sample indices for `epoch`: a disjoint share of one permutation fixed by (seed, epoch).
+
+    Without drop_last the order is padded at its end, by repeating its first samples, to a multiple of
+    world_size, so that every rank runs the same number of batches (FSDP's forward is collective); the padding
+    sits after `real_samples` in each share and its labels become PAD_LABEL (`mask_padding`).
+    """
     if shuffle:
         index = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
     else:
         index = torch.arange(n)
     if drop_last:
         index = index[: n - n % world_size]
+    elif n:
+        index = torch.cat([index, index.repeat(world_size)[: -n % world_size]])
     return index[rank::world_size]
+
+
+def real_samples(n: int, rank: int, world_size: int) -> int:
+    """How many leading entries of this rank's `epoch_order` share are real samples (the rest is padding)."""
+    return len(range(rank, n, world_size))
+
+
+def mask_padding(labels: torch.Tensor, first: int, real: int) -> torch.Tensor:
+    """Give PAD_LABEL to the samples of a batch that starts at share position `first` and lie past `real`."""
+    if first + labels.shape[0] <= real:
+        return labels
+    labels = labels.clone()
+    labels[max(real - first, 0) :] = PAD_LABEL
+    return labels
 
 
 def batches_per_epoch(n: int, batch_size: int, world_size: int, drop_last: bool) -> int:
@@ -93,6 +118,7 @@ class BatchLoader:
         images, labels = self.data.read(index[b * self.batch_size : (b + 1) * self.batch_size])
         if self.pin:
             images, labels = images.pin_memory(), labels.pin_memory()
+        labels = mask_padding(labels, b * self.batch_size, real_samples(len(self.data), self.rank, self.world_size))
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
         return self.augment(images, labels, batch_generator(self.seed, epoch, b, self.rank))

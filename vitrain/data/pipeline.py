@@ -14,7 +14,7 @@ from vitrain.data.sources import build_datasets
 def build_loaders(
     cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> tuple[BatchLoader | PlainLoader, BatchLoader | PlainLoader]:
-    """(train, val) loaders; training batches are this rank's disjoint share, validation is not sharded."""
+    """(train, val) loaders, each yielding this rank's disjoint share (validation's padded to equal shares)."""
     if cfg.data.loader == "plain":
         return build_plain_loaders(cfg, device, rank, world_size)
     train_set, val_set = build_datasets(cfg)
@@ -36,6 +36,8 @@ def build_loaders(
         BatchAugment(d, m.in_chans, False, m.image_size, m.num_classes),
         device,
         shuffle=False,
+        rank=rank,
+        world_size=world_size,
         drop_last=False,
         prefetch=d.prefetch,
     )

@@ -1,7 +1,14 @@
 """Parallelism applied to a single-device model from outside: process groups, strategies, activation checkpointing."""
 
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from vitrain.parallel.distributed import DistInfo, broadcast_object, init_distributed, mean_over_ranks, shutdown
+from vitrain.parallel.distributed import (
+    DistInfo,
+    broadcast_object,
+    init_distributed,
+    mean_over_ranks,
+    shutdown,
+    sum_over_ranks,
+)
 from vitrain.parallel.strategies import build_parallel_optimizer, parallelize, unwrap
 
 __all__ = [
@@ -13,5 +20,6 @@ __all__ = [
     "mean_over_ranks",
     "parallelize",
     "shutdown",
+    "sum_over_ranks",
     "unwrap",
 ]

@@ -85,11 +85,16 @@ def barrier() -> None:
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The average of a scalar over all processes (the loss of the global batch when batches are equal)."""
+    return sum_over_ranks(value) / world_size()
+
+
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum of a tensor over all processes (for example counts of a sharded evaluation)."""
     if not is_distributed() or dist.get_world_size() == 1:
         return value
     value = value.detach().clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / dist.get_world_size()
+    return value
 
 
 def broadcast_object(obj: object) -> object:
