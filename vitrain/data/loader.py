@@ -116,9 +116,9 @@ class BatchLoader:
 
     def _batch(self, index: torch.Tensor, epoch: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = self.data.read(index[b * self.batch_size : (b + 1) * self.batch_size])
+        labels = mask_padding(labels, b * self.batch_size, real_samples(len(self.data), self.rank, self.world_size))
         if self.pin:
             images, labels = images.pin_memory(), labels.pin_memory()
-        labels = mask_padding(labels, b * self.batch_size, real_samples(len(self.data), self.rank, self.world_size))
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
         return self.augment(images, labels, batch_generator(self.seed, epoch, b, self.rank))
