@@ -36,7 +36,7 @@ def epoch_order(
 
     Without drop_last the order is padded at its end, by repeating its first samples, to a multiple of
     world_size, so that every rank runs the same number of batches (FSDP's forward is collective); the padding
-    sits after `real_samples` in each share and its labels become PAD_LABEL (`mask_padding`).
+    sits after the real samples of each share and its labels become PAD_LABEL (`mask_padding`).
     """
     if shuffle:
         index = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
@@ -49,13 +49,9 @@ def epoch_order(
     return index[rank::world_size]
 
 
-def real_samples(n: int, rank: int, world_size: int) -> int:
-    """How many leading entries of this rank's `epoch_order` share are real samples (the rest is padding)."""
-    return len(range(rank, n, world_size))
-
-
-def mask_padding(labels: torch.Tensor, first: int, real: int) -> torch.Tensor:
-    """Give PAD_LABEL to the samples of a batch that starts at share position `first` and lie past `real`."""
+def mask_padding(labels: torch.Tensor, first: int, n: int, rank: int, world_size: int) -> torch.Tensor:
+    """Give PAD_LABEL to the padding in a batch that starts at position `first` of this rank's share of n samples."""
+    real = len(range(rank, n, world_size))  # the share's leading real samples; padding follows them
     if first + labels.shape[0] <= real:
         return labels
     labels = labels.clone()
@@ -116,7 +112,7 @@ class BatchLoader:
 
     def _batch(self, index: torch.Tensor, epoch: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = self.data.read(index[b * self.batch_size : (b + 1) * self.batch_size])
-        labels = mask_padding(labels, b * self.batch_size, real_samples(len(self.data), self.rank, self.world_size))
+        labels = mask_padding(labels, b * self.batch_size, len(self.data), self.rank, self.world_size)
         if self.pin:
             images, labels = images.pin_memory(), labels.pin_memory()
         images = images.to(self.device, non_blocking=True)

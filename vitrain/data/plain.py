@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.config import Config, DataConfig
 from vitrain.data.augment import BatchAugment, _per_channel
-from vitrain.data.loader import batch_generator, batches_per_epoch, epoch_order, mask_padding, real_samples
+from vitrain.data.loader import batch_generator, batches_per_epoch, epoch_order, mask_padding
 from vitrain.data.prepared import is_prepared
 from vitrain.data.sources import ImageTree, held_out_split, list_split
 from vitrain.errors import DataError
@@ -146,9 +146,8 @@ class PlainLoader:
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
         )
-        real = real_samples(n, self.rank, self.world_size)
         for b, (images, labels) in enumerate(loader, start=start_batch):
-            labels = mask_padding(labels, b * self.batch_size, real)
+            labels = mask_padding(labels, b * self.batch_size, n, self.rank, self.world_size)
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             if self.mixer is not None:
