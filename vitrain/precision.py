@@ -35,14 +35,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from vitrain.config import PrecisionConfig
-from vitrain.errors import VitrainError
+from vitrain.errors import ConfigError, VitrainError
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # _NormBase covers every BatchNorm and InstanceNorm, whose running statistics must stay fp32 too.
@@ -96,8 +99,44 @@ def resolve(cfg: PrecisionConfig, device: torch.device, strategy: str = "single"
     return Resolved("fp32", torch.float32, f"auto: device type {device.type} -> fp32")
 
 
+BF16_UNITS_ENV = "VITRAIN_CPU_BF16_UNITS"
+
+
 def _cpu_has_bf16_matmul_units() -> bool:
+    """Whether this CPU has bf16 matrix units (Intel AMX tiles): with them auto picks bf16 amp_o1 on CPU, else fp32.
+
+    `VITRAIN_CPU_BF16_UNITS=1` or `=0` in the environment forces the answer, so that both of auto's CPU choices can
+    be tested (and a run reproduced) on any machine; unset, torch's AMX probe decides.
+    """
+    forced = os.environ.get(BF16_UNITS_ENV)
+    if forced is None:
+        return _amx_probe()
+    if forced not in ("0", "1"):
+        raise ConfigError(
+            f"{BF16_UNITS_ENV}={forced!r} must be 1 (bf16 matrix units) or 0 (none), or unset to probe the CPU"
+        )
+    return forced == "1"
+
+
+def _amx_probe() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def cpu_description() -> str:
+    """One line naming the CPU and its bf16 capabilities, e.g. for CI logs where results depend on auto's choice."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+    vendor = f" ({fields['vendor_id']})" if fields.get("vendor_id") else ""
+    units = "yes" if _cpu_has_bf16_matmul_units() else "no"
+    if BF16_UNITS_ENV in os.environ:
+        probe = "yes" if _amx_probe() else "no"
+        units += f" (forced by {BF16_UNITS_ENV}={os.environ[BF16_UNITS_ENV]}; the probe says {probe})"
+    avx = "yes" if torch.cpu._is_avx512_bf16_supported() else "no"
+    return f"CPU: {model}{vendor}; bf16 matrix units (AMX): {units}; avx512_bf16: {avx}"
 
 
 class LossScaler:
