@@ -1,4 +1,4 @@
-"""Precision policies: dtypes under each mode, fp16 loss scaling, fp32 checkpoints, auto's choice on this CPU."""
+"""Precision policies: dtypes under each mode, fp16 loss scaling, fp32 checkpoints, auto's choice on each CPU."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from torch import nn
 
 from vitrain.config import ModelConfig, OptimConfig, PrecisionConfig, load_config
 from vitrain.engine import Trainer
+from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.optim import build_optimizer
-from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, resolve
+from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, cpu_description, resolve
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parent.parent
@@ -319,20 +320,51 @@ def test_check_finite_refuses_a_non_finite_weight():
         check_finite(model)
 
 
-@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX bf16 units: auto picks bf16 there")
-def test_auto_selects_fp32_on_this_cpu_and_says_why():
+def test_auto_selects_fp32_on_a_cpu_without_bf16_units_and_says_why(monkeypatch):
+    monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", "0")
     chosen = resolve(PrecisionConfig(mode="auto"), CPU)
     assert chosen.mode == "fp32" and chosen.dtype == torch.float32
     assert "CPU without AMX bf16 matmul units" in chosen.reason and "slower than fp32" in chosen.reason
 
 
-@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX bf16 units: auto picks bf16 there")
-def test_trainer_logs_why_auto_chose_fp32(tmp_path):
+def test_auto_selects_bf16_o1_on_a_cpu_with_bf16_units_and_says_why(monkeypatch):
+    monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", "1")
+    chosen = resolve(PrecisionConfig(mode="auto"), CPU)
+    assert chosen.mode == "amp_o1" and chosen.dtype == torch.bfloat16
+    assert chosen.reason == "auto: CPU with AMX bf16 matmul units -> bf16 O1"
+
+
+@pytest.mark.parametrize(
+    "units, label, logged",
+    [
+        ("0", "fp32", "precision fp32 (auto: CPU without AMX bf16 matmul units"),
+        ("1", "amp_o1 bfloat16", "precision amp_o1 bfloat16 (auto: CPU with AMX bf16 matmul units -> bf16 O1)"),
+    ],
+)
+def test_trainer_logs_why_auto_chose_its_precision(tmp_path, monkeypatch, units, label, logged):
+    monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", units)
     cfg = tiny_run(tmp_path, "precision.mode=auto", "train.max_steps=1")
     summary = Trainer(cfg).fit()
-    assert summary["precision"] == "fp32"
-    log = (cfg.run_dir / "log.txt").read_text()
-    assert "precision fp32 (auto: CPU without AMX bf16 matmul units" in log
+    assert summary["precision"] == label
+    assert logged in (cfg.run_dir / "log.txt").read_text()
+
+
+def test_a_bad_bf16_units_override_is_one_line_naming_the_variable_and_its_values(monkeypatch):
+    monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", "yes")
+    with pytest.raises(ConfigError) as refused:
+        resolve(PrecisionConfig(mode="auto"), CPU)
+    message = str(refused.value)
+    assert message.startswith("VITRAIN_CPU_BF16_UNITS='yes' must be 1") and "or 0" in message
+    assert "\n" not in message
+
+
+def test_cpu_description_names_the_cpu_and_says_when_the_probe_is_forced(monkeypatch):
+    monkeypatch.delenv("VITRAIN_CPU_BF16_UNITS", raising=False)
+    probed = "yes" if torch.cpu._is_amx_tile_supported() else "no"
+    line = cpu_description()
+    assert line.startswith("CPU: ") and f"bf16 matrix units (AMX): {probed};" in line and "\n" not in line
+    monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", "1")
+    assert f"(AMX): yes (forced by VITRAIN_CPU_BF16_UNITS=1; the probe says {probed})" in cpu_description()
 
 
 def test_fp16_o2_run_checkpoint_is_all_fp32_and_finite(tmp_path):
