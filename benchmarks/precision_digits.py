@@ -2,7 +2,7 @@
 
     python benchmarks/precision_digits.py --seeds 0 1 2            # fp32, amp_o1, amp_o2, pure (bf16)
 
-Every run is `vitrain train configs/digits.yaml` with `train.seed=S precision.mode=M precision.dtype=bf16`;
+Every run is `vitrain train digits` with `train.seed=S precision.mode=M precision.dtype=bf16`;
 `--jobs` runs go at once, each with `train.threads=1` (the default 2 fills this machine's 2 cores). bf16 is
 slow on a CPU without bf16 matmul units (about 2-3x fp32's time per run here). The table gives each mode's
 val_top1 minus fp32's for the same seed, in points; the results go to results/precision_digits.json.
@@ -27,7 +27,7 @@ def train(mode: str, seed: int, args: argparse.Namespace) -> dict:
     name = f"digits-{mode}-seed{seed}"
     run_dir = Path(args.out_dir) / name
     command = [
-        sys.executable, "-m", "vitrain", "train", str(REPO / "configs" / "digits.yaml"),
+        sys.executable, "-m", "vitrain", "train", "digits",
         f"name={name}", f"log.out_dir={args.out_dir}", "log.progress=false", f"train.threads={args.threads}",
         f"train.seed={seed}", f"precision.mode={mode}", "precision.dtype=bf16", *args.overrides,
     ]  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitrain.config import ModelConfig, OptimConfig, load_config
+from vitrain.config import CONFIG_DIR, ModelConfig, OptimConfig, load_config
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
@@ -176,9 +176,9 @@ def test_lamb_and_lars_train_a_vit_without_nan(name):
 
 def test_fused_lamb_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match="optim.impl=fused is not available for optim.name=lamb.*use optim.impl"):
-        load_config("configs/digits.yaml", ["optim.name=lamb", "optim.impl=fused"])
+        load_config(CONFIG_DIR / "digits.yaml", ["optim.name=lamb", "optim.impl=fused"])
 
 
 def test_layer_decay_outside_0_1_is_refused():
     with pytest.raises(ConfigError, match=r"optim.layer_decay=1.5 must be in \(0, 1\]"):
-        load_config("configs/digits.yaml", ["optim.layer_decay=1.5"])
+        load_config(CONFIG_DIR / "digits.yaml", ["optim.layer_decay=1.5"])

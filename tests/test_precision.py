@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.config import ModelConfig, OptimConfig, PrecisionConfig, load_config
+from vitrain.config import CONFIG_DIR, ModelConfig, OptimConfig, PrecisionConfig, load_config
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
@@ -28,7 +28,7 @@ TINY_VIT = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=10, 
 def tiny_run(tmp_path: Path, *overrides: str):
     """The digits recipe shrunk to a few seconds: a 2-block ViT for a handful of steps."""
     return load_config(
-        "configs/digits.yaml",
+        CONFIG_DIR / "digits.yaml",
         [
             f"log.out_dir={tmp_path}",
             "log.progress=false",

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from vitrain.cli import main
-from vitrain.config import ScheduleConfig, load_config
+from vitrain.config import CONFIG_DIR, ScheduleConfig, load_config
 from vitrain.errors import ConfigError
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.optim.lr_find import suggest_lr
@@ -49,7 +49,7 @@ def test_step_multiplies_by_gamma_at_each_milestone():
 
 def test_step_without_milestones_is_refused():
     with pytest.raises(ConfigError, match="schedule.name=step needs schedule.milestones"):
-        load_config("configs/digits.yaml", ["schedule.name=step"])
+        load_config(CONFIG_DIR / "digits.yaml", ["schedule.name=step"])
 
 
 def test_linear_scaling_multiplies_lr_by_global_batch_over_base():

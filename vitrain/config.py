@@ -16,7 +16,8 @@ import yaml
 
 from vitrain.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Recipes ship inside the package (package data), so a regular install finds them from any working directory.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @dataclass
@@ -220,18 +221,31 @@ def to_yaml(cfg: Config) -> str:
 
 
 def resolve_config_path(name: str) -> Path:
-    """Accept a path, or the name of a recipe in configs/ (`cifar10` -> configs/cifar10.yaml)."""
+    """Accept a path, or the name of a shipped recipe (`cifar10` -> vitrain/configs/cifar10.yaml)."""
     path = Path(name)
     if path.exists():
         return path
     for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
         if candidate.exists():
             return candidate
-    raise ConfigError(f"config file {name} not found; give a path or one of: {', '.join(recipe_names())}")
+    raise ConfigError(
+        f"config file {name} not found; give a YAML path or a recipe name: {', '.join(recipe_names())} "
+        "(`vitrain config list` describes them)"
+    )
 
 
 def recipe_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def recipe_description(path: Path) -> str:
+    """A recipe's first comment line: each shipped recipe opens with one saying what it trains."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("#").strip()
+        if line.strip():
+            break
+    return ""
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
