@@ -10,6 +10,7 @@ import yaml
 from tests.conftest import run_cli, tiny_overrides
 from tests.data_helpers import make_tree
 from tests.test_trainer import snapshot
+from vitrain.config import CONFIG_DIR
 from vitrain.models import PRESETS
 
 
@@ -36,6 +37,23 @@ def test_config_show_prints_the_resolved_config():
     assert result.returncode == 0, result.stderr
     shown = yaml.safe_load(result.stdout)
     assert shown["model"]["depth"] == 6 and shown["data"]["source"] == "digits"
+
+
+def test_config_list_names_each_shipped_recipe_with_its_path_and_what_it_trains():
+    result = run_cli("config", "list")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for name, description in [("digits", "scikit-learn's bundled handwritten digits"), ("cifar10", "CIFAR-10 from")]:
+        row = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])
+        assert lines[row].split()[1] == str(CONFIG_DIR / f"{name}.yaml")
+        assert description in lines[row + 1]
+
+
+def test_a_recipe_name_resolves_from_a_folder_outside_the_repo(tmp_path):
+    result = run_cli("config", "show", "cifar10", "model.depth=3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["name"] == "cifar10" and shown["model"]["depth"] == 3
 
 
 def test_unknown_key_exits_2(tmp_path):

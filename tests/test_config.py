@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import pytest
 
-from vitrain.config import CONFIG_DIR, load_config, recipe_names, to_yaml
+import vitrain
+from tests.conftest import REPO
+from vitrain.config import CONFIG_DIR, load_config, recipe_names, resolve_config_path, to_yaml
 from vitrain.errors import ConfigError
 
 
@@ -17,6 +26,36 @@ def test_digits_recipe_loads_with_its_values():
 def test_every_shipped_recipe_is_valid():
     for name in recipe_names():
         load_config(CONFIG_DIR / f"{name}.yaml")
+
+
+def test_recipes_live_inside_the_package():
+    assert CONFIG_DIR == Path(vitrain.__file__).resolve().parent / "configs"
+    assert {"digits", "cifar10"} <= set(recipe_names())
+    assert resolve_config_path("digits") == CONFIG_DIR / "digits.yaml"
+
+
+def test_an_unknown_recipe_lists_the_shipped_ones_and_points_to_config_list():
+    with pytest.raises(ConfigError, match=r"config file cifar100 not found; .*cifar10, digits .*`vitrain config list`"):
+        resolve_config_path("cifar100")
+
+
+def test_the_wheel_ships_the_recipes(tmp_path):
+    """A regular (non-editable) install gets the recipes only if the wheel carries them as package data."""
+    try:
+        import setuptools  # noqa: F401
+    except ImportError:
+        pytest.skip("setuptools is not installed, so the wheel cannot be built without build isolation")
+    source = tmp_path / "source"  # a copy, so the build leaves no build/ or egg-info in the checkout
+    shutil.copytree(REPO / "vitrain", source / "vitrain", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    done = subprocess.run([*command, "-w", str(tmp_path / "wheel")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "wheel").glob("vitrain-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"vitrain/configs/digits.yaml", "vitrain/configs/cifar10.yaml"} <= names
 
 
 def test_overrides_are_typed_and_win_over_the_file():

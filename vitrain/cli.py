@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved config")
     show.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE")
     show.set_defaults(func=_config_show)
+    listing = config_sub.add_parser("list", help="the recipes shipped with vitrain: name, path, what each trains")
+    listing.set_defaults(func=_config_list)
     return parser
 
 
@@ -328,6 +330,20 @@ def _config_show(args: argparse.Namespace) -> int:
     from vitrain.config import to_yaml
 
     print(to_yaml(_load(args.args)), end="")
+    return 0
+
+
+def _config_list(args: argparse.Namespace) -> int:
+    from vitrain.config import CONFIG_DIR, recipe_description, recipe_names
+
+    names = recipe_names()
+    width = max(map(len, names), default=0) + 2
+    print(f"recipes shipped in {CONFIG_DIR}:")
+    for name in names:
+        path = CONFIG_DIR / f"{name}.yaml"
+        print(f"{name:<{width}}{path}")
+        print(f"{'':<{width}}{recipe_description(path)}")
+    print("train one: vitrain train NAME; to edit one, copy it out: vitrain config show NAME > my.yaml")
     return 0
 
 
