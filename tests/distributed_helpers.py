@@ -15,7 +15,7 @@ from vitrain.config import Config, load_config
 
 
 def tiny_config(out_dir: Path, name: str, batch_size: int = 16, **sections: dict[str, Any]) -> Config:
-    """A 2-block ViT on 64 synthetic 8x8 images, fp32, no augmentation or dropout: runs are exactly comparable."""
+    """A 2-block ViT on 64 synthetic 8x8 images, fp32 on any CPU, no augmentation or dropout: exactly comparable."""
     raw: dict[str, Any] = {
         "name": name,
         "model": {
@@ -29,6 +29,8 @@ def tiny_config(out_dir: Path, name: str, batch_size: int = 16, **sections: dict
         },
         "data": {"source": "synthetic", "synthetic_samples": 64},
         "train": {"epochs": 3, "batch_size": batch_size, "max_steps": 5, "threads": 1, "keep_checkpoints": 10},
+        # Exact comparisons need the same arithmetic on every machine: auto picks bf16 on CPUs with AMX.
+        "precision": {"mode": "fp32"},
         "log": {"out_dir": str(out_dir), "every_steps": 1, "progress": False},
     }
     for section, values in sections.items():

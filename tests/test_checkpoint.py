@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
@@ -9,6 +11,8 @@ from vitrain import checkpoint as ckpt
 from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError
 from vitrain.models import create_model
+from vitrain.parallel import broadcast_object
+from vitrain.parallel.distributed import rank
 
 TEN_STEPS = {"epochs": 4, "max_steps": 10, "checkpoint_every_steps": 5}  # 3 steps per epoch
 
@@ -17,18 +21,26 @@ def _step5(out_dir, name):
     return out_dir / name / "checkpoints" / "step_00000005"
 
 
+def fork(step_dir, out_dir, name):
+    """Copy a checkpoint into a run folder of its own: --resume continues a checkpoint in its own run folder."""
+    target = out_dir / name / "checkpoints" / step_dir.name
+    shutil.copytree(step_dir, target)
+    return str(target)
+
+
 def _two_rank_job(out_dir):
     zero3 = {"strategy": "zero3"}
     # Uninterrupted zero3 run that also checkpoints at step 5 (saving does not change the losses).
     Trainer(tiny_config(out_dir, "zero3_full", batch_size=8, train=TEN_STEPS, parallel=zero3)).fit()
     # 1 -> 2: continue the one-process run's step-5 checkpoint on 2 ranks.
-    resume = str(_step5(out_dir, "single_full"))
+    resume = fork(_step5(out_dir, "single_full"), out_dir, "single_to_zero3") if rank() == 0 else None
+    resume = broadcast_object(resume)
     Trainer(tiny_config(out_dir, "single_to_zero3", batch_size=8, train=TEN_STEPS, parallel=zero3), resume).fit()
     # zero3 -> ddp and zero3 -> zero1 on the same 2 ranks.
-    resume = str(_step5(out_dir, "zero3_full"))
     for strategy in ("ddp", "zero1"):
-        parallel = {"strategy": strategy}
-        cfg = tiny_config(out_dir, f"zero3_to_{strategy}", batch_size=8, train=TEN_STEPS, parallel=parallel)
+        name = f"zero3_to_{strategy}"
+        resume = broadcast_object(fork(_step5(out_dir, "zero3_full"), out_dir, name) if rank() == 0 else None)
+        cfg = tiny_config(out_dir, name, batch_size=8, train=TEN_STEPS, parallel={"strategy": strategy})
         Trainer(cfg, resume).fit()
 
 
@@ -38,10 +50,12 @@ def runs(tmp_path_factory):
     Trainer(tiny_config(out_dir, "single_full", train=TEN_STEPS)).fit()
     run_two_ranks(_two_rank_job, out_dir)
     # 2 -> 1: the zero3 checkpoint continued in this single process.
-    Trainer(tiny_config(out_dir, "zero3_to_single", train=TEN_STEPS), str(_step5(out_dir, "zero3_full"))).fit()
+    resume = fork(_step5(out_dir, "zero3_full"), out_dir, "zero3_to_single")
+    Trainer(tiny_config(out_dir, "zero3_to_single", train=TEN_STEPS), resume).fit()
     # zero1 writes each rank's optimizer shard; one process reads the union (its end-of-epoch save at step 6).
     zero1_step6 = out_dir / "zero3_to_zero1" / "checkpoints" / "step_00000006"
-    Trainer(tiny_config(out_dir, "zero1_to_single", train=TEN_STEPS), str(zero1_step6)).fit()
+    resume = fork(zero1_step6, out_dir, "zero1_to_single")
+    Trainer(tiny_config(out_dir, "zero1_to_single", train=TEN_STEPS), resume).fit()
     return out_dir
 
 

@@ -331,14 +331,18 @@ def test_auto_selects_bf16_o1_on_a_cpu_with_bf16_units_and_says_why(monkeypatch)
     monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", "1")
     chosen = resolve(PrecisionConfig(mode="auto"), CPU)
     assert chosen.mode == "amp_o1" and chosen.dtype == torch.bfloat16
-    assert chosen.reason == "auto: CPU with AMX bf16 matmul units -> bf16 O1"
+    assert chosen.reason == "auto: CPU with AMX bf16 matmul units, forced by VITRAIN_CPU_BF16_UNITS -> bf16 O1"
 
 
 @pytest.mark.parametrize(
     "units, label, logged",
     [
-        ("0", "fp32", "precision fp32 (auto: CPU without AMX bf16 matmul units"),
-        ("1", "amp_o1 bfloat16", "precision amp_o1 bfloat16 (auto: CPU with AMX bf16 matmul units -> bf16 O1)"),
+        ("0", "fp32", "precision fp32 (auto: CPU without AMX bf16 matmul units, forced by VITRAIN_CPU_BF16_UNITS"),
+        (
+            "1",
+            "amp_o1 bfloat16",
+            "precision amp_o1 bfloat16 (auto: CPU with AMX bf16 matmul units, forced by VITRAIN_CPU_BF16_UNITS -> bf16",
+        ),
     ],
 )
 def test_trainer_logs_why_auto_chose_its_precision(tmp_path, monkeypatch, units, label, logged):

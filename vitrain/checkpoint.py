@@ -1,14 +1,25 @@
-"""Reshardable checkpoints: torch.distributed.checkpoint step directories, written atomically, last K kept.
+"""Reshardable, crash-safe checkpoints that load without running code: DCP step folders, JSON metadata, a marker.
 
 Layout of a run: `RUN/checkpoints/step_00000500/` holds the DCP shards of the model and optimizer (each rank
-writes its own) plus `meta.pt` (config, step, data position, RNG, best metric) written by rank 0. Tensors are
-saved under their single-device names (`model.blocks.0.attn.qkv.weight`), so a checkpoint written by one
-strategy and world size loads under any other: 2 ranks zero3 -> 1 process, 1 -> 2 ranks, zero3 -> ddp.
+writes its own, each rank's RNG state among them) plus `meta.json` (config, step, data position, best metric)
+and, written last, `COMPLETE` (every file of the folder with its size). Tensors are saved under their
+single-device names (`model.blocks.0.attn.qkv.weight`), so a checkpoint written by one strategy and world size
+loads under any other: 2 ranks zero3 -> 1 process, 1 -> 2 ranks, zero3 -> ddp.
+
+Crash safety: a save fills `.tmp-step_N`, fsyncs every file and the folder, writes `COMPLETE`, then renames the
+folder into place and fsyncs its parent. A folder without a valid `COMPLETE` is never taken for a checkpoint;
+`clean_leftovers` removes what an interrupted save or prune left behind.
+
+Safety: nothing is unpickled in a way that can run code. `meta.json` is JSON; tensors are read with
+`weights_only=True`; DCP's pickled `.metadata` index is read by an unpickler that knows only DCP's metadata
+classes. Checkpoints of the earlier format (`meta.pt`) are read with `weights_only=True` as well.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -19,63 +30,103 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from vitrain.errors import CheckpointError
 from vitrain.optim.flat import ensure_state, is_flat, per_parameter_state
-from vitrain.parallel.distributed import barrier, is_distributed, rank
+from vitrain.parallel.distributed import all_or_none, is_distributed, rank
 from vitrain.parallel.strategies import unwrap
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 CHECKPOINT_DIR = "checkpoints"
-META_FILE = "meta.pt"
+META_FILE = "meta.json"
+LEGACY_META_FILE = "meta.pt"  # format 2: a pickle, read only with weights_only=True
+COMPLETE_FILE = "COMPLETE"
+DCP_INDEX = ".metadata"
 BEST_POINTER = "best"
+RNG_KEY = "rng"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Prefixes of what interrupted saves and prunes leave in checkpoints/: never checkpoints, removed on start.
+_TMP, _OLD, _TRASH = ".tmp-", ".old-", ".trash-"
 
 
 # ---------------------------------------------------------------------------------------------- files
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: a crash never leaves half a file."""
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (a file's own fsync does not cover its directory entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, rename, fsync the folder: never half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            if isinstance(obj, bytes):
-                handle.write(obj)
-            else:
-                torch.save(obj, handle)
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def write_json(path: Path, value: Any) -> None:
+    atomic_write(path, (json.dumps(value, indent=1, allow_nan=False) + "\n").encode())
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+# ---------------------------------------------------------------------------------------------- which folders
+
+
+def _listed_files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != COMPLETE_FILE}
+
+
+def is_complete(path: Path) -> bool:
+    """A step folder whose save finished: its COMPLETE marker lists every file with the size it still has.
+
+    A folder of the earlier format (meta.pt, no marker) counts as complete: that format renamed a folder into
+    place only after all of it was written.
+    """
+    path = Path(path)
+    marker = path / COMPLETE_FILE
+    if not marker.is_file():
+        return (path / LEGACY_META_FILE).is_file() and (path / DCP_INDEX).is_file() and not (path / META_FILE).exists()
+    try:
+        listed = json.loads(marker.read_text())["files"]
+        return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in listed.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary directories start with '.' and are ignored)."""
+    """Complete checkpoints of a run, oldest first; incomplete step folders are skipped with a warning."""
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    complete = []
+    for _, path in found:
+        if is_complete(path):
+            complete.append(path)
+        else:
+            warnings.warn(
+                f"checkpoint {path} is incomplete (its write was interrupted or it was damaged); skipped", stacklevel=2
+            )
+    return complete
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -85,20 +136,54 @@ def latest(run_dir: Path) -> Path | None:
 
 def best(run_dir: Path) -> Path | None:
     pointer = Path(run_dir) / CHECKPOINT_DIR / BEST_POINTER
-    if not pointer.exists():
+    if not pointer.is_file():
         return None
     path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    return path if _STEP_DIR.match(path.name) and path.is_dir() and is_complete(path) else None
+
+
+def clean_leftovers(run_dir: Path) -> list[str]:
+    """Remove what interrupted saves and prunes left in a run's checkpoints/ folder; returns what it did.
+
+    `.old-step_N` is the previous copy of a step being re-saved: when the crash came between the two renames
+    (no `step_N` any more) and that copy is complete, it is put back instead of removed.
+    """
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    done = []
+    for path in sorted(root.iterdir()):
+        name = path.name
+        if name.startswith(_OLD) and path.is_dir():
+            final = root / name[len(_OLD) :]
+            if not final.exists() and is_complete(path):
+                path.rename(final)
+                done.append(f"restored {final.name}")
+                continue
+        if name.startswith((_TMP, _OLD, _TRASH)) or (name.startswith(".") and name.endswith(".tmp")):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            done.append(f"removed {name}")
+    if done:
+        fsync_dir(root)
+    return done
 
 
 # ---------------------------------------------------------------------------------------------- save
 
 
-def _dcp(operation, state: dict[str, Any], path: Path) -> None:
-    """dcp.save / dcp.load; one process without a process group is a normal case here, not worth a warning."""
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG state as tensors (dropout and drop-path draw from it)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _dcp_save(state: dict[str, Any], path: Path) -> None:
+    # One process without a process group is a normal case here, not worth DCP's warning.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
-        operation(state, checkpoint_id=path, no_dist=not is_distributed())
+        dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=True), no_dist=not is_distributed())
 
 
 def save(
@@ -110,50 +195,65 @@ def save(
     keep: int,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank writes its shards into a temporary directory that rank 0 renames when complete.
+    """Collective: every rank writes its shards into a temporary folder that rank 0 completes and renames.
 
     `extra` holds more tensors to save beside the model and optimizer (top-level keys); `load_extra` reads them.
+    A failure on any rank (a full disk, an unwritable folder) raises the same error on every rank and leaves
+    the previous checkpoints as they were.
     """
     root = Path(run_dir) / CHECKPOINT_DIR
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}"
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    model_state, optim_state = training_state(model, optimizer)
-    _dcp(dcp.save, {"model": model_state, "optim": optim_state, **(extra or {})}, tmp)
-    if rank() == 0:
-        atomic_save({"format": FORMAT_VERSION, **meta}, tmp / META_FILE)
-        _replace_dir(tmp, final)
-        if meta.get("is_best"):
-            atomic_save(final.name.encode(), root / BEST_POINTER)
-        _prune(run_dir, keep)
-    barrier()
+    tmp = root / f"{_TMP}{final.name}"
+    what = f"saving checkpoint {final}"
+    try:
+        with all_or_none(what):
+            if rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+        with all_or_none(what):
+            model_state, optim_state = training_state(model, optimizer)
+            own_rng = {f"rank{rank()}": rng_state()}
+            _dcp_save({"model": model_state, "optim": optim_state, RNG_KEY: own_rng, **(extra or {})}, tmp)
+        with all_or_none(what):
+            if rank() == 0:
+                write_json(tmp / META_FILE, {"format": FORMAT_VERSION, **meta})
+                fsync_dir(tmp)
+                write_json(tmp / COMPLETE_FILE, {"step": step, "files": _listed_files(tmp)})
+                _replace_dir(tmp, final)
+    except Exception:
+        if rank() == 0:  # what a failed save wrote goes; the checkpoints before it stay as they were
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    with all_or_none(what):
+        if rank() == 0:
+            if meta.get("is_best"):
+                atomic_write(root / BEST_POINTER, final.name.encode())
+            _prune(run_dir, keep)
     return final
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Rename `tmp` to `final`; a checkpoint of the same step (an end-of-epoch re-save) is swapped out."""
-    old = final.with_name(f".old-{final.name}")
+    old = final.with_name(f"{_OLD}{final.name}")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     tmp.rename(final)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints of this run and its best one; rename, then delete the rest."""
     keep_best = best(run_dir)
     dirs = step_dirs(run_dir)
-    for path in dirs[: max(0, len(dirs) - keep)]:
-        if path != keep_best:
-            shutil.rmtree(path, ignore_errors=True)
+    victims = [p for p in dirs[: max(0, len(dirs) - keep)] if p != keep_best]
+    for path in victims:  # a crash mid-delete leaves a `.trash-` folder, never a half-deleted step_ folder
+        path.rename(path.with_name(f"{_TRASH}{path.name}"))
+    if victims:
+        fsync_dir(Path(run_dir) / CHECKPOINT_DIR)
+    for path in victims:
+        shutil.rmtree(path.with_name(f"{_TRASH}{path.name}"), ignore_errors=True)
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -172,10 +272,10 @@ def _names(model: nn.Module) -> dict[nn.Parameter, str]:
 def _zero1_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
     """This rank's shard of the optimizer state in get_state_dict's layout, without gathering it on one rank.
 
-    Each rank saves the moments of the parameters it owns; the union over ranks is a complete optimizer state
+    Each rank saves the state of the parameters it owns; the union over ranks is a complete optimizer state
     that any strategy loads.
     """
-    names = {p: n for n, p in unwrap(model).named_parameters()}
+    names = _names(model)
     local = optimizer.optim
     state = {names[p]: dict(s) for p, s in local.state.items()}
     groups = []
@@ -185,16 +285,121 @@ def _zero1_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[s
     return {"state": state, "param_groups": groups}
 
 
+# ---------------------------------------------------------------------------------------------- safe reading
+
+# DCP's `.metadata` index is a pickle; these are the only things it may name.
+_DCP_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _DCP_METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def _refused(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint file {path} refers to {what}, which a checkpoint never holds: refusing to load it "
+        "(loading it could run code); use checkpoints you wrote or got from a source you trust"
+    )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled through an allowlist of DCP's own metadata classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        try:
+            with self.fs.create_stream(path, "rb") as handle:
+                metadata = _MetadataUnpickler(handle).load()
+        except pickle.UnpicklingError as exc:
+            raise _refused(path, str(exc) or "an unknown object") from None
+        except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+            raise CheckpointError(
+                f"checkpoint file {path} cannot be read ({type(exc).__name__}); it is damaged"
+            ) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"checkpoint file {path} holds no DCP metadata; it is damaged")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading the non-tensor values (hyperparameters, step counts) with weights_only=True."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise _refused(self.path, f"an object that is not plain data (at {read_item.dest_index.fqn})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(path),
+            no_dist=not is_distributed(),
+        )
+
+
+def _index(path: Path) -> dict[str, Any]:
+    """The DCP index of a checkpoint: every saved key with its storage metadata (read safely)."""
+    return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
 # ---------------------------------------------------------------------------------------------- load
 
 
 def resolve(path: Path) -> Path:
-    """A step directory as given; for a run directory or its checkpoints/ folder, the newest step in it."""
+    """A step folder as given; for a run folder or its checkpoints/ folder, the newest complete step in it."""
     path = Path(path)
-    if path.is_dir() and not (path / META_FILE).exists():
+    if path.is_dir() and not _STEP_DIR.match(path.name):
         run_dir = path.parent if path.name == CHECKPOINT_DIR else path
         return latest(run_dir) or path
     return path
+
+
+def run_dir_of(step_dir: Path) -> Path:
+    """The run folder a step folder belongs to (RUN/checkpoints/step_N -> RUN)."""
+    return Path(step_dir).parent.parent
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -206,15 +411,42 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} is a file; a vitrain checkpoint is a directory such as RUN/checkpoints/step_00000100"
         )
-    meta_file = path / META_FILE
-    if not meta_file.exists() or not (path / ".metadata").exists():
-        raise CheckpointError(f"checkpoint {path} is not a vitrain checkpoint (no {META_FILE} or .metadata in it)")
-    try:
-        meta = torch.load(meta_file, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {meta_file} cannot be read ({type(exc).__name__}); it is damaged") from None
+    meta_file, legacy = path / META_FILE, path / LEGACY_META_FILE
+    if not (path / DCP_INDEX).is_file() or not (meta_file.is_file() or legacy.is_file()):
+        raise CheckpointError(
+            f"checkpoint {path} is not a vitrain checkpoint (no {META_FILE} or {DCP_INDEX} in it); give a step folder "
+            "such as RUN/checkpoints/step_00000100 or a run folder"
+        )
+    if not is_complete(path):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no valid {COMPLETE_FILE}: its write was interrupted); "
+            f"resume from its run folder {run_dir_of(path)} to take the newest complete checkpoint"
+        )
+    meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointError(f"checkpoint {meta_file} holds no config; it was not written by vitrain")
+    _index(path)  # refuse a crafted DCP index before anything else reads it
+    return meta
+
+
+def _read_json_meta(meta_file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"checkpoint {meta_file} is not valid JSON; it is damaged") from None
+
+
+def _read_legacy_meta(meta_file: Path) -> dict[str, Any]:
+    """Format 2's pickled meta.pt, read with weights_only=True: plain data and tensors, never code."""
+    try:
+        meta = torch.load(meta_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise _refused(meta_file, "objects that are not plain data") from None
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {meta_file} cannot be read ({type(exc).__name__}); it is damaged") from None
+    if isinstance(meta, dict):
+        # Format 2 kept rank 0's RNG state here; it applies to rank 0 only now (see Trainer.load).
+        meta = {k: v for k, v in meta.items() if k != "rng"}
     return meta
 
 
@@ -222,7 +454,7 @@ def check_model_matches(path: Path, model: nn.Module) -> None:
     """Compare tensor names and shapes with the checkpoint's index before any rank reads a byte of it."""
     saved = {
         key[len("model.") :]: tuple(getattr(md, "size", ()))
-        for key, md in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        for key, md in _index(path).items()
         if key.startswith("model.")
     }
     own = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
@@ -252,46 +484,80 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
         ensure_state(optimizer)
         wanted = {"model": get_model_state_dict(model), "optim": per_parameter_state(optimizer, _names(model))}
         wanted["optim"].pop("param_groups")
-        _dcp(dcp.load, wanted, path)
+        _dcp_load(wanted, path)
         with torch.no_grad():
             for name, param in unwrap(model).named_parameters():
                 param.copy_(wanted["model"][name])
         return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    _dcp(dcp.load, state, path)
+    _dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:
-    names = {p: n for n, p in unwrap(model).named_parameters()}
+    """Each rank reads the state of the parameters it owns, whatever the optimizer keeps per parameter.
+
+    The state's keys, shapes and dtypes come from the checkpoint's index (AdamW's moments and step, SGD's and
+    LARS's momentum buffer, LAMB's moments and integer step), so the tensors DCP reads into have the right form.
+    """
+    names = _names(model)
     local = optimizer.optim
-    owned = [p for group in local.param_groups for p in group["params"]]
-    # AdamW's per-parameter state, allocated with the right shapes so that DCP reads into it.
-    fused = any(g.get("fused") for g in local.param_groups)
-    state = {
-        names[p]: {
-            "exp_avg": torch.zeros_like(p),
-            "exp_avg_sq": torch.zeros_like(p),
-            "step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
-        }
-        for p in owned
-    }
+    index = _index(path)
+    state: dict[str, dict[str, Any]] = {}
+    for group in local.param_groups:
+        scalars_on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            prefix = f"optim.state.{names[p]}."
+            entries: dict[str, Any] = {}
+            for key, md in index.items():
+                field = key[len(prefix) :]
+                if not key.startswith(prefix) or "." in field:
+                    continue
+                if isinstance(md, TensorStorageMetadata):
+                    on_device = tuple(md.size) == tuple(p.shape) or scalars_on_device
+                    device = p.device if on_device else torch.device("cpu")
+                    entries[field] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+                else:
+                    entries[field] = None  # a plain value (LAMB's integer step): DCP fills it in
+            if entries:
+                state[names[p]] = entries
     wanted = {"model": get_model_state_dict(model), "optim": {"state": state}}
-    _dcp(dcp.load, wanted, path)
+    _dcp_load(wanted, path)
     unwrap(model).load_state_dict(wanted["model"])
-    for p in owned:
-        local.state[p] = wanted["optim"]["state"][names[p]]
+    owned = {names[p]: p for group in local.param_groups for p in group["params"]}
+    for name, entries in wanted["optim"]["state"].items():
+        local.state[owned[name]] = entries
 
 
 def load_extra(path: Path, state: dict[str, Any]) -> None:
     """Collective: fill `state`'s tensors in place from the same keys that `save(extra=...)` wrote."""
-    _dcp(dcp.load, state, path)
+    _dcp_load(state, path)
+
+
+def load_rng(path: Path) -> bool:
+    """Collective: restore this rank's own RNG state from the checkpoint; False when it holds none for this rank."""
+    index = _index(path)
+    prefix = f"{RNG_KEY}.rank{rank()}."
+    fields = {key[len(prefix) :]: md for key, md in index.items() if key.startswith(prefix)}
+    wanted = {
+        RNG_KEY: {
+            f"rank{rank()}": {field: torch.empty(md.size, dtype=md.properties.dtype) for field, md in fields.items()}
+        }
+    }
+    _dcp_load(wanted, path)  # every rank joins the collective load, with or without a state of its own
+    state = wanted[RNG_KEY][f"rank{rank()}"]
+    if "cpu" not in state:
+        return False
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    return True
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Read only the model's weights (one process, no optimizer), e.g. for eval and export."""
     check_model_matches(path, model)
     state = {"model": unwrap(model).state_dict()}
-    _dcp(dcp.load, state, path)
+    _dcp_load(state, path)
     unwrap(model).load_state_dict(state["model"])

@@ -135,6 +135,9 @@ class PrecisionConfig:
     growth_interval: int = 2000  # double the scale after this many steps without an overflow
     min_scale: float = 1.0
     max_overflows_at_min: int = 20  # this many consecutive overflows at min_scale stop the run
+    # fp32 / bf16: a step whose loss or gradients hold inf/NaN is skipped (weights untouched, logged); more than
+    # this many in a row stop the run with its last good checkpoint kept. 0: stop at the first.
+    max_nonfinite_skips: int = 3
 
 
 @dataclass
@@ -524,3 +527,5 @@ def _validate_optim_schedule_precision(cfg: Config) -> None:
         raise ConfigError(f"precision.init_scale={p.init_scale} must be >= precision.min_scale={p.min_scale} > 0")
     if p.growth_interval <= 0 or p.max_overflows_at_min <= 0:
         raise ConfigError("precision.growth_interval and precision.max_overflows_at_min must be positive")
+    if p.max_nonfinite_skips < 0:
+        raise ConfigError(f"precision.max_nonfinite_skips={p.max_nonfinite_skips} must be >= 0 (0: stop at the first)")

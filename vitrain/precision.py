@@ -46,6 +46,7 @@ from torch import nn
 
 from vitrain.config import PrecisionConfig
 from vitrain.errors import ConfigError, VitrainError
+from vitrain.parallel.distributed import any_rank
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # _NormBase covers every BatchNorm and InstanceNorm, whose running statistics must stay fp32 too.
@@ -86,14 +87,15 @@ def resolve(cfg: PrecisionConfig, device: torch.device, strategy: str = "single"
             return Resolved("amp_o2", torch.bfloat16, "auto: CUDA with bf16 support -> bf16 O2 (no loss scaling)")
         return Resolved("amp_o1", torch.float16, "auto: CUDA without bf16 -> fp16 O1 with dynamic loss scaling")
     if device.type == "cpu":
+        forced = f", forced by {BF16_UNITS_ENV}" if BF16_UNITS_ENV in os.environ else ""
         if _cpu_has_bf16_matmul_units():
-            # Untested here: AMX CPUs run bf16 matmuls faster than fp32; autocast keeps fp32 weights.
-            return Resolved("amp_o1", torch.bfloat16, "auto: CPU with AMX bf16 matmul units -> bf16 O1")
+            # AMX CPUs run bf16 matmuls faster than fp32; autocast keeps fp32 weights.
+            return Resolved("amp_o1", torch.bfloat16, f"auto: CPU with AMX bf16 matmul units{forced} -> bf16 O1")
         avx = "with" if torch.cpu._is_avx512_bf16_supported() else "without"
         return Resolved(
             "fp32",
             torch.float32,
-            f"auto: CPU without AMX bf16 matmul units ({avx} avx512_bf16 conversion instructions): "
+            f"auto: CPU without AMX bf16 matmul units{forced} ({avx} avx512_bf16 conversion instructions): "
             "bf16/fp16 matmuls are slower than fp32 here -> fp32",
         )
     return Resolved("fp32", torch.float32, f"auto: device type {device.type} -> fp32")
@@ -223,6 +225,11 @@ class PrecisionPolicy:
         self.resolved = resolve(cfg, device, strategy)
         self.mode, self.dtype, self.device = self.resolved.mode, self.resolved.dtype, device
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
+        # fp32/bf16: a step whose loss or gradients hold inf/NaN is skipped, up to this many in a row, then the
+        # run stops (fp16 has the loss scaler's own policy: skip, halve the scale, stop at the minimum).
+        self.max_nonfinite_skips = cfg.max_nonfinite_skips
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_skipped = 0
         self.compensated = self.mode == "pure" and cfg.compensated
         # pure + compensated: Kahan compensation per optimizer parameter (a flat buffer's members get views of it).
         self.compensation: dict[nn.Parameter, torch.Tensor] = {}
@@ -283,26 +290,54 @@ class PrecisionPolicy:
     def loss_scale(self) -> float | None:
         return self.scaler.scale if self.scaler is not None else None
 
-    def step(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float) -> tuple[float | None, bool]:
-        """Unscale, check, clip and apply the gradients; returns (gradient norm before clipping, skipped)."""
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_grad_norm: float,
+        loss_nonfinite: torch.Tensor | None = None,
+    ) -> tuple[float | None, bool]:
+        """Unscale, check, clip and apply the gradients; returns (gradient norm before clipping, skipped).
+
+        Collective under a parallel strategy: whether to skip is decided once for all ranks (a NaN loss on one
+        rank, an inf in one rank's gradient shard), so every rank skips or steps together.
+        """
         self._gradients_to_master()
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        no_flag = torch.zeros((), dtype=torch.bool, device=self.device)
+        loss_nonfinite = no_flag if loss_nonfinite is None else loss_nonfinite
         if self.scaler is not None:
-            overflow = self.scaler.unscale_and_check([p.grad for p in params if p.grad is not None])
+            overflow = any_rank(self.scaler.unscale_and_check(grads) | loss_nonfinite)
             self.scaler.update(overflow)
             if overflow:
                 optimizer.zero_grad(set_to_none=True)  # the weights are not touched: the whole step is skipped
                 return None, True
-        grad_norm = None
         with self.full_precision(optimizer, step=True) if self.compensated else contextlib.nullcontext():
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+            # Sharded (FSDP2) gradients give a DTensor norm; its full value is reduced over every rank's shard.
+            full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if any_rank(~torch.isfinite(full_norm) | loss_nonfinite):
+                optimizer.zero_grad(set_to_none=True)
+                self._skip_nonfinite()
+                return None, True
+            self.nonfinite_in_a_row = 0
             if clip_grad_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-                # Sharded (FSDP2) gradients give a DTensor norm, already reduced over every rank's shard.
-                grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, norm)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.sync_working_copy()
-        return grad_norm, False
+        return float(full_norm), False
+
+    def _skip_nonfinite(self) -> None:
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_skipped += 1
+        if self.nonfinite_in_a_row > self.max_nonfinite_skips:
+            raise TrainingDiverged(
+                f"loss or gradients held inf/NaN {self.nonfinite_in_a_row} steps in a row (more than "
+                f"precision.max_nonfinite_skips={self.max_nonfinite_skips}): the run is diverging and stops; "
+                "checkpoints already written are kept and finite; lower optim.lr or lengthen schedule.warmup_epochs"
+            )
 
     def _gradients_to_master(self) -> None:
         with torch.no_grad():
@@ -376,12 +411,21 @@ class PrecisionPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         scaler = self.scaler.state_dict() if self.scaler is not None else None
-        return {"mode": self.mode, "scaler": scaler, "compensated": self.compensated}
+        return {
+            "mode": self.mode,
+            "scaler": scaler,
+            "compensated": self.compensated,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_skipped": self.nonfinite_skipped,
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore the loss scale and refresh the working copy from the (just loaded) master weights."""
         if state and state.get("scaler") and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        if state:
+            self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
+            self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
         self.sync_working_copy()
 
     def describe(self) -> str:
@@ -425,12 +469,17 @@ def _repoint(param: nn.Parameter, data: torch.Tensor) -> None:
         member.data = data[offset : offset + member.numel()].view_as(member)
 
 
-def check_finite(model: nn.Module) -> None:
-    """Refuse to keep weights that hold inf/NaN (each rank checks its own shard of sharded parameters)."""
-    for key, tensor in model.state_dict().items():
+def check_finite(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Refuse to keep weights or optimizer state that hold inf/NaN (each rank checks its own shard)."""
+    tensors = list(model.state_dict().items())
+    if optimizer is not None:
+        tensors += [(f"optimizer state {key}", v) for s in optimizer.state.values() for key, v in s.items()]
+    for key, tensor in tensors:
+        if not torch.is_tensor(tensor):
+            continue
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
             raise TrainingDiverged(
-                f"weight {key} holds inf/NaN: training diverged, so it is not saved (the last good checkpoint "
+                f"{key} holds inf/NaN: training diverged, so it is not saved (the last good checkpoint "
                 "is kept); lower optim.lr or use precision.mode=fp32"
             )

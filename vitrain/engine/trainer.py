@@ -19,6 +19,7 @@ from vitrain.config import Config, config_from_dict, to_dict, to_yaml
 from vitrain.data import build_loaders
 from vitrain.data.loader import WaitTimer
 from vitrain.engine.evaluate import evaluate
+from vitrain.engine.runs import choose_run, mark_run
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import complexity, count_parameters, create_model
 from vitrain.optim import Schedule, resolve_impl, scaled_lr, set_lr
@@ -29,6 +30,7 @@ from vitrain.parallel import (
     mean_over_ranks,
     parallelize,
 )
+from vitrain.parallel.distributed import all_or_none, launch_id, restart_count
 from vitrain.precision import PrecisionPolicy, check_finite
 from vitrain.weights import load_pretrained
 
@@ -87,7 +89,8 @@ class Trainer:
         self.dist = init_distributed(resolve_device(cfg.train.device), cfg.parallel.strategy, cfg.parallel.backend)
         self.device = self.dist.device
         self.is_main = self.dist.is_main
-        self.resume_path = self._resume_path(resume)
+        self.notes: list[str] = []  # what choosing the run folder and loading did, logged once the log is open
+        self.resume_path = self._choose_run(resume)
 
         t = cfg.train
         self.train_loader, self.val_loader = build_loaders(cfg, self.device, self.dist.rank, self.dist.world_size)
@@ -101,9 +104,12 @@ class Trainer:
         peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.world_size)
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
 
-        model = create_model(cfg.model).to(self.device)
+        model = create_model(cfg.model).to(self.device)  # the same initial weights on every rank (seed)
         if cfg.model.init_from:
             load_pretrained(model, Path(cfg.model.init_from))
+        # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order
+        # and augmentation have their own generators, functions of (seed, epoch, batch, rank).
+        torch.manual_seed(cfg.train.seed + self.dist.rank)
         # The policy may hand back a low-precision working copy (amp_o2/pure, single device only); the
         # optimizer and the checkpoints always use self.model, which holds the fp32 master weights under amp_o2.
         self.precision = PrecisionPolicy(cfg.precision, self.device, cfg.parallel.strategy)
@@ -122,22 +128,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ state
 
-    def _resume_path(self, resume: bool | str) -> Path | None:
-        """The checkpoint to resume from; a new run never reuses a folder that holds one."""
-        last = ckpt.latest(self.run_dir)
-        if resume:
-            path = Path(resume) if isinstance(resume, str) else last
-            if path is None or not path.exists():
-                where = path if path is not None else self.run_dir / ckpt.CHECKPOINT_DIR
-                raise CheckpointError(f"--resume: no checkpoint at {where}; start without --resume")
-            return path
-        # Rank 0 picks the folder and tells the others, so that no rank sees another's first writes.
-        run_dir, suffix = self.run_dir, 1
-        while self.is_main and run_dir.exists() and any(run_dir.iterdir()):
-            run_dir = self.run_dir.with_name(f"{self.run_dir.name}-{suffix}")
-            suffix += 1
-        self.run_dir = Path(broadcast_object(str(run_dir)))
-        return None
+    def _choose_run(self, resume: bool | str) -> Path | None:
+        """Rank 0 picks the run folder and the checkpoint to continue (runs.choose_run) and tells the others."""
+        launch = launch_id()
+        with all_or_none("choosing the run folder"):
+            choice = None
+            if self.is_main:
+                choice = choose_run(self.run_dir, resume, launch, restart_count())
+                mark_run(choice.run_dir, launch, choice.checkpoint)
+        if choice is not None:
+            choice = (str(choice.run_dir), choice.checkpoint and str(choice.checkpoint), choice.notes)
+        run_dir, checkpoint, self.notes = broadcast_object(choice)
+        self.run_dir = Path(run_dir)
+        return Path(checkpoint) if checkpoint else None
 
     def meta(self, is_best: bool = False) -> dict[str, Any]:
         """Everything but the tensors; the data position is in samples so another world size can resume it."""
@@ -149,7 +152,6 @@ class Trainer:
             "samples_in_epoch": self.batch_in_epoch * self.global_micro_batch,
             "best_top1": self.best_top1,
             "last_eval": self.last_eval,
-            "rng": ckpt.rng_state(),
             "world_size": self.dist.world_size,
             "strategy": self.cfg.parallel.strategy,
             "is_best": is_best,
@@ -177,7 +179,18 @@ class Trainer:
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = samples // self.global_micro_batch
         self.best_top1, self.last_eval = meta["best_top1"], meta["last_eval"]
-        ckpt.set_rng_state(meta["rng"])
+        restored = ckpt.load_rng(path)
+        saved_ranks, ranks = meta.get("world_size", 1), self.dist.world_size
+        if saved_ranks != ranks:
+            kept = min(saved_ranks, ranks)
+            what = f"ranks 0-{kept - 1} continue their own RNG states"
+            if ranks > saved_ranks:
+                what += f", ranks {saved_ranks}-{ranks - 1} start from seed + rank"
+            else:
+                what += f", the states of ranks {ranks}-{saved_ranks - 1} are not used"
+            self.notes.append(f"checkpoint from {saved_ranks} processes, {ranks} now: {what}")
+        elif not restored:
+            self.notes.append(f"checkpoint {path} holds no RNG state for this run's ranks: they start from seed + rank")
 
     @property
     def global_micro_batch(self) -> int:
@@ -189,7 +202,9 @@ class Trainer:
         if self.precision.compensated:
             extra = {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)}
         with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
-            check_finite(self.model)  # a diverged run keeps its last good checkpoint instead of saving inf/NaN
+            # A diverged run keeps its last good checkpoint instead of saving inf/NaN (each rank checks its shard).
+            with all_or_none("checking the weights before a checkpoint"):
+                check_finite(self.model, self.optimizer)
             return ckpt.save(
                 self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.train.keep_checkpoints, extra
             )
@@ -198,13 +213,16 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = RunLog(self.run_dir, enabled=self.is_main)
+        with all_or_none(f"writing to the run folder {self.run_dir}"):
+            log = RunLog(self.run_dir, enabled=self.is_main)
+            if self.is_main:
+                (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         if self.resume_path is not None:
             self.load(self.resume_path)
+        for note in self.notes:
+            log.info(note)
+        if self.resume_path is not None:
             log.info(f"resumed from {self.resume_path} at step {self.step} (epoch {self.epoch})")
-        if self.is_main:
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self._log_header(log)
 
         wall_start = time.perf_counter()
@@ -231,18 +249,19 @@ class Trainer:
                 if micro == 0:
                     lr = self.schedule(self.step)
                     set_lr(self.optimizer, lr)
-                with self.precision.autocast():
-                    loss = F.cross_entropy(self.forward(images).float(), labels, label_smoothing=t.label_smoothing)
+                    loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+                loss = self.loss(images, labels)
+                loss_nonfinite |= ~torch.isfinite(loss.detach())  # checked at the step, without a sync here
                 self.precision.backward(loss / t.accum_steps)
                 micro += 1
                 self.batch_in_epoch += 1
                 if micro < t.accum_steps:
                     continue
-                grad_norm, skipped = self.precision.step(self.optimizer, cfg.optim.clip_grad_norm)
+                grad_norm, skipped = self.precision.step(self.optimizer, cfg.optim.clip_grad_norm, loss_nonfinite)
                 micro = 0
                 self.step += 1
                 if skipped:
-                    log.record(step=self.step, epoch=self.epoch, skipped=True, **self._scaler_fields())
+                    self._log_skip(log)
 
                 now = time.perf_counter()
                 step_images = images.shape[0] * t.accum_steps * self.dist.world_size
@@ -302,6 +321,23 @@ class Trainer:
         )
         log.close()
         return summary
+
+    def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss of one micro-batch (fp32 logits under every precision policy)."""
+        with self.precision.autocast():
+            logits = self.forward(images).float()
+        return F.cross_entropy(logits, labels, label_smoothing=self.cfg.train.label_smoothing)
+
+    def _log_skip(self, log: RunLog) -> None:
+        fields = self._scaler_fields()
+        if self.precision.scaler is None:
+            in_a_row, limit = self.precision.nonfinite_in_a_row, self.precision.max_nonfinite_skips
+            fields = {"nonfinite_in_a_row": in_a_row, "nonfinite_skipped": self.precision.nonfinite_skipped}
+            log.info(
+                f"step {self.step}: loss or gradients hold inf/NaN: step skipped, weights unchanged "
+                f"({in_a_row} in a row; precision.max_nonfinite_skips={limit} in a row are skipped, then the run stops)"
+            )
+        log.record(step=self.step, epoch=self.epoch, skipped=True, **fields)
 
     def _scaler_fields(self) -> dict[str, Any]:
         scaler = self.precision.scaler

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from vitrain.errors import ConfigError
+from vitrain.errors import ConfigError, VitrainError
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,14 @@ def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def any_rank(flag: torch.Tensor) -> bool:
+    """Whether a boolean tensor is true on any process (one all-reduce; every rank gets the same answer)."""
+    if is_distributed() and dist.get_world_size() > 1:
+        flag = flag.detach().to(torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def broadcast_object(obj: object) -> object:
     """Rank 0's value on every rank (for example a checkpoint directory name)."""
     if not is_distributed() or dist.get_world_size() == 1:
@@ -104,3 +115,69 @@ def broadcast_object(obj: object) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class RankFailed(VitrainError):
+    """Some rank failed; every rank raises this with the same one-line message, so none waits for a dead peer."""
+
+
+def _failure_message(what: str, error: BaseException, failed_rank: int) -> str:
+    """One line for a failure: the user's own error as it is, anything else with the rank and its cause."""
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        failed_rank, (error, _) = min(failures.items(), key=lambda item: item[0])
+    if isinstance(error, VitrainError):
+        return str(error)
+    where = f" on rank {failed_rank}" if world_size() > 1 else ""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{what} failed{where}: {text}"
+
+
+@contextlib.contextmanager
+def all_or_none(what: str) -> Iterator[None]:
+    """Collective: run the block on every rank; if it fails on any rank, every rank raises the same RankFailed.
+
+    One all-gather after the block carries each rank's outcome, so a rank whose disk is full (or whose weights
+    went non-finite) takes the others down with it within seconds instead of leaving them in the next barrier.
+    The rank that failed re-raises its own error when it is the user's (VitrainError) or a bug (with its
+    traceback); a failure of the machine (OSError, DCP's CheckpointException) becomes RankFailed everywhere.
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except (Exception, _checkpoint_exception()) as exc:  # DCP's CheckpointException is a BaseException
+        error = exc
+    if not is_distributed() or world_size() == 1:
+        outcomes = [None if error is None else _failure_message(what, error, 0)]
+    else:
+        outcomes = [None] * world_size()
+        dist.all_gather_object(outcomes, None if error is None else _failure_message(what, error, rank()))
+    failed = [message for message in outcomes if message is not None]
+    if not failed:
+        return
+    if error is not None and not isinstance(error, OSError | _checkpoint_exception()):
+        raise error  # the user's error as it was raised (same message as the others get), or a bug's traceback
+    raise RankFailed(failed[0]) from None
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (torchrun --max-restarts); 0 on the first try."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def launch_id() -> str:
+    """Names this launch across torchrun's restarts of the worker group, and only this launch.
+
+    torchrun --standalone gives every launch its own run id; a multi-node launch has the --rdzv-id the user gave
+    (a scheduler's job id); without either the agent's host and process id (the workers' parent) stand in.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    return f"process:{socket.gethostname()}:{os.getppid()}"
