@@ -40,9 +40,14 @@ def tiny_cfg(tmp_path: Path) -> Config:
     return load_config(None, tiny_overrides(tmp_path))
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m vitrain ARGS` as a user would; returns the finished process."""
-    env = {**os.environ, "PYTHONWARNINGS": "default"}
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, warnings: str = "default"
+) -> subprocess.CompletedProcess:
+    """Run `python -m vitrain ARGS` as a user would; returns the finished process.
+
+    warnings="default" shows every warning (tests look for ours); "" leaves Python's defaults, as a user has them.
+    """
+    env = {**os.environ, "PYTHONWARNINGS": warnings}
     return subprocess.run(
         [sys.executable, "-m", "vitrain", *args],
         capture_output=True,

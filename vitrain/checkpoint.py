@@ -32,12 +32,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from vitrain.errors import CheckpointError
+from vitrain.errors import CheckpointError, VitrainError
 from vitrain.optim.flat import ensure_state, is_flat, per_parameter_state
 from vitrain.parallel.distributed import all_or_none, is_distributed, rank
 from vitrain.parallel.strategies import unwrap
@@ -370,14 +371,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _dcp_load(state: dict[str, Any], path: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(path),
-            planner=SafeLoadPlanner(path),
-            no_dist=not is_distributed(),
-        )
+    """Collective: DCP's load through the safe reader and planner; a failure on any rank is one line on all."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(path),
+                planner=SafeLoadPlanner(path),
+                no_dist=not is_distributed(),
+            )
+    except CheckpointException as exc:  # DCP gathers every rank's failure into one BaseException
+        errors = [error for error, _ in exc.failures.values()]
+        ours = next((error for error in errors if isinstance(error, VitrainError)), None)
+        if ours is not None:
+            raise ours from None
+        first = errors[0] if errors else exc
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(first).__name__}: {' '.join(str(first).split())}); it is damaged"
+        ) from None
 
 
 def _index(path: Path) -> dict[str, Any]:
@@ -439,7 +451,9 @@ def _read_json_meta(meta_file: Path) -> dict[str, Any]:
 def _read_legacy_meta(meta_file: Path) -> dict[str, Any]:
     """Format 2's pickled meta.pt, read with weights_only=True: plain data and tensors, never code."""
     try:
-        meta = torch.load(meta_file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on the pickle protocol of old files is no news to a user
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            meta = torch.load(meta_file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise _refused(meta_file, "objects that are not plain data") from None
     except Exception as exc:

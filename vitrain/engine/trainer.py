@@ -75,6 +75,7 @@ class RunLog:
         if self.enabled:
             self.text.close()
             self.jsonl.close()
+            self.enabled = False
 
 
 class Trainer:
@@ -212,11 +213,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
-        cfg, t = self.cfg, self.cfg.train
         with all_or_none(f"writing to the run folder {self.run_dir}"):
             log = RunLog(self.run_dir, enabled=self.is_main)
             if self.is_main:
-                (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+                (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        try:
+            return self._fit(log)
+        finally:
+            log.close()
+
+    def _fit(self, log: RunLog) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
         if self.resume_path is not None:
             self.load(self.resume_path)
         for note in self.notes:
@@ -319,7 +326,6 @@ class Trainer:
             f"done: val_top1={summary['val_top1']:.4f} images/s={summary['images_per_s']:.0f} "
             f"data_wait={summary['data_wait_frac']:.1%} wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
         )
-        log.close()
         return summary
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

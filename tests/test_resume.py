@@ -1,0 +1,186 @@
+"""Resume continues a checkpoint in its own run folder, exactly (per-rank RNG included), past interrupted writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config
+from vitrain import checkpoint as ckpt
+from vitrain.engine import Trainer
+from vitrain.errors import CheckpointError
+from vitrain.parallel import broadcast_object
+from vitrain.parallel.distributed import rank
+
+TEN_STEPS = {"epochs": 4, "max_steps": 10, "checkpoint_every_steps": 5}  # 3 steps per epoch
+# Dropout and drop-path draw from the RNG: a resume matches only when every rank's RNG state is restored.
+RANDOM_MASKS = {"drop_path": 0.2, "dropout": 0.1}
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _stop_at(cfg, step):
+    cfg.train.max_steps = step
+    return cfg
+
+
+def test_resume_with_random_masks_continues_bit_for_bit(tmp_path):
+    whole = tiny_config(tmp_path, "whole", train=TEN_STEPS, model=RANDOM_MASKS)
+    Trainer(whole).fit()
+    part = _stop_at(tiny_config(tmp_path, "part", train=TEN_STEPS, model=RANDOM_MASKS), 5)
+    Trainer(part).fit()
+    Trainer(_stop_at(part, 10), resume=True).fit()
+    expected, got = losses(whole.run_dir), losses(part.run_dir)
+    assert sorted(got) == list(range(1, 11))
+    assert [got[s] for s in range(6, 11)] == [expected[s] for s in range(6, 11)]  # exactly, not approximately
+
+
+def test_resume_path_continues_in_the_checkpoints_own_run_folder(tmp_path):
+    source = tiny_config(tmp_path, "source", train={**TEN_STEPS, "max_steps": 5})
+    Trainer(source).fit()
+    step5 = ckpt.latest(source.run_dir)
+    other = tiny_config(tmp_path, "other", train=TEN_STEPS)
+    trainer = Trainer(other, resume=str(step5))
+    assert trainer.run_dir == source.run_dir
+    trainer.fit()
+    assert not other.run_dir.exists()
+    assert ckpt.latest(source.run_dir).name == "step_00000010"
+
+
+def test_resume_run_dir_takes_its_newest_complete_checkpoint(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={**TEN_STEPS, "max_steps": 5})
+    Trainer(cfg).fit()
+    trainer = Trainer(_stop_at(cfg, 10), resume=str(cfg.run_dir))
+    assert trainer.resume_path == cfg.run_dir / "checkpoints" / "step_00000005"
+    trainer.fit()
+    assert ckpt.latest(cfg.run_dir).name == "step_00000010"
+
+
+def test_resuming_from_another_run_never_touches_the_folder_of_this_name(tmp_path):
+    a = tiny_config(tmp_path, "a", train={**TEN_STEPS, "max_steps": 5, "keep_checkpoints": 1})
+    b = tiny_config(tmp_path, "b", train={**TEN_STEPS, "keep_checkpoints": 1})
+    Trainer(a).fit()
+    Trainer(b).fit()
+    before = snapshot(b.run_dir)
+    Trainer(b, resume=str(ckpt.latest(a.run_dir))).fit()  # named b, continues a's checkpoint in a's folder
+    assert snapshot(b.run_dir) == before
+    assert [p.name for p in ckpt.step_dirs(a.run_dir)][-1] == "step_00000010"
+
+
+def test_a_new_run_never_writes_into_a_folder_that_holds_another_run(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={"max_steps": 2})
+    Trainer(cfg).fit()
+    before = snapshot(cfg.run_dir)
+    second = Trainer(cfg)
+    second.fit()
+    assert second.run_dir == cfg.run_dir.with_name("run-1")
+    assert snapshot(cfg.run_dir) == before
+
+
+def test_an_incomplete_step_folder_is_skipped_with_a_warning_and_resume_falls_back(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={**TEN_STEPS, "max_steps": 10})
+    Trainer(cfg).fit()
+    newest = ckpt.latest(cfg.run_dir)
+    (newest / ckpt.COMPLETE_FILE).unlink()  # as if the write had stopped before its marker
+    with pytest.warns(UserWarning, match=f"checkpoint {newest} is incomplete"):
+        fallback = ckpt.latest(cfg.run_dir)
+    assert fallback.name < newest.name and ckpt.is_complete(fallback)
+    with pytest.warns(UserWarning, match="is incomplete"):
+        trainer = Trainer(cfg, resume=True)
+    assert trainer.resume_path == fallback
+
+
+def test_a_marker_that_lists_a_missing_or_short_file_means_incomplete(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={"max_steps": 2})
+    Trainer(cfg).fit()
+    step = ckpt.latest(cfg.run_dir)
+    assert ckpt.is_complete(step)
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert not ckpt.is_complete(step)
+
+
+def test_leftovers_of_interrupted_writes_are_cleaned_on_resume(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={**TEN_STEPS, "max_steps": 5})
+    Trainer(cfg).fit()
+    root = cfg.run_dir / "checkpoints"
+    step5 = root / "step_00000005"
+    (root / ".tmp-step_00000008").mkdir()  # a save killed while writing
+    (root / ".trash-step_00000002").mkdir()  # a prune killed while deleting
+    step5.rename(root / ".old-step_00000005")  # a re-save of step 5 killed between its two renames
+    trainer = Trainer(_stop_at(cfg, 10), resume=True)
+    assert trainer.resume_path == step5 and ckpt.is_complete(step5)
+    trainer.fit()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+    log = (cfg.run_dir / "log.txt").read_text()
+    assert "restored step_00000005" in log and "removed .tmp-step_00000008" in log
+
+
+def test_resume_of_a_folder_without_a_run_or_checkpoint_is_refused(tmp_path):
+    (tmp_path / "runs" / "empty").mkdir(parents=True)
+    cfg = tiny_config(tmp_path / "runs", "empty")
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint and no vitrain run"):
+        Trainer(cfg, resume=True)
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over_in_place(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={"max_steps": 2})
+    Trainer(cfg)  # created the folder and its run.json, then died before any checkpoint
+    trainer = Trainer(cfg, resume=True)
+    assert trainer.run_dir == cfg.run_dir and trainer.resume_path is None
+    trainer.fit()
+    assert "holds no complete checkpoint yet: starting it over from step 0" in (cfg.run_dir / "log.txt").read_text()
+
+
+# ------------------------------------------------------------------------------------------ per-rank RNG
+
+
+def _two_rank_rng_job(out_dir):
+    ddp = {"strategy": "ddp"}
+    # Each rank draws its own masks: the RNG streams differ between ranks right after set-up.
+    trainer = Trainer(tiny_config(out_dir, "draws", batch_size=8, parallel=ddp, model=RANDOM_MASKS))
+    draws = [None, None]
+    torch.distributed.all_gather_object(draws, torch.rand(4).tolist())
+    if rank() == 0:
+        (out_dir / "draws.json").write_text(json.dumps(draws))
+    del trainer
+    whole = tiny_config(out_dir, "ddp_whole", batch_size=8, train=TEN_STEPS, parallel=ddp, model=RANDOM_MASKS)
+    Trainer(whole).fit()
+    part = tiny_config(out_dir, "ddp_part", batch_size=8, train=TEN_STEPS, parallel=ddp, model=RANDOM_MASKS)
+    Trainer(_stop_at(part, 5)).fit()
+    Trainer(_stop_at(part, 10), resume=True).fit()
+    # The 2-rank checkpoint at step 5 continued by 1 process: rank 0 keeps its state, rank 1's is not used.
+    if rank() == 0:
+        shutil.copytree(ckpt.latest(out_dir / "ddp_part"), out_dir / "to_one" / "checkpoints" / "step_00000010")
+    broadcast_object(None)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("rng")
+    run_two_ranks(_two_rank_rng_job, out_dir)
+    return out_dir
+
+
+def test_ranks_draw_different_dropout_and_drop_path_masks(two_rank_runs):
+    rank0, rank1 = json.loads((two_rank_runs / "draws.json").read_text())
+    assert rank0 != rank1
+
+
+def test_two_ranks_resume_with_random_masks_bit_for_bit(two_rank_runs):
+    expected, got = losses(two_rank_runs / "ddp_whole"), losses(two_rank_runs / "ddp_part")
+    assert sorted(got) == list(range(1, 11))
+    assert [got[s] for s in range(6, 11)] == [expected[s] for s in range(6, 11)]
+
+
+def test_loading_on_another_world_size_says_what_happens_to_the_rng_states(two_rank_runs):
+    cfg = tiny_config(two_rank_runs, "to_one", train={**TEN_STEPS, "max_steps": 11}, model=RANDOM_MASKS)
+    Trainer(cfg, resume=str(two_rank_runs / "to_one")).fit()
+    log = (two_rank_runs / "to_one" / "log.txt").read_text()
+    assert "checkpoint from 2 processes, 1 now: ranks 0-0 continue their own RNG states" in log
+    assert "the states of ranks 1-1 are not used" in log
