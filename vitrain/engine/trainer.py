@@ -123,6 +123,7 @@ class Trainer:
 
         self.step = 0
         self.epoch = 0
+        self.epoch_batches: Any = None  # the current epoch's batch iterator
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.best_top1 = -1.0
         self.last_eval: dict[str, float] = {}
@@ -221,6 +222,11 @@ class Trainer:
             return self._fit(log)
         finally:
             log.close()
+            # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
+            # where a thread still inside torch aborts the process.
+            close = getattr(self.epoch_batches, "close", None)
+            if close is not None:
+                close()
 
     def _fit(self, log: RunLog) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
@@ -251,7 +257,8 @@ class Trainer:
             window_images, window_start, window_wait_s, window_steps = 0, step_start, 0.0, 0
             # Only whole optimizer steps: leftover micro-batches would leak gradients into the next epoch.
             remaining = self.steps_per_epoch * t.accum_steps - self.batch_in_epoch
-            batches = WaitTimer(itertools.islice(self.train_loader.epoch(self.epoch, self.batch_in_epoch), remaining))
+            self.epoch_batches = self.train_loader.epoch(self.epoch, self.batch_in_epoch)
+            batches = WaitTimer(itertools.islice(self.epoch_batches, remaining))
             for images, labels in batches:
                 if micro == 0:
                     lr = self.schedule(self.step)

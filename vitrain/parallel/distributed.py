@@ -58,10 +58,26 @@ def init_distributed(device: torch.device, strategy: str, backend: str = "auto")
     if strategy != "single" and not dist.is_initialized():
         name = backend_for(device, backend)
         if world_size > 1:
-            dist.init_process_group(name, rank=rank, world_size=world_size)
+            dist.init_process_group(name, store=_restart_store(world_size), rank=rank, world_size=world_size)
         else:
             dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _restart_store(world_size: int) -> dist.Store | None:
+    """Under torchrun, the agent's store with its keys kept apart per restart; None: the env:// default.
+
+    torchrun keeps one store across restarts of the worker group; gloo's connection set-up then reads the
+    addresses of the previous (dead) workers from it and times out (measured with torch 2.13: a restarted
+    2-rank group fails in connectFullMesh). A prefix per restart gives every try keys of its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=default_pg_timeout)
+    return dist.PrefixStore(f"vitrain/restart_{restart_count()}", store)
 
 
 def shutdown() -> None:

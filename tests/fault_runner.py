@@ -1,0 +1,164 @@
+"""Runs the vitrain CLI with one injected fault, for the fault tests: python tests/fault_runner.py FAULT ARGS...
+
+FAULT is one of (RANK: the process's rank; counts start at 1 and restart with each process):
+  none                   no fault
+  enospc:RANK:SAVE       on RANK, the SAVE-th checkpoint save fails with ENOSPC (a full disk) inside its write
+  nan_weight:RANK:SAVE   on RANK, just before the SAVE-th save, one weight of its shard becomes NaN
+  kill_op:SAVE:OP        SIGKILL at the OP-th durable file operation (fsync, rename, replace, rmtree) counted from
+                         the start of the SAVE-th save: inside a checkpoint write
+  kill_after:STEP:MS     SIGKILL MS milliseconds after optimizer step STEP of this process: at a random moment
+  kill_step:RANK:STEP    on RANK, SIGKILL right after its STEP-th optimizer step, on torchrun's first try only
+When a fault fires, its time is written to $VITRAIN_FAULT_LOG (if set), so a test can time what follows.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+_REAL_FSYNC = os.fsync  # the faults below replace os.fsync; recording a fault must not trip them
+
+
+def main() -> int:
+    fault, argv = sys.argv[1], sys.argv[2:]
+    kind, *values = fault.split(":")
+    numbers = [int(v) for v in values]
+    rank = int(os.environ.get("RANK", "0"))
+    if kind == "enospc" and rank == numbers[0]:
+        _fail_save_with_enospc(numbers[1])
+    elif kind == "nan_weight" and rank == numbers[0]:
+        _nan_before_save(numbers[1])
+    elif kind == "kill_op":
+        _kill_inside_save(*numbers)
+    elif kind == "kill_after":
+        _kill_after_step(*numbers)
+    elif kind == "kill_step" and rank == numbers[0] and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        _kill_after_step(numbers[1], 0)
+    elif kind not in ("none", "enospc", "nan_weight", "kill_step"):
+        raise SystemExit(f"unknown fault {fault}")
+    from vitrain.cli import main as cli_main
+
+    return cli_main(argv)
+
+
+def _fired(what: str) -> None:
+    log = os.environ.get("VITRAIN_FAULT_LOG")
+    if log:
+        with open(f"{log}.{os.environ.get('RANK', '0')}", "w") as handle:
+            handle.write(f"{time.time()} {what}\n")
+            handle.flush()
+            _REAL_FSYNC(handle.fileno())
+
+
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _count_saves(on_save) -> None:
+    """Call on_save(n) as the n-th checkpoint save of this process starts."""
+    from vitrain import checkpoint
+
+    original = checkpoint.save
+    count = 0
+
+    def save(*args, **kwargs):
+        nonlocal count
+        count += 1
+        on_save(count)
+        return original(*args, **kwargs)
+
+    checkpoint.save = save
+
+
+def _fail_save_with_enospc(target: int) -> None:
+    real_fsync = os.fsync
+    active = False
+
+    def on_save(n: int) -> None:
+        nonlocal active
+        active = n == target
+
+    def fsync(fd: int) -> None:
+        if active:
+            _fired("enospc")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    _count_saves(on_save)
+    os.fsync = fsync
+
+
+def _nan_before_save(target: int) -> None:
+    import torch
+
+    from vitrain.engine.trainer import Trainer
+
+    original = Trainer.save
+    count = 0
+
+    def save(self, *args, **kwargs):
+        nonlocal count
+        count += 1
+        if count == target:
+            shards = [w.to_local() if hasattr(w, "to_local") else w for w in self.model.parameters()]
+            local = next(shard for shard in shards if shard.numel())  # a rank's shard of a small tensor may be empty
+            with torch.no_grad():
+                local.view(-1)[0] = float("nan")
+            _fired("nan_weight")
+        return original(self, *args, **kwargs)
+
+    Trainer.save = save
+
+
+def _kill_inside_save(target_save: int, target_op: int) -> None:
+    ops = 0
+    counting = False
+
+    def on_save(n: int) -> None:
+        nonlocal counting
+        counting = counting or n >= target_save
+
+    def durable(function):
+        def wrapper(*args, **kwargs):
+            nonlocal ops
+            if counting:
+                ops += 1
+                if ops == target_op:
+                    _sigkill()
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    _count_saves(on_save)
+    os.fsync, os.rename, os.replace = durable(os.fsync), durable(os.rename), durable(os.replace)
+    shutil.rmtree = durable(shutil.rmtree)
+
+
+def _kill_after_step(target_step: int, delay_ms: int) -> None:
+    from vitrain.precision import PrecisionPolicy
+
+    original = PrecisionPolicy.step
+    steps = 0
+
+    def step(self, *args, **kwargs):
+        nonlocal steps
+        result = original(self, *args, **kwargs)
+        steps += 1
+        if steps == target_step:
+            _fired("kill")
+            if delay_ms:
+                threading.Timer(delay_ms / 1000, _sigkill).start()
+            else:
+                _sigkill()
+        return result
+
+    PrecisionPolicy.step = step
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Faults end runs cleanly and lose nothing: NaN guard, a full disk or a bad weight on one rank, SIGKILL, restarts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.distributed_helpers import free_port, losses, tiny_config, torchrun_env
+from vitrain import checkpoint as ckpt
+from vitrain.engine import Trainer
+from vitrain.models import create_model
+from vitrain.precision import TrainingDiverged
+
+RUNNER = REPO / "tests" / "fault_runner.py"
+PRECISIONS = {"fp32": {"mode": "fp32"}, "bf16": {"mode": "amp_o1", "dtype": "bf16"}}
+
+
+def every_checkpoint_is_finite(run_dir: Path) -> bool:
+    """Each complete checkpoint of a run: its model weights and optimizer state hold no inf/NaN."""
+    for step in ckpt.step_dirs(run_dir):
+        index = ckpt._index(step)
+        state = {
+            key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in index.items()
+            if hasattr(md, "properties") and key.startswith(("model.", "optim.state."))
+        }
+        ckpt._dcp_load(state, step)
+        for tensor in state.values():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                return False
+    return True
+
+
+def _nan_loss_at(monkeypatch, steps: set[int]) -> None:
+    """Make the training loss NaN on the given (1-based) optimizer steps, as a diverging batch would."""
+    original = Trainer.loss
+
+    def loss(self, images, labels):
+        value = original(self, images, labels)
+        return value * float("nan") if self.step + 1 in steps else value
+
+    monkeypatch.setattr(Trainer, "loss", loss)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_nan_loss_steps_are_skipped_and_logged_and_training_continues(tmp_path, monkeypatch, precision):
+    _nan_loss_at(monkeypatch, {3, 5, 6})
+    cfg = tiny_config(tmp_path, "nan", train={"max_steps": 8}, precision=PRECISIONS[precision])
+    summary = Trainer(cfg).fit()
+    assert summary["steps"] == 8 and math.isfinite(losses(cfg.run_dir)[8])
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [(r["step"], r["nonfinite_in_a_row"]) for r in records if r.get("skipped")]
+    assert skipped == [(3, 1), (5, 1), (6, 2)]
+    assert "step 3: loss or gradients hold inf/NaN: step skipped" in (cfg.run_dir / "log.txt").read_text()
+    assert every_checkpoint_is_finite(cfg.run_dir)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_nan_loss_beyond_the_allowed_skips_stops_the_run_with_finite_checkpoints(tmp_path, monkeypatch, precision):
+    _nan_loss_at(monkeypatch, set(range(4, 100)))
+    train = {"max_steps": 20, "checkpoint_every_steps": 2}
+    cfg = tiny_config(tmp_path, "diverge", train=train, precision={**PRECISIONS[precision], "max_nonfinite_skips": 2})
+    with pytest.raises(TrainingDiverged, match="inf/NaN 3 steps in a row .*precision.max_nonfinite_skips=2"):
+        Trainer(cfg).fit()
+    # Steps 4 and 5 were skipped (weights untouched, step 4 still saved); step 6 stopped the run before its save.
+    assert [p.name for p in ckpt.step_dirs(cfg.run_dir)] == ["step_00000002", "step_00000003", "step_00000004"]
+    assert every_checkpoint_is_finite(cfg.run_dir)
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    cfg = tiny_config(tmp_path, "bad", train={"max_steps": 2})
+    trainer = Trainer(cfg)
+    trainer.fit()
+    before = [p.name for p in ckpt.step_dirs(cfg.run_dir)]
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("inf")
+    trainer.step += 1
+    with pytest.raises(TrainingDiverged, match="holds inf/NaN: training diverged, so it is not saved"):
+        trainer.save()
+    assert [p.name for p in ckpt.step_dirs(cfg.run_dir)] == before
+
+
+# ------------------------------------------------------------------------------------------ two ranks, one fails
+
+
+def _two_rank_cli(tmp_path: Path, fault: str, *args: str) -> list[tuple[int, str, float]]:
+    """Both ranks of a gloo job as separate processes (as torchrun starts them): [(exit code, stderr, exit time)]."""
+    port = free_port()
+    env_base = {**os.environ, "VITRAIN_FAULT_LOG": str(tmp_path / "fault")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RUNNER), fault, "train", *args],
+            cwd=REPO,
+            env={**env_base, **torchrun_env(rank, port)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    results = []
+    deadline = time.time() + 180
+    for proc in procs:
+        stderr = proc.communicate(timeout=max(1.0, deadline - time.time()))[1]
+        results.append((proc.returncode, stderr, time.time()))
+    return results
+
+
+def _fault_time(tmp_path: Path) -> float:
+    times = [float(p.read_text().split()[0]) for p in tmp_path.glob("fault.*")]
+    assert times, "the fault never fired"
+    return min(times)
+
+
+def _last_line(stderr: str) -> str:
+    return stderr.strip().splitlines()[-1]
+
+
+TWO_RANK_ARGS = [
+    "model.image_size=8", "model.patch_size=4", "model.in_chans=3", "model.num_classes=4", "model.width=32",
+    "model.depth=2", "model.heads=2", "data.source=synthetic", "data.synthetic_samples=64", "train.batch_size=8",
+    "train.epochs=3", "train.threads=1", "train.checkpoint_every_steps=2", "precision.mode=fp32",
+    "log.progress=false", "log.every_steps=1",
+]  # fmt: skip
+
+
+def test_a_full_disk_on_one_rank_ends_both_ranks_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    out = tmp_path / "runs"
+    args = [*TWO_RANK_ARGS, f"log.out_dir={out}", "name=full", "parallel.strategy=zero3"]
+    results = _two_rank_cli(tmp_path, "enospc:1:2", *args)
+    fault_at = _fault_time(tmp_path)
+    lines = set()
+    for code, stderr, exited_at in results:
+        assert code == 2, stderr
+        assert exited_at - fault_at < 30
+        assert "Traceback" not in stderr
+        lines.add(_last_line(stderr))
+    assert len(lines) == 1
+    (line,) = lines
+    assert line.startswith("vitrain: error: saving checkpoint") and "failed on rank 1" in line
+    assert "No space left on device" in line
+    run_dir = out / "full"
+    assert [p.name for p in ckpt.step_dirs(run_dir)] == ["step_00000002"]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    resumed = Trainer(tiny_config(out, "full", parallel={"strategy": "zero3"}, train={"max_steps": 6}), resume=True)
+    assert resumed.resume_path == run_dir / "checkpoints" / "step_00000002"
+    assert resumed.fit()["steps"] == 6
+
+
+def test_a_non_finite_weight_on_one_rank_ends_both_ranks_with_the_same_line(tmp_path):
+    out = tmp_path / "runs"
+    args = [*TWO_RANK_ARGS, f"log.out_dir={out}", "name=nan", "parallel.strategy=zero3"]
+    results = _two_rank_cli(tmp_path, "nan_weight:1:2", *args)
+    fault_at = _fault_time(tmp_path)
+    lines = {_last_line(stderr) for _, stderr, _ in results}
+    assert [code for code, _, _ in results] == [2, 2], results
+    assert all(exited_at - fault_at < 30 for _, _, exited_at in results)
+    assert len(lines) == 1 and "holds inf/NaN: training diverged, so it is not saved" in lines.pop()
+    assert [p.name for p in ckpt.step_dirs(out / "nan")] == ["step_00000002"]
+
+
+def test_an_unwritable_run_folder_ends_both_ranks_with_one_line(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the runs folder should be")
+    args = [*TWO_RANK_ARGS, f"log.out_dir={blocker / 'runs'}", "name=x", "parallel.strategy=ddp"]
+    results = _two_rank_cli(tmp_path, "none", *args)
+    assert [code for code, _, _ in results] == [2, 2]
+    lines = {_last_line(stderr) for _, stderr, _ in results}
+    assert len(lines) == 1 and lines.pop().startswith("vitrain: error: choosing the run folder failed on rank 0")
+    assert blocker.read_text() == "a file where the runs folder should be"
+
+
+# ------------------------------------------------------------------------------------------ SIGKILL anywhere
+
+KILL_ARGS = [
+    "model.image_size=16", "model.patch_size=4", "model.in_chans=3", "model.num_classes=4", "model.width=32",
+    "model.depth=2", "model.heads=2", "model.drop_path=0.1", "model.dropout=0.1", "data.source=synthetic",
+    "data.synthetic_samples=80", "data.crop_padding=2", "data.hflip=0.5", "train.batch_size=8", "train.epochs=12",
+    "train.threads=1", "train.checkpoint_every_steps=3", "train.keep_checkpoints=2", "precision.mode=fp32",
+    "log.progress=false", "log.every_steps=5",
+]  # fmt: skip
+
+
+def _run(fault: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(RUNNER), fault, "train", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def _final_weights(run_dir: Path, cfg_args: list[str]) -> dict[str, torch.Tensor]:
+    from vitrain.config import config_from_dict
+
+    step = ckpt.latest(run_dir)
+    model = create_model(config_from_dict(ckpt.read_meta(step)["config"]).model)
+    ckpt.load_model_weights(step, model)
+    return model.state_dict()
+
+
+def kill_and_resume(tmp_path: Path, kills: int, in_writes: int, seed: int) -> None:
+    """SIGKILL a run `kills` times (`in_writes` of them inside a checkpoint write), resuming after each; the final
+    weights must equal an uninterrupted run's bit for bit."""
+    out = tmp_path / "runs"
+    common = [*KILL_ARGS, f"log.out_dir={out}"]
+    reference = _run("none", *common, "name=reference")
+    assert reference.returncode == 0, reference.stderr
+    rng = random.Random(seed)
+    plan = ["write"] * in_writes + ["anywhere"] * (kills - in_writes)
+    rng.shuffle(plan)
+    history = []
+    for i, where in enumerate(plan):
+        # Inside a write: the OP-th fsync/rename/replace/rmtree from the start of this process's SAVE-th save.
+        # Anywhere: a random delay after a random step (a step, an evaluation, a save or the loader).
+        fault = f"kill_op:{rng.randint(1, 2)}:{rng.randint(1, 24)}" if where == "write" else (
+            f"kill_after:{rng.randint(1, 6)}:{rng.randint(0, 60)}"
+        )  # fmt: skip
+        resume = ["--resume"] if i else []
+        killed = _run(fault, *common, "name=victim", *resume)
+        history.append(fault)
+        assert killed.returncode == -9, f"kill {i} ({fault}) did not land: exit {killed.returncode}\n{killed.stderr}"
+    finished = _run("none", *common, "name=victim", "--resume")
+    assert finished.returncode == 0, f"after kills {history}: {finished.stderr}"
+    want, got = _final_weights(out / "reference", common), _final_weights(out / "victim", common)
+    steps = [json.loads((out / name / "summary.json").read_text())["steps"] for name in ("reference", "victim")]
+    assert steps[0] == steps[1] == 108  # 12 epochs of 9 steps
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), f"{key} differs after kills {history}"
+
+
+def test_sigkill_at_random_moments_and_inside_writes_then_resume_is_bit_for_bit(tmp_path):
+    kill_and_resume(tmp_path, kills=5, in_writes=3, seed=1)
+
+
+@pytest.mark.slow
+def test_sigkill_at_20_random_moments_5_inside_writes_then_resume_is_bit_for_bit(tmp_path):
+    kill_and_resume(tmp_path, kills=20, in_writes=8, seed=2026)
+
+
+# ------------------------------------------------------------------------------------------ torchrun restarts
+
+
+def _torchrun(*args: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "--no-python",
+            sys.executable, str(RUNNER), *args,
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_interrupted(tmp_path):
+    out = tmp_path / "runs"
+    common = [*TWO_RANK_ARGS, "train.epochs=5", f"log.out_dir={out}", "parallel.strategy=ddp"]
+    reference = _torchrun("none", "train", *common, "name=reference")
+    assert reference.returncode == 0, reference.stderr
+    # Rank 1 is SIGKILLed after its 13th step on the first try; torchrun restarts both workers once.
+    restarted = _torchrun("kill_step:1:13", "train", *common, "name=victim", max_restarts=1)
+    assert restarted.returncode == 0, restarted.stderr
+    log = (out / "victim" / "log.txt").read_text()
+    step12 = out / "victim" / "checkpoints" / "step_00000012"
+    assert f"torchrun restart 1: continuing {out / 'victim'} from {step12}" in log
+    assert not (out / "victim-1").exists()
+    expected, got = losses(out / "reference"), losses(out / "victim")  # the last record of each step counts
+    assert sorted(got) == sorted(expected) == list(range(1, 16))  # 5 epochs of 3 steps
+    assert got == expected
+    want, have = _final_weights(out / "reference", common), _final_weights(out / "victim", common)
+    assert all(torch.equal(have[k], v) for k, v in want.items())
