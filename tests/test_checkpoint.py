@@ -142,3 +142,33 @@ def test_a_run_directory_resolves_to_its_newest_checkpoint(runs):
     assert ckpt.resolve(runs / "zero3_full") == newest
     assert ckpt.resolve(runs / "zero3_full" / "checkpoints") == newest
     assert ckpt.resolve(_step5(runs, "zero3_full")) == _step5(runs, "zero3_full")
+
+
+ZERO1_OPTIMIZERS = {"adamw": {}, "sgd": {"lr": 0.05}, "lamb": {}, "lars": {"lr": 0.5}}
+
+
+def _zero1_resume_job(out_dir):
+    for name, extra in ZERO1_OPTIMIZERS.items():
+        optim = {"name": name, **extra}
+        sections = {"train": TEN_STEPS, "parallel": {"strategy": "zero1"}, "optim": optim}
+        Trainer(tiny_config(out_dir, f"{name}_full", batch_size=8, **sections)).fit()
+        part = tiny_config(out_dir, f"{name}_part", batch_size=8, **sections)
+        part.train.max_steps = 5
+        Trainer(part).fit()
+        part.train.max_steps = 10
+        Trainer(part, resume=True).fit()  # each rank reads back the state of the parameters it owns
+
+
+@pytest.fixture(scope="module")
+def zero1_runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("zero1")
+    run_two_ranks(_zero1_resume_job, out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("optimizer", list(ZERO1_OPTIMIZERS))
+def test_zero1_resumes_exactly_for_every_optimizer(zero1_runs, optimizer):
+    got, want = losses(zero1_runs / f"{optimizer}_part"), losses(zero1_runs / f"{optimizer}_full")
+    assert sorted(got) == list(range(1, 11))
+    assert [got[s] for s in range(6, 11)] == [want[s] for s in range(6, 11)]
+    assert len({round(v, 6) for v in want.values()}) > 1
