@@ -128,9 +128,13 @@ def test_resume_of_a_folder_without_a_run_or_checkpoint_is_refused(tmp_path):
         Trainer(cfg, resume=True)
 
 
-def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over_in_place(tmp_path):
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over_in_place(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, "run", train={"max_steps": 2})
-    Trainer(cfg)  # created the folder and its run.json, then died before any checkpoint
+    with monkeypatch.context() as patch:  # the run writes its folder, then dies before any checkpoint
+        patch.setattr(Trainer, "_fit", lambda self, log: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(cfg).fit()
+    assert (cfg.run_dir / "run.json").exists() and ckpt.latest(cfg.run_dir) is None
     trainer = Trainer(cfg, resume=True)
     assert trainer.run_dir == cfg.run_dir and trainer.resume_path is None
     trainer.fit()

@@ -140,10 +140,13 @@ def _train(args: argparse.Namespace) -> int:
     from vitrain.parallel import shutdown
 
     cfg = _load(args.args)
+    trainer = None
     try:
         trainer = Trainer(cfg, resume=args.resume)
         summary = trainer.fit()
     finally:
+        if trainer is not None:
+            trainer.close()  # before the process group goes: see Trainer.close
         shutdown()
     if trainer.is_main:
         print(json.dumps(summary, indent=2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import sys
@@ -132,17 +133,27 @@ class Trainer:
 
     def _choose_run(self, resume: bool | str) -> Path | None:
         """Rank 0 picks the run folder and the checkpoint to continue (runs.choose_run) and tells the others."""
-        launch = launch_id()
         with all_or_none("choosing the run folder"):
             choice = None
             if self.is_main:
-                choice = choose_run(self.run_dir, resume, launch, restart_count())
-                mark_run(choice.run_dir, launch, choice.checkpoint)
+                choice = choose_run(self.run_dir, resume, launch_id(), restart_count())
         if choice is not None:
             choice = (str(choice.run_dir), choice.checkpoint and str(choice.checkpoint), choice.notes)
         run_dir, checkpoint, self.notes = broadcast_object(choice)
         self.run_dir = Path(run_dir)
         return Path(checkpoint) if checkpoint else None
+
+    def close(self) -> None:
+        """Let go of the model, optimizer and data before the process group is destroyed.
+
+        A DDP wrapper that outlives its process group destroys the group itself when it is freed, joining gloo's
+        worker threads while holding the GIL; a worker still releasing a collective's Python tensors waits for the
+        GIL: a deadlock at exit (seen after a torchrun restart). An error's traceback keeps this trainer alive past
+        the group's end, so the references go here.
+        """
+        self.model = self.forward = self.optimizer = self.precision = None
+        self.train_loader = self.val_loader = self.epoch_batches = None
+        gc.collect()
 
     def meta(self, is_best: bool = False) -> dict[str, Any]:
         """Everything but the tensors; the data position is in samples so another world size can resume it."""
@@ -215,9 +226,10 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         with all_or_none(f"writing to the run folder {self.run_dir}"):
-            log = RunLog(self.run_dir, enabled=self.is_main)
             if self.is_main:
+                mark_run(self.run_dir, launch_id(), self.resume_path)
                 (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+            log = RunLog(self.run_dir, enabled=self.is_main)
         try:
             return self._fit(log)
         finally:
