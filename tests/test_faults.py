@@ -28,13 +28,13 @@ PRECISIONS = {"fp32": {"mode": "fp32"}, "bf16": {"mode": "amp_o1", "dtype": "bf1
 def every_checkpoint_is_finite(run_dir: Path) -> bool:
     """Each complete checkpoint of a run: its model weights and optimizer state hold no inf/NaN."""
     for step in ckpt.step_dirs(run_dir):
-        index = ckpt._index(step)
+        index = ckpt.read_index(step)
         state = {
             key: torch.empty(md.size, dtype=md.properties.dtype)
             for key, md in index.items()
             if hasattr(md, "properties") and key.startswith(("model.", "optim.state."))
         }
-        ckpt._dcp_load(state, step)
+        ckpt.load_extra(step, state)
         for tensor in state.values():
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 return False

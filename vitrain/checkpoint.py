@@ -392,7 +392,7 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
         ) from None
 
 
-def _index(path: Path) -> dict[str, Any]:
+def read_index(path: Path) -> dict[str, Any]:
     """The DCP index of a checkpoint: every saved key with its storage metadata (read safely)."""
     return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
 
@@ -407,6 +407,12 @@ def resolve(path: Path) -> Path:
         run_dir = path.parent if path.name == CHECKPOINT_DIR else path
         return latest(run_dir) or path
     return path
+
+
+def is_step_dir(path: Path) -> bool:
+    """Whether `path` is named like a step folder inside a run's checkpoints/ folder."""
+    path = Path(path)
+    return bool(_STEP_DIR.match(path.name)) and path.parent.name == CHECKPOINT_DIR
 
 
 def run_dir_of(step_dir: Path) -> Path:
@@ -437,7 +443,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointError(f"checkpoint {meta_file} holds no config; it was not written by vitrain")
-    _index(path)  # refuse a crafted DCP index before anything else reads it
+    read_index(path)  # refuse a crafted DCP index before anything else reads it
     return meta
 
 
@@ -468,7 +474,7 @@ def check_model_matches(path: Path, model: nn.Module) -> None:
     """Compare tensor names and shapes with the checkpoint's index before any rank reads a byte of it."""
     saved = {
         key[len("model.") :]: tuple(getattr(md, "size", ()))
-        for key, md in _index(path).items()
+        for key, md in read_index(path).items()
         if key.startswith("model.")
     }
     own = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
@@ -517,7 +523,7 @@ def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer
     """
     names = _names(model)
     local = optimizer.optim
-    index = _index(path)
+    index = read_index(path)
     state: dict[str, dict[str, Any]] = {}
     for group in local.param_groups:
         scalars_on_device = bool(group.get("fused") or group.get("capturable"))
@@ -551,7 +557,7 @@ def load_extra(path: Path, state: dict[str, Any]) -> None:
 
 def load_rng(path: Path) -> bool:
     """Collective: restore this rank's own RNG state from the checkpoint; False when it holds none for this rank."""
-    index = _index(path)
+    index = read_index(path)
     prefix = f"{RNG_KEY}.rank{rank()}."
     fields = {key[len(prefix) :]: md for key, md in index.items() if key.startswith(prefix)}
     wanted = {

@@ -43,7 +43,7 @@ def choose_run(base: Path, resume: bool | str, launch: str, restart: int) -> Run
         if not path.exists():
             where = path / ckpt.CHECKPOINT_DIR if resume is True else path
             raise CheckpointError(f"--resume: no checkpoint at {where}; start without --resume")
-        if ckpt._STEP_DIR.match(path.name) and path.parent.name == ckpt.CHECKPOINT_DIR:
+        if ckpt.is_step_dir(path):
             return _continue(ckpt.run_dir_of(path), path)
         if path.is_file() or ((path / ckpt.META_FILE).exists() or (path / ckpt.LEGACY_META_FILE).exists()):
             ckpt.read_meta(path)  # says what is wrong with it
