@@ -77,6 +77,24 @@ def test_nan_loss_beyond_the_allowed_skips_stops_the_run_with_finite_checkpoints
     assert every_checkpoint_is_finite(cfg.run_dir)
 
 
+def test_non_finite_optimizer_state_is_never_saved_under_zero1(tmp_path):
+    from vitrain.parallel import shutdown
+
+    cfg = tiny_config(tmp_path, "zero1", train={"max_steps": 2}, parallel={"strategy": "zero1"})
+    try:
+        trainer = Trainer(cfg)  # one process in a one-process group: ZeroRedundancyOptimizer owns every shard
+        trainer.fit()
+        before = [p.name for p in ckpt.step_dirs(cfg.run_dir)]
+        moments = next(iter(trainer.optimizer.optim.state.values()))
+        next(v for v in moments.values() if v.ndim).view(-1)[0] = float("nan")
+        trainer.step += 1
+        with pytest.raises(TrainingDiverged, match="optimizer state .* holds inf/NaN"):
+            trainer.save()
+        assert [p.name for p in ckpt.step_dirs(cfg.run_dir)] == before
+    finally:
+        shutdown()
+
+
 def test_non_finite_weights_are_never_saved(tmp_path):
     cfg = tiny_config(tmp_path, "bad", train={"max_steps": 2})
     trainer = Trainer(cfg)
@@ -97,23 +115,33 @@ def _two_rank_cli(tmp_path: Path, fault: str, *args: str) -> list[tuple[int, str
     """Both ranks of a gloo job as separate processes (as torchrun starts them): [(exit code, stderr, exit time)]."""
     port = free_port()
     env_base = {**os.environ, "VITRAIN_FAULT_LOG": str(tmp_path / "fault")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(RUNNER), fault, "train", *args],
-            cwd=REPO,
-            env={**env_base, **torchrun_env(rank, port)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
-    results = []
-    deadline = time.time() + 180
-    for proc in procs:
-        stderr = proc.communicate(timeout=max(1.0, deadline - time.time()))[1]
-        results.append((proc.returncode, stderr, time.time()))
-    return results
+    procs, logs = [], []
+    try:
+        for rank in range(2):
+            logs.append(open(tmp_path / f"stderr.{rank}", "w+"))  # files, not pipes: no rank blocks on a full pipe
+            env = {**env_base, **torchrun_env(rank, port)}
+            cmd = [sys.executable, str(RUNNER), fault, "train", *args]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
+        exited: dict[int, float] = {}
+        deadline = time.time() + 180
+        while len(exited) < 2 and time.time() < deadline:
+            for rank, proc in enumerate(procs):
+                if rank not in exited and proc.poll() is not None:
+                    exited[rank] = time.time()
+            time.sleep(0.05)
+        assert len(exited) == 2, "a rank did not exit within 180 s"
+        results = []
+        for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+            log.seek(0)
+            results.append((proc.returncode, log.read(), exited[rank]))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
 
 
 def _fault_time(tmp_path: Path) -> float:
@@ -197,7 +225,7 @@ def _run(fault: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _final_weights(run_dir: Path, cfg_args: list[str]) -> dict[str, torch.Tensor]:
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from vitrain.config import config_from_dict
 
     step = ckpt.latest(run_dir)
@@ -229,7 +257,7 @@ def kill_and_resume(tmp_path: Path, kills: int, in_writes: int, seed: int) -> No
         assert killed.returncode == -9, f"kill {i} ({fault}) did not land: exit {killed.returncode}\n{killed.stderr}"
     finished = _run("none", *common, "name=victim", "--resume")
     assert finished.returncode == 0, f"after kills {history}: {finished.stderr}"
-    want, got = _final_weights(out / "reference", common), _final_weights(out / "victim", common)
+    want, got = _final_weights(out / "reference"), _final_weights(out / "victim")
     steps = [json.loads((out / name / "summary.json").read_text())["steps"] for name in ("reference", "victim")]
     assert steps[0] == steps[1] == 108  # 12 epochs of 9 steps
     for key, tensor in want.items():
@@ -269,10 +297,10 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_interrup
     assert restarted.returncode == 0, restarted.stderr
     log = (out / "victim" / "log.txt").read_text()
     step12 = out / "victim" / "checkpoints" / "step_00000012"
-    assert f"torchrun restart 1: continuing {out / 'victim'} from {step12}" in log
+    assert f"torchrun restart: continuing {out / 'victim'} from {step12}" in log
     assert not (out / "victim-1").exists()
     expected, got = losses(out / "reference"), losses(out / "victim")  # the last record of each step counts
     assert sorted(got) == sorted(expected) == list(range(1, 16))  # 5 epochs of 3 steps
     assert got == expected
-    want, have = _final_weights(out / "reference", common), _final_weights(out / "victim", common)
+    want, have = _final_weights(out / "reference"), _final_weights(out / "victim")
     assert all(torch.equal(have[k], v) for k, v in want.items())

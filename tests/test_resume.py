@@ -121,6 +121,40 @@ def test_leftovers_of_interrupted_writes_are_cleaned_on_resume(tmp_path):
     assert "restored step_00000005" in log and "removed .tmp-step_00000008" in log
 
 
+def test_going_back_to_an_earlier_step_moves_the_newer_ones_aside(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={**TEN_STEPS, "checkpoint_every_steps": 2, "keep_checkpoints": 2})
+    Trainer(cfg).fit()
+    root = cfg.run_dir / "checkpoints"
+    earlier, *newer = ckpt.step_dirs(cfg.run_dir)  # the best (if older) and the newest two
+    assert newer and newer[-1].name == "step_00000010"
+    Trainer(cfg, resume=str(earlier)).fit()
+    # The newer steps were set aside, not pruned in place of the new ones nor taken for the newest.
+    assert sorted(p.name for p in root.glob("superseded-*")) == [f"superseded-{p.name}" for p in newer]
+    assert ckpt.latest(cfg.run_dir).name == "step_00000010"
+    assert ckpt.read_meta(ckpt.latest(cfg.run_dir))["step"] == 10
+    assert "moved aside as superseded-step_*" in (cfg.run_dir / "log.txt").read_text()
+
+
+def test_a_finished_write_that_missed_its_rename_is_put_in_place(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={**TEN_STEPS, "max_steps": 5})
+    Trainer(cfg).fit()
+    root = cfg.run_dir / "checkpoints"
+    (root / "step_00000005").rename(root / ".tmp-step_00000005")  # killed after COMPLETE, before the rename
+    trainer = Trainer(_stop_at(cfg, 10), resume=True)
+    assert trainer.resume_path == root / "step_00000005"
+
+
+def test_two_new_runs_started_at_once_never_share_a_folder(tmp_path):
+    cfg = tiny_config(tmp_path, "same", train={"max_steps": 1})
+    first, second = Trainer(cfg), Trainer(cfg)  # both chose the empty folder before either wrote to it
+    assert first.run_dir == second.run_dir
+    first.fit()
+    before = snapshot(first.run_dir)
+    with pytest.raises(CheckpointError, match="was taken by another run started at the same time"):
+        second.fit()
+    assert snapshot(first.run_dir) == before
+
+
 def test_resume_of_a_folder_without_a_run_or_checkpoint_is_refused(tmp_path):
     (tmp_path / "runs" / "empty").mkdir(parents=True)
     cfg = tiny_config(tmp_path / "runs", "empty")
@@ -148,10 +182,11 @@ def _two_rank_rng_job(out_dir):
     ddp = {"strategy": "ddp"}
     # Each rank draws its own masks: the RNG streams differ between ranks right after set-up.
     trainer = Trainer(tiny_config(out_dir, "draws", batch_size=8, parallel=ddp, model=RANDOM_MASKS))
-    draws = [None, None]
-    torch.distributed.all_gather_object(draws, torch.rand(4).tolist())
+    masks = [None, None]
+    dropout_mask = torch.nn.functional.dropout(torch.ones(32), p=0.5, training=True) > 0
+    torch.distributed.all_gather_object(masks, dropout_mask.tolist())
     if rank() == 0:
-        (out_dir / "draws.json").write_text(json.dumps(draws))
+        (out_dir / "masks.json").write_text(json.dumps(masks))
     del trainer
     whole = tiny_config(out_dir, "ddp_whole", batch_size=8, train=TEN_STEPS, parallel=ddp, model=RANDOM_MASKS)
     Trainer(whole).fit()
@@ -172,7 +207,7 @@ def two_rank_runs(tmp_path_factory):
 
 
 def test_ranks_draw_different_dropout_and_drop_path_masks(two_rank_runs):
-    rank0, rank1 = json.loads((two_rank_runs / "draws.json").read_text())
+    rank0, rank1 = json.loads((two_rank_runs / "masks.json").read_text())
     assert rank0 != rank1
 
 

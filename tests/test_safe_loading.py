@@ -71,13 +71,17 @@ def test_a_crafted_meta_file_is_refused_and_its_command_never_runs(tmp_path, ste
     assert not proof.exists()
 
 
-@pytest.mark.parametrize("command", ["eval", "export"])
+@pytest.mark.parametrize("command", ["eval", "export", "resume"])
 def test_a_crafted_dcp_metadata_file_is_refused_and_its_command_never_runs(tmp_path, step_dir, command):
     proof = tmp_path / "ran"
     with open(step_dir / ckpt.DCP_INDEX, "wb") as handle:
         pickle.dump(Payload(proof), handle)
     reseal(step_dir)
-    args = ["eval", str(step_dir)] if command == "eval" else ["export", str(step_dir), str(tmp_path / "out")]
+    args = {
+        "eval": ["eval", str(step_dir)],
+        "export": ["export", str(step_dir), str(tmp_path / "out")],
+        "resume": ["train", "log.progress=false", "--resume", str(step_dir)],
+    }[command]
     result = run_cli(*args, warnings="")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

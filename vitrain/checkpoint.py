@@ -86,7 +86,8 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def write_json(path: Path, value: Any) -> None:
-    atomic_write(path, (json.dumps(value, indent=1, allow_nan=False) + "\n").encode())
+    # NaN stays NaN (an evaluation can overflow in bf16); Python's json reads it back.
+    atomic_write(path, (json.dumps(value, indent=1) + "\n").encode())
 
 
 # ---------------------------------------------------------------------------------------------- which folders
@@ -153,11 +154,13 @@ def clean_leftovers(run_dir: Path) -> list[str]:
     if not root.is_dir():
         return []
     done = []
-    for path in sorted(root.iterdir()):
+    # A finished `.tmp-step_N` is newer than an `.old-step_N` of the same step: it goes first.
+    for path in sorted(root.iterdir(), key=lambda p: (not p.name.startswith(_TMP), p.name)):
         name = path.name
-        if name.startswith(_OLD) and path.is_dir():
-            final = root / name[len(_OLD) :]
-            if not final.exists() and is_complete(path):
+        if name.startswith((_OLD, _TMP)) and path.is_dir():
+            # A finished write whose rename never happened, or the old copy of a step being re-saved.
+            final = root / name[len(_OLD if name.startswith(_OLD) else _TMP) :]
+            if _STEP_DIR.match(final.name) and not final.exists() and is_complete(path):
                 path.rename(final)
                 done.append(f"restored {final.name}")
                 continue
@@ -211,6 +214,8 @@ def save(
             if rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
+                fsync_dir(root.parent)  # checkpoints/ itself may be new
+                fsync_dir(root)
         with all_or_none(what):
             model_state, optim_state = training_state(model, optimizer)
             own_rng = {f"rank{rank()}": rng_state()}
@@ -340,7 +345,7 @@ class SafeFileSystemReader(FileSystemReader):
                 metadata = _MetadataUnpickler(handle).load()
         except pickle.UnpicklingError as exc:
             raise _refused(path, str(exc) or "an unknown object") from None
-        except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        except Exception as exc:  # anything else a truncated or crafted pickle can raise
             raise CheckpointError(
                 f"checkpoint file {path} cannot be read ({type(exc).__name__}); it is damaged"
             ) from None
@@ -355,7 +360,7 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading the non-tensor values (hyperparameters, step counts) with weights_only=True."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
 
@@ -465,7 +470,7 @@ def _read_legacy_meta(meta_file: Path) -> dict[str, Any]:
     except Exception as exc:
         raise CheckpointError(f"checkpoint {meta_file} cannot be read ({type(exc).__name__}); it is damaged") from None
     if isinstance(meta, dict):
-        # Format 2 kept rank 0's RNG state here; it applies to rank 0 only now (see Trainer.load).
+        # Format 2 kept one RNG state here, for every rank; it is not restored (resumes start from seed + rank).
         meta = {k: v for k, v in meta.items() if k != "rng"}
     return meta
 
@@ -559,7 +564,11 @@ def load_rng(path: Path) -> bool:
     """Collective: restore this rank's own RNG state from the checkpoint; False when it holds none for this rank."""
     index = read_index(path)
     prefix = f"{RNG_KEY}.rank{rank()}."
-    fields = {key[len(prefix) :]: md for key, md in index.items() if key.startswith(prefix)}
+    fields = {
+        key[len(prefix) :]: md
+        for key, md in index.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
     wanted = {
         RNG_KEY: {
             f"rank{rank()}": {field: torch.empty(md.size, dtype=md.properties.dtype) for field, md in fields.items()}

@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         const=True,
         default=False,
         metavar="CHECKPOINT",
-        help="continue from the run's last.pt (or the given checkpoint)",
+        help="continue the run's newest complete checkpoint, or the given run folder or step folder (in its own run)",
     )
     train.set_defaults(func=_train)
 

@@ -46,7 +46,6 @@ from torch import nn
 
 from vitrain.config import PrecisionConfig
 from vitrain.errors import ConfigError, VitrainError
-from vitrain.parallel.distributed import any_rank
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # _NormBase covers every BatchNorm and InstanceNorm, whose running statistics must stay fp32 too.
@@ -434,6 +433,15 @@ class PrecisionPolicy:
         return f"precision {self.resolved.label}{scaling}{compensation} ({self.resolved.reason})"
 
 
+def any_rank(flag: torch.Tensor) -> bool:
+    """Whether a boolean tensor is true on any process (one all-reduce), so that every rank skips a step together."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            flag = flag.detach().to(torch.int32)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def _compute_in_fp32(norm: nn.Module) -> None:
     """pure mode: `norm` keeps its weights in the low dtype but runs in fp32 (its running statistics are fp32).
 
@@ -473,7 +481,8 @@ def check_finite(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """Refuse to keep weights or optimizer state that hold inf/NaN (each rank checks its own shard)."""
     tensors = list(model.state_dict().items())
     if optimizer is not None:
-        tensors += [(f"optimizer state {key}", v) for s in optimizer.state.values() for key, v in s.items()]
+        local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's state inside
+        tensors += [(f"optimizer state {key}", v) for s in local.state.values() for key, v in s.items()]
     for key, tensor in tensors:
         if not torch.is_tensor(tensor):
             continue

@@ -31,7 +31,7 @@ from vitrain.parallel import (
     mean_over_ranks,
     parallelize,
 )
-from vitrain.parallel.distributed import all_or_none, launch_id, restart_count
+from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
 from vitrain.precision import PrecisionPolicy, check_finite
 from vitrain.weights import load_pretrained
 
@@ -132,16 +132,39 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ state
 
     def _choose_run(self, resume: bool | str) -> Path | None:
-        """Rank 0 picks the run folder and the checkpoint to continue (runs.choose_run) and tells the others."""
+        """Rank 0 picks the run folder and the checkpoint to continue (runs.choose_run) and tells the others.
+
+        Under torchrun the folder is also kept in the launch's store, where a restarted worker group finds it.
+        """
         with all_or_none("choosing the run folder"):
             choice = None
             if self.is_main:
-                choice = choose_run(self.run_dir, resume, launch_id(), restart_count())
-        if choice is not None:
-            choice = (str(choice.run_dir), choice.checkpoint and str(choice.checkpoint), choice.notes)
-        run_dir, checkpoint, self.notes = broadcast_object(choice)
+                store = launch_store()
+                restarted_in = None
+                if restart_count() > 0 and store is not None and store.check([RUN_DIR_KEY]):
+                    restarted_in = Path(store.get(RUN_DIR_KEY).decode())
+                choice = choose_run(self.run_dir, resume, restarted_in)
+                if choice.checkpoint is not None:
+                    self._check_same_model(choice.checkpoint, ckpt.read_meta(choice.checkpoint))
+                if store is not None:
+                    store.set(RUN_DIR_KEY, str(choice.run_dir))
+                choice = (
+                    str(choice.run_dir),
+                    choice.checkpoint and str(choice.checkpoint),
+                    choice.is_new,
+                    choice.notes,
+                )
+        run_dir, checkpoint, self.is_new_run, self.notes = broadcast_object(choice)
         self.run_dir = Path(run_dir)
         return Path(checkpoint) if checkpoint else None
+
+    def _check_same_model(self, path: Path, meta: dict[str, Any]) -> None:
+        saved = config_from_dict(meta["config"])
+        # init_from only chose the starting weights; the checkpoint's weights replace them either way.
+        if dataclasses.replace(saved.model, init_from="") != dataclasses.replace(self.cfg.model, init_from=""):
+            raise CheckpointError(
+                f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
+            )
 
     def close(self) -> None:
         """Let go of the model, optimizer and data before the process group is destroyed.
@@ -171,19 +194,17 @@ class Trainer:
         }
 
     def load(self, path: Path) -> None:
-        meta = ckpt.read_meta(path)
-        saved = config_from_dict(meta["config"])
-        # init_from only chose the starting weights; the checkpoint's weights replace them either way.
-        if dataclasses.replace(saved.model, init_from="") != dataclasses.replace(self.cfg.model, init_from=""):
-            raise CheckpointError(
-                f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
-            )
-        samples = meta["samples_in_epoch"]
-        if samples % self.global_micro_batch:
-            raise CheckpointError(
-                f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
-                f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
-            )
+        # Every rank reads and checks before the collective load: one rank's failure stops all of them.
+        with all_or_none(f"reading checkpoint {path}"):
+            meta = ckpt.read_meta(path)
+            self._check_same_model(path, meta)
+            samples = meta["samples_in_epoch"]
+            if samples % self.global_micro_batch:
+                raise CheckpointError(
+                    f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
+                    f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
+                )
+            ckpt.check_model_matches(path, self.model)
         with self.precision.full_precision(self.optimizer):  # pure mode: fp32 weights and optimizer state
             ckpt.load_training_state(path, self.model, self.optimizer)
         if self.precision.compensated and (meta.get("precision") or {}).get("compensated"):
@@ -227,7 +248,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         with all_or_none(f"writing to the run folder {self.run_dir}"):
             if self.is_main:
-                mark_run(self.run_dir, launch_id(), self.resume_path)
+                mark_run(self.run_dir, self.is_new_run, self.resume_path)
                 (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
             log = RunLog(self.run_dir, enabled=self.is_main)
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -64,6 +63,19 @@ def init_distributed(device: torch.device, strategy: str, backend: str = "auto")
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+RUN_DIR_KEY = "vitrain/run_dir"  # in torchrun's store: the run folder this launch writes into
+
+
+def launch_store() -> dist.Store | None:
+    """torchrun's agent store: one per launch, kept across restarts of its worker group; None without torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(host, port, is_master=False, timeout=default_pg_timeout)
+
+
 def _restart_store(world_size: int) -> dist.Store | None:
     """Under torchrun, the agent's store with its keys kept apart per restart; None: the env:// default.
 
@@ -71,13 +83,8 @@ def _restart_store(world_size: int) -> dist.Store | None:
     addresses of the previous (dead) workers from it and times out (measured with torch 2.13: a restarted
     2-rank group fails in connectFullMesh). A prefix per restart gives every try keys of its own.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    from torch.distributed.constants import default_pg_timeout
-
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=default_pg_timeout)
-    return dist.PrefixStore(f"vitrain/restart_{restart_count()}", store)
+    store = launch_store()
+    return None if store is None else dist.PrefixStore(f"vitrain/restart_{restart_count()}", store)
 
 
 def shutdown() -> None:
@@ -114,14 +121,6 @@ def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
-
-
-def any_rank(flag: torch.Tensor) -> bool:
-    """Whether a boolean tensor is true on any process (one all-reduce; every rank gets the same answer)."""
-    if is_distributed() and dist.get_world_size() > 1:
-        flag = flag.detach().to(torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def broadcast_object(obj: object) -> object:
@@ -185,15 +184,3 @@ def _checkpoint_exception() -> type[BaseException]:
 def restart_count() -> int:
     """How many times torchrun has restarted this worker group (torchrun --max-restarts); 0 on the first try."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def launch_id() -> str:
-    """Names this launch across torchrun's restarts of the worker group, and only this launch.
-
-    torchrun --standalone gives every launch its own run id; a multi-node launch has the --rdzv-id the user gave
-    (a scheduler's job id); without either the agent's host and process id (the workers' parent) stand in.
-    """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id and run_id != "none":
-        return f"torchrun:{run_id}"
-    return f"process:{socket.gethostname()}:{os.getppid()}"
