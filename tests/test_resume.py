@@ -9,19 +9,16 @@ import pytest
 import torch
 
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
+from tests.test_checkpoint import TEN_STEPS
+from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
 from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import rank
 
-TEN_STEPS = {"epochs": 4, "max_steps": 10, "checkpoint_every_steps": 5}  # 3 steps per epoch
 # Dropout and drop-path draw from the RNG: a resume matches only when every rank's RNG state is restored.
 RANDOM_MASKS = {"drop_path": 0.2, "dropout": 0.1}
-
-
-def snapshot(folder) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _stop_at(cfg, step):
@@ -70,16 +67,6 @@ def test_resuming_from_another_run_never_touches_the_folder_of_this_name(tmp_pat
     Trainer(b, resume=str(ckpt.latest(a.run_dir))).fit()  # named b, continues a's checkpoint in a's folder
     assert snapshot(b.run_dir) == before
     assert [p.name for p in ckpt.step_dirs(a.run_dir)][-1] == "step_00000010"
-
-
-def test_a_new_run_never_writes_into_a_folder_that_holds_another_run(tmp_path):
-    cfg = tiny_config(tmp_path, "run", train={"max_steps": 2})
-    Trainer(cfg).fit()
-    before = snapshot(cfg.run_dir)
-    second = Trainer(cfg)
-    second.fit()
-    assert second.run_dir == cfg.run_dir.with_name("run-1")
-    assert snapshot(cfg.run_dir) == before
 
 
 def test_an_incomplete_step_folder_is_skipped_with_a_warning_and_resume_falls_back(tmp_path):
@@ -133,6 +120,17 @@ def test_going_back_to_an_earlier_step_moves_the_newer_ones_aside(tmp_path):
     assert ckpt.latest(cfg.run_dir).name == "step_00000010"
     assert ckpt.read_meta(ckpt.latest(cfg.run_dir))["step"] == 10
     assert "moved aside as superseded-step_*" in (cfg.run_dir / "log.txt").read_text()
+
+
+def test_going_back_with_another_model_is_refused_before_anything_moves(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={**TEN_STEPS, "checkpoint_every_steps": 2})
+    Trainer(cfg).fit()
+    before = snapshot(cfg.run_dir)
+    earlier = ckpt.step_dirs(cfg.run_dir)[0]
+    other = tiny_config(tmp_path, "run", train=TEN_STEPS, model={"depth": 3})
+    with pytest.raises(CheckpointError, match="different model config"):
+        Trainer(other, resume=str(earlier))
+    assert snapshot(cfg.run_dir) == before  # no newer step was moved aside, nothing was cleaned or written
 
 
 def test_a_finished_write_that_missed_its_rename_is_put_in_place(tmp_path):

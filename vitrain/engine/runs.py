@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,17 @@ class RunChoice:
     notes: list[str] = field(default_factory=list)
 
 
-def choose_run(base: Path, resume: bool | str, restarted_in: Path | None = None) -> RunChoice:
+# Checks a checkpoint's metadata against this run (the model config), raising a one-line error if it does not fit.
+CheckpointCheck = Callable[[Path, dict], None]
+
+
+def _no_check(path: Path, meta: dict) -> None:
+    return None
+
+
+def choose_run(
+    base: Path, resume: bool | str, restarted_in: Path | None = None, check: CheckpointCheck = _no_check
+) -> RunChoice:
     """Decide on one process (rank 0) where a run goes; the caller shares the answer with the other ranks.
 
     - A torchrun restart continues `restarted_in` (the folder this launch chose on its first try, kept in
@@ -33,10 +44,10 @@ def choose_run(base: Path, resume: bool | str, restarted_in: Path | None = None)
       folder or its checkpoints/ folder, and continues in that checkpoint's own run folder.
     - Otherwise a new run takes `base`, or `base-1`, `base-2`, ... when `base` holds anything: a new run never
       writes into a folder that holds another run.
-    A checkpoint to continue is read (safely) before anything in its folder changes.
+    A checkpoint to continue is read (safely) and passed to `check` before anything in its folder changes.
     """
     if restarted_in is not None:
-        choice = _continue(restarted_in, None)
+        choice = _continue(restarted_in, None, check)
         what = f"from {choice.checkpoint}" if choice.checkpoint else "from step 0 (no checkpoint was complete)"
         choice.notes.insert(0, f"torchrun restart: continuing {restarted_in} {what}")
         return choice
@@ -46,14 +57,15 @@ def choose_run(base: Path, resume: bool | str, restarted_in: Path | None = None)
             where = path / ckpt.CHECKPOINT_DIR if resume is True else path
             raise CheckpointError(f"--resume: no checkpoint at {where}; start without --resume")
         if ckpt.is_step_dir(path) or path.is_file() or (path / ckpt.DCP_INDEX).exists():
-            ckpt.read_meta(path)  # refuses a damaged, incomplete or crafted checkpoint before anything is touched
+            meta = ckpt.read_meta(path)  # refuses a damaged, incomplete or crafted checkpoint before anything else
             if not ckpt.is_step_dir(path):
                 raise CheckpointError(
                     f"--resume {path}: a checkpoint continues in its run folder, RUN/checkpoints/step_N; "
                     "copy it to such a place (any RUN) and resume from there"
                 )
-            return _continue(ckpt.run_dir_of(path), path)
-        return _continue(path.parent if path.name == ckpt.CHECKPOINT_DIR else path, None)
+            check(path, meta)
+            return _continue(ckpt.run_dir_of(path), path, check, checked=True)
+        return _continue(path.parent if path.name == ckpt.CHECKPOINT_DIR else path, None, check)
     run_dir, suffix = base, 1
     while run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         run_dir = base.with_name(f"{base.name}-{suffix}")
@@ -61,8 +73,12 @@ def choose_run(base: Path, resume: bool | str, restarted_in: Path | None = None)
     return RunChoice(run_dir, None, is_new=True)
 
 
-def _continue(run_dir: Path, checkpoint: Path | None) -> RunChoice:
-    """Continue `run_dir` from `checkpoint` or, when None, its newest complete one (after cleaning leftovers)."""
+def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, checked: bool = False) -> RunChoice:
+    """Continue `run_dir` from `checkpoint` or, when None, its newest complete one (after cleaning leftovers).
+
+    Cleaning only removes what vitrain's own interrupted writes left; the newer checkpoints are moved aside only
+    once the one to continue has been read and checked (`checked`: the caller already did).
+    """
     notes = [f"{what} in {run_dir / ckpt.CHECKPOINT_DIR}" for what in ckpt.clean_leftovers(run_dir)]
     if checkpoint is None:
         checkpoint = ckpt.latest(run_dir)
@@ -73,7 +89,8 @@ def _continue(run_dir: Path, checkpoint: Path | None) -> RunChoice:
                 )
             notes.append(f"{run_dir} holds no complete checkpoint yet: starting it over from step 0")
             return RunChoice(run_dir, None, notes=notes)
-    ckpt.read_meta(checkpoint)
+    if not checked:
+        check(checkpoint, ckpt.read_meta(checkpoint))
     notes += _supersede_newer(run_dir, checkpoint)
     return RunChoice(run_dir, checkpoint, notes=notes)
 

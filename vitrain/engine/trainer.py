@@ -143,9 +143,7 @@ class Trainer:
                 restarted_in = None
                 if restart_count() > 0 and store is not None and store.check([RUN_DIR_KEY]):
                     restarted_in = Path(store.get(RUN_DIR_KEY).decode())
-                choice = choose_run(self.run_dir, resume, restarted_in)
-                if choice.checkpoint is not None:
-                    self._check_same_model(choice.checkpoint, ckpt.read_meta(choice.checkpoint))
+                choice = choose_run(self.run_dir, resume, restarted_in, check=self._check_same_model)
                 if store is not None:
                     store.set(RUN_DIR_KEY, str(choice.run_dir))
                 choice = (
