@@ -528,31 +528,28 @@ def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer
     """
     names = _names(model)
     local = optimizer.optim
-    index = read_index(path)
+    owned = {
+        names[p]: (p, bool(g.get("fused") or g.get("capturable"))) for g in local.param_groups for p in g["params"]
+    }
     state: dict[str, dict[str, Any]] = {}
-    for group in local.param_groups:
-        scalars_on_device = bool(group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            prefix = f"optim.state.{names[p]}."
-            entries: dict[str, Any] = {}
-            for key, md in index.items():
-                field = key[len(prefix) :]
-                if not key.startswith(prefix) or "." in field:
-                    continue
-                if isinstance(md, TensorStorageMetadata):
-                    on_device = tuple(md.size) == tuple(p.shape) or scalars_on_device
-                    device = p.device if on_device else torch.device("cpu")
-                    entries[field] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-                else:
-                    entries[field] = None  # a plain value (LAMB's integer step): DCP fills it in
-            if entries:
-                state[names[p]] = entries
+    prefix = "optim.state."
+    for key, md in read_index(path).items():
+        # optim.state.<parameter name>.<field>: fields have no dots, parameter names do.
+        name, _, field = key[len(prefix) :].rpartition(".")
+        if not key.startswith(prefix) or name not in owned:
+            continue
+        param, scalars_on_device = owned[name]
+        if isinstance(md, TensorStorageMetadata):
+            on_device = tuple(md.size) == tuple(param.shape) or scalars_on_device
+            device = param.device if on_device else torch.device("cpu")
+            state.setdefault(name, {})[field] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+        else:
+            state.setdefault(name, {})[field] = None  # a plain value (LAMB's integer step): DCP fills it in
     wanted = {"model": get_model_state_dict(model), "optim": {"state": state}}
     _dcp_load(wanted, path)
     unwrap(model).load_state_dict(wanted["model"])
-    owned = {names[p]: p for group in local.param_groups for p in group["params"]}
     for name, entries in wanted["optim"]["state"].items():
-        local.state[owned[name]] = entries
+        local.state[owned[name][0]] = entries
 
 
 def load_extra(path: Path, state: dict[str, Any]) -> None:

@@ -302,17 +302,17 @@ class PrecisionPolicy:
         """
         self._gradients_to_master()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        no_flag = torch.zeros((), dtype=torch.bool, device=self.device)
-        loss_nonfinite = no_flag if loss_nonfinite is None else loss_nonfinite
+        if loss_nonfinite is None:
+            loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.scaler is not None:
+            grads = [p.grad for p in params if p.grad is not None]
             overflow = any_rank(self.scaler.unscale_and_check(grads) | loss_nonfinite)
             self.scaler.update(overflow)
             if overflow:
                 optimizer.zero_grad(set_to_none=True)  # the weights are not touched: the whole step is skipped
                 return None, True
         with self.full_precision(optimizer, step=True) if self.compensated else contextlib.nullcontext():
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [p.grad for p in params if p.grad is not None]  # under pure + compensated: fp32 now
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
             # Sharded (FSDP2) gradients give a DTensor norm; its full value is reduced over every rank's shard.
             full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -57,7 +57,7 @@ def init_distributed(device: torch.device, strategy: str, backend: str = "auto")
     if strategy != "single" and not dist.is_initialized():
         name = backend_for(device, backend)
         if world_size > 1:
-            dist.init_process_group(name, store=_restart_store(world_size), rank=rank, world_size=world_size)
+            dist.init_process_group(name, store=_restart_store(), rank=rank, world_size=world_size)
         else:
             dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
@@ -76,7 +76,7 @@ def launch_store() -> dist.Store | None:
     return dist.TCPStore(host, port, is_master=False, timeout=default_pg_timeout)
 
 
-def _restart_store(world_size: int) -> dist.Store | None:
+def _restart_store() -> dist.Store | None:
     """Under torchrun, the agent's store with its keys kept apart per restart; None: the env:// default.
 
     torchrun keeps one store across restarts of the worker group; gloo's connection set-up then reads the
