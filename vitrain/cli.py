@@ -45,9 +45,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=_train)
 
-    evaluate = sub.add_parser("eval", help="evaluate a checkpoint on its validation split")
-    evaluate.add_argument("checkpoint")
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a checkpoint: its validation split, or face verification on any face folder"
+    )
+    evaluate.add_argument("checkpoint", help="a run folder or a step folder")
     evaluate.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="e.g. data.root=PATH")
+    evaluate.add_argument(
+        "--pairs",
+        action="append",
+        default=None,
+        help="face models: an LFW-format pairs file, cfp-ff, cfp-fp or generated (repeatable; default: the run's "
+        "task.pairs on its held-out identities)",
+    )
+    evaluate.add_argument("--root", default=None, help="face models: identity folders (or a .zip) the pairs name")
+    evaluate.add_argument("--out", default=None, help="face models: where verification.json and the ROC plot go")
     evaluate.set_defaults(func=_eval)
 
     export = sub.add_parser("export", help="write a checkpoint's weights as one fp32 model.safetensors + config")
@@ -160,17 +171,28 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
     from vitrain.data import build_loaders
     from vitrain.engine import evaluate, resolve_device
-    from vitrain.models import create_model
+    from vitrain.errors import ConfigError
+    from vitrain.tasks import build_task
 
     path = ckpt.resolve(Path(args.checkpoint))
     meta = ckpt.read_meta(path)
     cfg = load_config(overrides=args.overrides, base=meta["config"])
     device = resolve_device(cfg.train.device)
-    model = create_model(cfg.model)
+    model = build_task(cfg).build_model()
     ckpt.load_model_weights(path, model)
     model = model.to(device)
-    _, loader = build_loaders(cfg, device)
-    result = {"checkpoint": str(path), "step": meta.get("step"), **evaluate(model, loader)}
+    if cfg.task.name == "face":
+        from vitrain.tasks.face import verify
+
+        out = Path(args.out) if args.out else ckpt.run_dir_of(path) / "eval"
+        root = Path(args.root).expanduser() if args.root else None
+        report = verify(model, cfg, device, root, args.pairs, out)
+        result = {"checkpoint": str(path), "step": meta.get("step"), **report}
+    elif args.pairs or args.root:
+        raise ConfigError(f"--pairs and --root verify face models; {path} was trained with task.name={cfg.task.name}")
+    else:
+        _, loader = build_loaders(cfg, device)
+        result = {"checkpoint": str(path), "step": meta.get("step"), **evaluate(model, loader)}
     print(json.dumps(result, indent=2))
     return 0
 
@@ -180,12 +202,12 @@ def _export(args: argparse.Namespace) -> int:
 
     from vitrain import checkpoint as ckpt
     from vitrain.config import config_from_dict
-    from vitrain.models import create_model
+    from vitrain.tasks import build_task
     from vitrain.weights import export
 
     path = ckpt.resolve(Path(args.checkpoint))
     cfg = config_from_dict(ckpt.read_meta(path)["config"])
-    model = create_model(cfg.model)
+    model = build_task(cfg).build_model()  # a face model exports its embedding backbone (the neck included)
     ckpt.load_model_weights(path, model)
     print(export(model, cfg, Path(args.out), args.format))
     return 0

@@ -32,7 +32,9 @@ class ModelConfig:
     heads: int = 3
     mlp_dim: int | None = None  # None: 4 x width
     qkv_bias: bool = True
-    pool: Literal["cls", "gap"] = "cls"
+    # cls: the class token; gap: the mean of the patch tokens; flatten: every patch token, concatenated (the input
+    # of a face-recognition embedding neck, as insightface's ViT does)
+    pool: Literal["cls", "gap", "flatten"] = "cls"
     layout: Literal["batch_first", "seq_first"] = "batch_first"
     attention: Literal["sdpa", "manual"] = "sdpa"
     pos_embed: Literal["learned", "sincos"] = "learned"
@@ -157,6 +159,9 @@ class ParallelConfig:
     # unit of memory); off keeps one unit gathered at a time.
     backward_prefetch: bool = True
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on cuda, gloo on cpu
+    # BatchNorm layers (the face neck) normalize with the statistics of the whole global batch, so a run trains alike
+    # on any number of ranks and resumes exactly on another; false: each rank's own batch (less communication).
+    sync_batchnorm: bool = True
 
 
 @dataclass
@@ -167,8 +172,38 @@ class LogConfig:
 
 
 @dataclass
+class TaskConfig:
+    """What the model is trained to do: its head, loss, evaluation and best metric (vitrain/tasks)."""
+
+    name: Literal["classification", "face"] = "classification"
+    # face: the backbone ends in an embedding neck (Linear to embed_dim, then BatchNorm1d) instead of a classifier;
+    # the identity centres live in a margin head outside the backbone, with optim.head_lr_scale and
+    # optim.head_weight_decay as its own lr and weight decay.
+    embed_dim: int = 512
+    margin: Literal["arcface", "cosface", "combined", "softmax"] = "cosface"
+    scale: float = 64.0  # s: logits are s x cos(angle), margins applied to the true identity's cosine
+    arcface_m: float = 0.5  # arcface: cos(theta + m)
+    cosface_m: float = 0.35  # cosface: cos(theta) - m
+    combined_m: tuple[float, float, float] = (1.0, 0.3, 0.2)  # combined (m1, m2, m3): cos(m1 theta + m2) - m3
+    # Partial FC: each step every identity of the global batch plus this fraction of the others (per rank's shard)
+    sample_rate: float = 1.0
+    shard_head: bool = True  # split the identity centres over the ranks (false: every rank holds all of them)
+    # Identities held out of training for verification: how many, and how they are picked (seeded: at random by
+    # train.seed-independent SPLIT_SEED; last: the last ones in sorted order, e.g. CFP's 451-500).
+    verify_identities: int = 10
+    identity_split: Literal["seeded", "last"] = "seeded"
+    # Verification pair sets: generated (balanced, seeded, over the held-out identities), cfp-ff / cfp-fp (CFP's
+    # official protocol, restricted to the held-out identities), or the path of an LFW-format pairs file.
+    pairs: tuple[str, ...] = ("generated",)
+    generated_pairs: int = 3000  # generated: up to this many matched and as many mismatched pairs
+    flip_fusion: bool = True  # embedding = normalize(f(image) + f(flipped image))
+    baseline: bool = True  # also score the pairs with raw-pixel cosine similarity, for comparison
+
+
+@dataclass
 class Config:
     name: str = "run"
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -470,6 +505,7 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
     _validate_parallel(cfg.parallel)
+    _validate_task(cfg)
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
     if cfg.optim.clip_grad_norm < 0:
@@ -479,6 +515,32 @@ def validate(cfg: Config) -> None:
     _validate_optim_schedule_precision(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")
+
+
+def _validate_task(cfg: Config) -> None:
+    k = cfg.task
+    if k.name != "face":
+        return
+    if k.embed_dim <= 0:
+        raise ConfigError(f"task.embed_dim={k.embed_dim} must be positive")
+    if not 0.0 < k.sample_rate <= 1.0:
+        raise ConfigError(f"task.sample_rate={k.sample_rate} must be in (0, 1]; 1 uses every identity centre")
+    if k.scale <= 0:
+        raise ConfigError(f"task.scale={k.scale} must be positive")
+    if not 0.0 <= k.arcface_m < 3.14159 or k.cosface_m < 0:
+        raise ConfigError("task.arcface_m must be in [0, pi) and task.cosface_m >= 0")
+    if k.generated_pairs <= 0:
+        raise ConfigError(f"task.generated_pairs={k.generated_pairs} must be positive")
+    if not k.pairs:
+        raise ConfigError("task.pairs is empty; use [generated], cfp-ff, cfp-fp or an LFW-format pairs file")
+    if cfg.data.source != "folder":
+        raise ConfigError(
+            f"task.name=face reads identity folders: set data.source=folder and data.root=PATH, not {cfg.data.source}"
+        )
+    if cfg.data.mixup_alpha or cfg.data.cutmix_alpha:
+        raise ConfigError("task.name=face trains on one identity per image: set data.mixup_alpha=0 data.cutmix_alpha=0")
+    if cfg.data.loader != "fast":
+        raise ConfigError("task.name=face reads identity folders with the fast loader: set data.loader=fast")
 
 
 def _validate_parallel(p: ParallelConfig) -> None:

@@ -294,37 +294,50 @@ class PrecisionPolicy:
         optimizer: torch.optim.Optimizer,
         clip_grad_norm: float,
         loss_nonfinite: torch.Tensor | None = None,
+        head_optimizer: torch.optim.Optimizer | None = None,
     ) -> tuple[float | None, bool]:
         """Unscale, check, clip and apply the gradients; returns (gradient norm before clipping, skipped).
 
         Collective under a parallel strategy: whether to skip is decided once for all ranks (a NaN loss on one
-        rank, an inf in one rank's gradient shard), so every rank skips or steps together.
+        rank, an inf in one rank's gradient shard), so every rank skips or steps together. `head_optimizer` steps
+        parameters that live outside the model (the face task's fp32 identity head, one shard per rank): they are
+        unscaled and checked with the model's, and not clipped (the norm is the model's).
         """
         self._gradients_to_master()
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        head_params = [p for group in head_optimizer.param_groups for p in group["params"]] if head_optimizer else []
+        optimizers = [optimizer, head_optimizer] if head_optimizer is not None else [optimizer]
         if loss_nonfinite is None:
             loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.scaler is not None:
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [p.grad for p in params + head_params if p.grad is not None]
             overflow = any_rank(self.scaler.unscale_and_check(grads) | loss_nonfinite)
             self.scaler.update(overflow)
             if overflow:
-                optimizer.zero_grad(set_to_none=True)  # the weights are not touched: the whole step is skipped
+                for each in optimizers:  # the weights are not touched: the whole step is skipped
+                    each.zero_grad(set_to_none=True)
                 return None, True
         with self.full_precision(optimizer, step=True) if self.compensated else contextlib.nullcontext():
             grads = [p.grad for p in params if p.grad is not None]  # under pure + compensated: fp32 now
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
             # Sharded (FSDP2) gradients give a DTensor norm; its full value is reduced over every rank's shard.
             full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            if any_rank(~torch.isfinite(full_norm) | loss_nonfinite):
-                optimizer.zero_grad(set_to_none=True)
+            bad = ~torch.isfinite(full_norm) | loss_nonfinite
+            head_grads = [p.grad for p in head_params if p.grad is not None]
+            if head_grads:
+                bad |= ~torch.isfinite(torch.nn.utils.get_total_norm(head_grads))
+            if any_rank(bad):
+                for each in optimizers:
+                    each.zero_grad(set_to_none=True)
                 self._skip_nonfinite()
                 return None, True
             self.nonfinite_in_a_row = 0
             if clip_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, norm)
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            for each in optimizers:
+                each.step()
+        for each in optimizers:
+            each.zero_grad(set_to_none=True)
         self.sync_working_copy()
         return float(full_norm), False
 

@@ -12,30 +12,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, to_dict, to_yaml
-from vitrain.data import build_loaders
 from vitrain.data.loader import WaitTimer
-from vitrain.engine.evaluate import evaluate
 from vitrain.engine.runs import choose_run, mark_run
 from vitrain.errors import CheckpointError, ConfigError
-from vitrain.models import complexity, count_parameters, create_model
-from vitrain.optim import Schedule, resolve_impl, scaled_lr, set_lr
+from vitrain.models import count_parameters
+from vitrain.optim import Schedule, build_head_optimizer, resolve_impl, scaled_lr, set_lr
 from vitrain.parallel import (
     broadcast_object,
     build_parallel_optimizer,
     init_distributed,
     mean_over_ranks,
     parallelize,
+    unwrap,
 )
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
+from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.precision import PrecisionPolicy, check_finite
+from vitrain.tasks import build_task, is_better
 from vitrain.weights import load_pretrained
 
 COMPENSATION = "compensation"  # pure mode's Kahan terms, saved beside the model and optimizer
+HEAD = "head"  # a task's parameters outside the model (the identity head), saved by identity row
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,7 +96,9 @@ class Trainer:
         self.resume_path = self._choose_run(resume)
 
         t = cfg.train
-        self.train_loader, self.val_loader = build_loaders(cfg, self.device, self.dist.rank, self.dist.world_size)
+        # The task owns data, head, loss, evaluation and the best metric (vitrain/tasks).
+        self.task = build_task(cfg)
+        self.train_loader = self.task.build_data(self.device, self.dist.rank, self.dist.world_size)
         self.steps_per_epoch = len(self.train_loader) // t.accum_steps
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -106,7 +109,7 @@ class Trainer:
         peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.world_size)
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
 
-        model = create_model(cfg.model).to(self.device)  # the same initial weights on every rank (seed)
+        model = self.task.build_model().to(self.device)  # the same initial weights on every rank (seed)
         if cfg.model.init_from:
             load_pretrained(model, Path(cfg.model.init_from))
         # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order
@@ -121,13 +124,16 @@ class Trainer:
         self.model = model
         self.optimizer = build_parallel_optimizer(self.model, cfg.optim, cfg.parallel, self.device)
         self.forward = torch.compile(working) if t.compile else working
+        # Parameters outside the backbone (the face task's identity head): fp32, this rank's rows, own optimizer.
+        self.head = self.task.build_head(self.device)
+        self.head_optimizer = build_head_optimizer(self.head, cfg.optim, self.device) if self.head else None
 
         self.step = 0
         self.epoch = 0
         self.epoch_batches: Any = None  # the current epoch's batch iterator
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
-        self.best_top1 = -1.0
-        self.last_eval: dict[str, float] = {}
+        self.best_metric: float | None = None  # the task's best_metric at the best evaluation so far
+        self.last_eval: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -172,8 +178,8 @@ class Trainer:
         GIL: a deadlock at exit (seen after a torchrun restart). An error's traceback keeps this trainer alive past
         the group's end, so the references go here.
         """
-        self.model = self.forward = self.optimizer = self.precision = None
-        self.train_loader = self.val_loader = self.epoch_batches = None
+        self.model = self.forward = self.optimizer = self.precision = self.head = self.head_optimizer = None
+        self.task = self.train_loader = self.epoch_batches = None
         gc.collect()
 
     def meta(self, is_best: bool = False) -> dict[str, Any]:
@@ -184,7 +190,8 @@ class Trainer:
             "step": self.step,
             "epoch": self.epoch,
             "samples_in_epoch": self.batch_in_epoch * self.global_micro_batch,
-            "best_top1": self.best_top1,
+            "best_metric": self.best_metric,
+            "best_metric_name": self.task.best_metric,
             "last_eval": self.last_eval,
             "world_size": self.dist.world_size,
             "strategy": self.cfg.parallel.strategy,
@@ -207,10 +214,15 @@ class Trainer:
             ckpt.load_training_state(path, self.model, self.optimizer)
         if self.precision.compensated and (meta.get("precision") or {}).get("compensated"):
             ckpt.load_extra(path, {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)})
+        if self.head is not None:
+            self.head.load_checkpoint(path, self.head_optimizer)
         self.precision.load_state_dict(meta.get("precision"))
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = samples // self.global_micro_batch
-        self.best_top1, self.last_eval = meta["best_top1"], meta["last_eval"]
+        # Checkpoints before the task seam kept the classifier's best top-1 as best_top1.
+        best = meta.get("best_metric", meta.get("best_top1"))
+        self.best_metric = None if best is None or best < 0 else best
+        self.last_eval = meta["last_eval"]
         restored = ckpt.load_rng(path)
         saved_ranks, ranks = meta.get("world_size", 1), self.dist.world_size
         if saved_ranks != ranks:
@@ -230,13 +242,17 @@ class Trainer:
 
     def save(self, is_best: bool = False) -> Path:
         meta = self.meta(is_best)
-        extra = None
+        extra = {}
         if self.precision.compensated:
-            extra = {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)}
+            extra[COMPENSATION] = self.precision.compensation_state(self.model, self.optimizer)
+        if self.head is not None:
+            extra[HEAD] = self.head.checkpoint_state(self.head_optimizer)
         with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
             # A diverged run keeps its last good checkpoint instead of saving inf/NaN (each rank checks its shard).
             with all_or_none("checking the weights before a checkpoint"):
                 check_finite(self.model, self.optimizer)
+                if self.head is not None:
+                    check_finite(self.head, self.head_optimizer)
             return ckpt.save(
                 self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.train.keep_checkpoints, extra
             )
@@ -293,7 +309,7 @@ class Trainer:
             for images, labels in batches:
                 if micro == 0:
                     lr = self.schedule(self.step)
-                    set_lr(self.optimizer, lr)
+                    self.set_lr(lr)
                     loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
                 loss = self.loss(images, labels)
                 loss_nonfinite |= ~torch.isfinite(loss.detach())  # checked at the step, without a sync here
@@ -302,7 +318,7 @@ class Trainer:
                 self.batch_in_epoch += 1
                 if micro < t.accum_steps:
                     continue
-                grad_norm, skipped = self.precision.step(self.optimizer, cfg.optim.clip_grad_norm, loss_nonfinite)
+                grad_norm, skipped = self.optimizer_step(loss_nonfinite)
                 micro = 0
                 self.step += 1
                 if skipped:
@@ -351,8 +367,9 @@ class Trainer:
             if not stop:
                 self.epoch += 1
                 self.batch_in_epoch = 0
-            if stop or self.epoch % t.eval_every_epochs == 0 or self.epoch == t.epochs:
-                self._evaluate_and_save(log)
+            final = stop or self.epoch == t.epochs
+            if final or self.epoch % t.eval_every_epochs == 0:
+                self._evaluate_and_save(log, final)
 
         wall_s = time.perf_counter() - wall_start
         summary = self._summary(wall_s, train_images / train_seconds if train_seconds else 0.0, compile_s)
@@ -360,17 +377,31 @@ class Trainer:
         summary["data_wait_frac"] = data_wait_s / train_seconds if train_seconds else 0.0
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        metric = self.task.best_metric
         log.info(
-            f"done: val_top1={summary['val_top1']:.4f} images/s={summary['images_per_s']:.0f} "
+            f"done: {metric}={summary.get(metric, 0.0):.4f} images/s={summary['images_per_s']:.0f} "
             f"data_wait={summary['data_wait_frac']:.1%} wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
         )
         return summary
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The training loss of one micro-batch (fp32 logits under every precision policy)."""
+        """The training loss of one micro-batch: the task's, in fp32 under every precision policy."""
         with self.precision.autocast():
-            logits = self.forward(images).float()
-        return F.cross_entropy(logits, labels, label_smoothing=self.cfg.train.label_smoothing)
+            output = self.forward(images)
+        return self.task.loss(output, labels)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        if self.head_optimizer is not None:
+            set_lr(self.head_optimizer, lr)
+
+    def optimizer_step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
+        """One optimizer step of the model (and the task's head); returns (gradient norm, skipped)."""
+        if self.head is not None:
+            average_replicated_gradients(self.head)
+        return self.precision.step(
+            self.optimizer, self.cfg.optim.clip_grad_norm, loss_nonfinite, head_optimizer=self.head_optimizer
+        )
 
     def _log_skip(self, log: RunLog) -> None:
         fields = self._scaler_fields()
@@ -387,21 +418,20 @@ class Trainer:
         scaler = self.precision.scaler
         return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
 
-    def _evaluate_and_save(self, log: RunLog) -> None:
+    def _evaluate_and_save(self, log: RunLog, final: bool) -> None:
         with self.precision.autocast():
-            self.last_eval = evaluate(self.forward, self.val_loader)
-        is_best = self.last_eval["val_top1"] > self.best_top1
-        self.best_top1 = max(self.best_top1, self.last_eval["val_top1"])
+            self.last_eval = self.task.evaluate(self.forward, final, self.run_dir)
+        value = self.last_eval[self.task.best_metric]
+        is_best = is_better(self.task, value, self.best_metric)
+        if is_best:
+            self.best_metric = value
         log.record(step=self.step, epoch=self.epoch, **self.last_eval)
-        log.info(
-            f"epoch {self.epoch} step {self.step}: val_top1={self.last_eval['val_top1']:.4f} "
-            f"val_top5={self.last_eval['val_top5']:.4f} val_loss={self.last_eval['val_loss']:.4f}"
-        )
+        log.info(f"epoch {self.epoch} step {self.step}: {self.task.eval_line(self.last_eval)}")
         self.save(is_best)
 
     def _log_header(self, log: RunLog) -> None:
         cfg = self.cfg
-        cost = complexity(cfg.model)
+        cost = unwrap(self.model).complexity()
         p = cfg.parallel
         global_batch = cfg.train.batch_size * self.dist.world_size * cfg.train.accum_steps
         impl = resolve_impl(cfg.optim.impl, self.device, cfg.optim.name, cfg.parallel.strategy)
@@ -412,16 +442,20 @@ class Trainer:
             f"activation checkpointing={p.activation_checkpointing}), "
             f"global batch={global_batch} ({cfg.train.batch_size} x {self.dist.world_size} processes x "
             f"{cfg.train.accum_steps} accumulation), {self.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
-            f"{len(self.train_loader.data)} train / {len(self.val_loader.data)} val images, run dir {self.run_dir}"
+            f"{len(self.train_loader.data)} train images / {self.task.describe_data()}, run dir {self.run_dir}"
         )
+        if self.head is not None:
+            log.info(f"head: {self.head.extra_repr()}")
         log.info(self.precision.describe())
 
     def _summary(self, wall_s: float, images_per_s: float, compile_s: float | None) -> dict[str, Any]:
+        metric = self.task.best_metric
         summary = {
             "name": self.cfg.name,
-            "val_top1": self.last_eval.get("val_top1", 0.0),
-            "val_top5": self.last_eval.get("val_top5", 0.0),
-            "best_val_top1": self.best_top1,
+            "task": self.task.name,
+            **({"val_top1": 0.0, "val_top5": 0.0} if self.task.name == "classification" else {}),
+            **self.last_eval,
+            f"best_{metric}": self.best_metric if self.best_metric is not None else -1.0,
             "images_per_s": images_per_s,
             "wall_s": wall_s,
             "epochs": self.epoch,

@@ -101,12 +101,29 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class VisionTransformer(nn.Module):
-    """ViT classifier; parameter names follow timm's VisionTransformer so state dicts map one to one."""
+class EmbeddingNeck(nn.Module):
+    """Pooled (or flattened) features -> an embedding: Linear without bias, then BatchNorm1d (face recognition)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, in_features: int, embed_dim: int):
+        super().__init__()
+        self.fc = nn.Linear(in_features, embed_dim, bias=False)
+        self.bn = nn.BatchNorm1d(embed_dim, eps=2e-5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+class VisionTransformer(nn.Module):
+    """ViT classifier or embedding model; parameter names follow timm's VisionTransformer (state dicts map 1:1).
+
+    `forward_features` gives the normalized token sequence, `forward_head` pools it and applies the head; with
+    `embed_dim > 0` an `EmbeddingNeck` replaces the classifier and the model returns embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig, embed_dim: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.embed_dim = embed_dim
         self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
         self.num_prefix_tokens = 1 if cfg.pool == "cls" else 0
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width)) if cfg.pool == "cls" else None
@@ -121,9 +138,11 @@ class VisionTransformer(nn.Module):
         rates = torch.linspace(0, cfg.drop_path, cfg.depth).tolist()
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
         # timm's convention: a class-token model normalizes the sequence, a pooled model the pooled vector.
-        self.norm = nn.LayerNorm(cfg.width, eps=1e-6) if cfg.pool == "cls" else nn.Identity()
+        self.norm = nn.LayerNorm(cfg.width, eps=1e-6) if cfg.pool != "gap" else nn.Identity()
         self.fc_norm = nn.LayerNorm(cfg.width, eps=1e-6) if cfg.pool == "gap" else nn.Identity()
-        self.head = nn.Linear(cfg.width, cfg.num_classes)
+        features = features_dim(cfg)
+        self.neck = EmbeddingNeck(features, embed_dim) if embed_dim else nn.Identity()
+        self.head = nn.Linear(features, cfg.num_classes) if not embed_dim else nn.Identity()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -132,7 +151,7 @@ class VisionTransformer(nn.Module):
                 nn.init.trunc_normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, nn.LayerNorm | nn.BatchNorm1d):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
         if isinstance(self.pos_embed, nn.Parameter):
@@ -141,7 +160,7 @@ class VisionTransformer(nn.Module):
             nn.init.normal_(self.cls_token, std=1e-6)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> pooled, normalized features (B, D)."""
+        """Images (B, C, H, W) -> the normalized token sequence (B, N, D), batch first in either layout."""
         x = self.patch_embed(images)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
@@ -152,18 +171,31 @@ class VisionTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        token_dim = 0 if seq_first else 1
+        return x.transpose(0, 1) if seq_first else x
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens (B, N, D) -> pooled features through the neck; then the classifier unless `pre_logits`."""
         if self.cfg.pool == "cls":
-            x = x.select(token_dim, 0)
+            x = tokens[:, 0]
+        elif self.cfg.pool == "gap":
+            x = tokens.mean(dim=1)
         else:
-            x = x.mean(dim=token_dim)
-        return self.fc_norm(x)
+            x = tokens[:, self.num_prefix_tokens :].flatten(1)
+        x = self.neck(self.fc_norm(x))
+        return x if pre_logits else self.head(x)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.forward_features(images))
+        return self.forward_head(self.forward_features(images))
 
     def complexity(self, batch_size: int = 1) -> Complexity:
-        return complexity(self.cfg, batch_size)
+        return complexity(self.cfg, batch_size, self.embed_dim)
+
+
+def features_dim(cfg: ModelConfig) -> int:
+    """Width of what the head (or neck) receives: one token's width, or every patch token's under pool=flatten."""
+    if cfg.pool == "flatten":
+        return (cfg.image_size // cfg.patch_size) ** 2 * cfg.width
+    return cfg.width
 
 
 def sincos_2d(grid: int, width: int, temperature: float = 10000.0) -> torch.Tensor:
@@ -194,8 +226,11 @@ class Complexity:
         return 3 * self.flops
 
 
-def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
-    """Exact counts from the architecture alone (no tensors allocated, so it works for 120B presets)."""
+def complexity(cfg: ModelConfig, batch_size: int = 1, embed_dim: int = 0) -> Complexity:
+    """Exact counts from the architecture alone (no tensors allocated, so it works for 120B presets).
+
+    `embed_dim > 0`: the embedding model (neck instead of classifier), as the face task builds it.
+    """
     d, h, depth = cfg.width, cfg.hidden_dim, cfg.depth
     p = cfg.patch_size
     n_patches = (cfg.image_size // p) ** 2
@@ -203,7 +238,13 @@ def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
     qkv_b = 3 * d if cfg.qkv_bias else 0
 
     block_params = (2 * d) + (3 * d * d + qkv_b) + (d * d + d) + (2 * d) + (d * h + h) + (h * d + d)
-    params = (cfg.in_chans * p * p * d + d) + depth * block_params + 2 * d + (d * cfg.num_classes + cfg.num_classes)
+    features = features_dim(cfg)
+    if embed_dim:  # neck: Linear without bias + BatchNorm1d's weight and bias
+        head_params, head_macs, head_out = features * embed_dim + 2 * embed_dim, features * embed_dim, embed_dim
+    else:
+        head_params, head_macs = features * cfg.num_classes + cfg.num_classes, features * cfg.num_classes
+        head_out = cfg.num_classes
+    params = (cfg.in_chans * p * p * d + d) + depth * block_params + 2 * d + head_params
     if cfg.pool == "cls":
         params += d
     if cfg.pos_embed == "learned":
@@ -212,7 +253,7 @@ def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
     # Multiply-adds of the matmuls (including attention's QK^T and AV), per image.
     embed_macs = n_patches * cfg.in_chans * p * p * d
     block_macs = n * 3 * d * d + 2 * n * n * d + n * d * d + 2 * n * d * h
-    macs = embed_macs + depth * block_macs + d * cfg.num_classes
+    macs = embed_macs + depth * block_macs + head_macs
 
     heads = cfg.heads
     block_acts = (
@@ -225,7 +266,7 @@ def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
         + 2 * n * h  # fc1, gelu
         + n * d  # fc2
     )
-    acts = n_patches * d + depth * block_acts + n * d + cfg.num_classes
+    acts = n_patches * d + depth * block_acts + n * d + head_out
     return Complexity(
         params=params,
         macs=macs * batch_size,

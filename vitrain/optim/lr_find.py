@@ -9,11 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from vitrain.config import Config
 from vitrain.data import BatchLoader
-from vitrain.optim.schedules import set_lr
 from vitrain.precision import TrainingDiverged
 
 SMOOTHING = 0.9  # exponential moving average of the loss, bias-corrected
@@ -56,15 +54,14 @@ def lr_range_test(cfg: Config, start_lr: float, end_lr: float, num_steps: int, o
     average, best = 0.0, math.inf
     for step, (images, labels) in zip(range(num_steps), _endless(trainer.train_loader), strict=False):
         lr = start_lr * ratio**step
-        set_lr(trainer.optimizer, lr)
-        with trainer.precision.autocast():
-            loss = F.cross_entropy(trainer.forward(images).float(), labels, label_smoothing=cfg.train.label_smoothing)
+        trainer.set_lr(lr)
+        loss = trainer.loss(images, labels)  # the task's loss
         value = float(loss.detach())
         if not math.isfinite(value):
             break
         trainer.precision.backward(loss)
         try:
-            trainer.precision.step(trainer.optimizer, cfg.optim.clip_grad_norm)
+            trainer.optimizer_step()
         except TrainingDiverged:
             break
         average = SMOOTHING * average + (1 - SMOOTHING) * value

@@ -85,6 +85,21 @@ def build_optimizer(
     return cls(groups, **kwargs)
 
 
+def build_head_optimizer(head: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of a task's head outside the model (the identity head): optim.name with the head's own lr
+    (optim.lr x optim.head_lr_scale) and weight decay (optim.head_weight_decay, default optim.weight_decay)."""
+    impl = "fused" if "fused" in KERNELS[cfg.name] and device.type in ("cpu", "cuda") else "foreach"
+    weight_decay = cfg.weight_decay if cfg.head_weight_decay is None else cfg.head_weight_decay
+    group = {
+        "params": [p for p in head.parameters() if p.requires_grad],
+        "weight_decay": weight_decay,
+        "lr_scale": cfg.head_lr_scale,
+        "lr": cfg.lr * cfg.head_lr_scale,
+    }
+    cls, kwargs = optimizer_class_and_kwargs(cfg, impl)
+    return cls([group], **kwargs)
+
+
 def optimizer_class_and_kwargs(cfg: OptimConfig, impl: str) -> tuple[type[torch.optim.Optimizer], dict]:
     """The optimizer class and its constructor arguments for a per-tensor kernel (fused, foreach or loop)."""
     return _optimizer_class(cfg), {"fused": impl == "fused", "foreach": impl == "foreach", **_kwargs(cfg)}

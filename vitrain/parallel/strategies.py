@@ -14,10 +14,11 @@ from vitrain.errors import ConfigError
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from vitrain.parallel.sync_batchnorm import sync_batchnorm
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> nn.Module:
-    """Activation checkpointing first (inside each FSDP unit), then the strategy's wrapper.
+    """Activation checkpointing first (inside each FSDP unit), BatchNorm over all ranks, then the strategy's wrapper.
 
     Returns the module to call for forward/backward. For ddp/zero1 that is a DistributedDataParallel
     wrapper around `model`; for zero2/zero3 `model` itself, whose parameters become sharded DTensors.
@@ -27,6 +28,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> 
         apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.checkpoint_every_k)
     if cfg.strategy == "single":
         return model
+    if cfg.sync_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        sync_batchnorm(model, device)
     if cfg.strategy in ("ddp", "zero1"):
         # Gradients as views into the all-reduce buckets: no second copy of the gradients.
         return DistributedDataParallel(

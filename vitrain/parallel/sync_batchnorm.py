@@ -1,0 +1,57 @@
+"""BatchNorm whose batch statistics span every data-parallel rank, so a model with BatchNorm trains alike on any
+number of ranks (torch's SyncBatchNorm on accelerators; on CPU, where SyncBatchNorm does not run, our own)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+
+
+class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """SyncBatchNorm's arithmetic with gloo: the mean and the variance of the whole global batch.
+
+    The statistics are all-reduced with autograd-aware all-reduces, so the backward pass carries each rank's share
+    of the gradient through them to every rank, as torch's SyncBatchNorm does. Parameter and buffer names are
+    BatchNorm's: checkpoints and exported weights do not change.
+    """
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2-D input, got {x.dim()}-D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or not (dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        dims = [d for d in range(x.dim()) if d != 1]  # every dimension but the channels
+        count = x.new_tensor([x.numel() / x.shape[1]])
+        totals = dist_fn.all_reduce(torch.cat([x.sum(dim=dims), count]))
+        n = totals[-1]
+        mean = totals[:-1] / n
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        centred = x - mean.view(shape)
+        var = dist_fn.all_reduce((centred * centred).sum(dim=dims)) / n
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+            self.running_mean.lerp_(mean.detach(), momentum)
+            self.running_var.lerp_(var.detach() * n / (n - 1).clamp_min(1), momentum)
+        out = centred * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """Replace every BatchNorm of `model` by its cross-rank version (in place where the module tree allows)."""
+    if device.type != "cpu":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, CpuSyncBatchNorm):
+                synced = CpuSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
+                synced.load_state_dict(child.state_dict())
+                synced.to(next(iter(child.buffers()), torch.empty(0)).device)
+                setattr(parent, name, synced)
+    return model

@@ -1,0 +1,57 @@
+"""Tasks: what the model is trained to do. Each bundles its data, model, head, loss, evaluation and best metric.
+
+The trainer talks to a task only through `Task` (in the spirit of torchtitan's TrainSpec and timm's `loss_fn`):
+
+    train_loader = task.build_data(device, rank, world_size)
+    model = task.build_model()                 # single-device backbone: classifier or embedding model
+    head = task.build_head(device)             # parameters outside the backbone (the identity head), or None
+    loss = task.loss(model_output, labels)     # fp32 under every precision policy
+    metrics = task.evaluate(forward, final, out_dir)
+    task.best_metric, task.higher_is_better    # which checkpoint is "best"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from vitrain.config import Config
+
+
+class Task(Protocol):
+    name: str
+    best_metric: str
+    higher_is_better: bool
+
+    def build_data(self, device: torch.device, rank: int, world_size: int) -> Any: ...
+
+    def build_model(self) -> nn.Module: ...
+
+    def build_head(self, device: torch.device) -> nn.Module | None: ...
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]: ...
+
+    def eval_line(self, metrics: dict[str, Any]) -> str: ...
+
+    def describe_data(self) -> str: ...
+
+
+def build_task(cfg: Config) -> Task:
+    if cfg.task.name == "face":
+        from vitrain.tasks.face import FaceTask
+
+        return FaceTask(cfg)
+    from vitrain.tasks.classification import ClassificationTask
+
+    return ClassificationTask(cfg)
+
+
+def is_better(task: Task, value: float, best: float | None) -> bool:
+    if best is None:
+        return True
+    return value > best if task.higher_is_better else value < best

@@ -1,0 +1,48 @@
+"""Image classification: a linear classifier inside the model, cross-entropy, top-1/top-5; best = highest val_top1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitrain.config import Config
+from vitrain.data import build_loaders
+from vitrain.engine.evaluate import evaluate
+from vitrain.models import create_model
+
+
+class ClassificationTask:
+    name = "classification"
+    best_metric = "val_top1"
+    higher_is_better = True
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.val_loader: Any = None
+
+    def build_data(self, device: torch.device, rank: int, world_size: int) -> Any:
+        train, self.val_loader = build_loaders(self.cfg, device, rank, world_size)
+        return train
+
+    def build_model(self) -> nn.Module:
+        return create_model(self.cfg.model)
+
+    def build_head(self, device: torch.device) -> None:
+        return None
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.float(), labels, label_smoothing=self.cfg.train.label_smoothing)
+
+    def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]:
+        return evaluate(forward, self.val_loader)
+
+    def eval_line(self, metrics: dict[str, Any]) -> str:
+        top1, top5, loss = metrics["val_top1"], metrics["val_top5"], metrics["val_loss"]
+        return f"val_top1={top1:.4f} val_top5={top5:.4f} val_loss={loss:.4f}"
+
+    def describe_data(self) -> str:
+        return f"{len(self.val_loader.data)} val images"
