@@ -6,14 +6,13 @@ import posixpath
 import re
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
 
-from vitrain.data.sources import IMAGE_SUFFIXES, _decode_chunk, file_reader, location
+from vitrain.data.sources import IMAGE_SUFFIXES, decode_files, file_reader, location
 from vitrain.errors import DataError
 
 FOLDS = 10
@@ -137,17 +136,7 @@ def decode_faces(tree: FaceTree, names: list[str], in_chans: int, size: int, wor
     mode = "L" if in_chans == 1 else "RGB"
     if not names:
         return torch.empty((0, in_chans, size, size), dtype=torch.uint8)
-    chunks = [names[i : i + 2048] for i in range(0, len(names), 2048)]
-    jobs = [(str(tree.root), tree.is_zip, chunk, mode, size) for chunk in chunks]
-    if workers <= 1 or len(chunks) == 1:
-        results = [_decode_chunk(job) for job in jobs]
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(_decode_chunk, jobs))
-    for result in results:
-        if isinstance(result, str):
-            raise DataError(result)
-    return torch.from_numpy(np.concatenate(results))
+    return decode_files(tree.root, tree.is_zip, names, mode, size, workers)
 
 
 # ---------------------------------------------------------------------------------------------- pairs

@@ -225,10 +225,14 @@ def _read_split(
 
 def _decode_all(tree: ImageTree, names: list[str], cfg: Config) -> torch.Tensor:
     mode = "L" if cfg.model.in_chans == 1 else "RGB"
-    size = cfg.model.image_size
-    workers = max(1, cfg.data.decode_workers)
+    return decode_files(tree.root, tree.is_zip, names, mode, cfg.model.image_size, cfg.data.decode_workers)
+
+
+def decode_files(root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int) -> torch.Tensor:
+    """(N, C, size, size) uint8 of a tree's files, decoded in chunks by `workers` processes; a bad file is an error."""
+    workers = max(1, workers)
     chunks = [names[i : i + 2048] for i in range(0, len(names), 2048)]
-    jobs = [(str(tree.root), tree.is_zip, chunk, mode, size) for chunk in chunks]
+    jobs = [(str(root), is_zip, chunk, mode, size) for chunk in chunks]
     if workers == 1 or len(chunks) == 1:
         results = [_decode_chunk(job) for job in jobs]
     else:
