@@ -91,6 +91,26 @@ def test_corrupt_and_truncated_images_are_reported_and_the_rest_converted(tmp_pa
     assert labels.tolist() == [0] * 4 + [1] * 4
 
 
+def test_a_class_tree_manifest_has_no_identity_layout_or_names(tmp_path):
+    make_tree(tmp_path / "src", splits={"train": 2})
+    prepare(tmp_path / "src", tmp_path / "out", workers=1)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert "layout" not in manifest and "names" not in manifest["splits"]["train"]
+
+
+def test_identity_folders_prepare_into_one_split_named_all(tmp_path):
+    make_tree(tmp_path / "src", splits={"train": 2}, classes=("s2", "s10"))  # 'train' is the common folder here
+    prepare(tmp_path / "src", tmp_path / "out", workers=1, identities=True)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert list(manifest["splits"]) == ["all"] and manifest["classes"] == ["s2", "s10"]
+    assert manifest["splits"]["all"]["names"] == [
+        "train/s2/000.png",
+        "train/s2/001.png",
+        "train/s10/000.png",
+        "train/s10/001.png",
+    ]
+
+
 def test_cli_prepare_prints_skipped_files(tmp_path, capsys):
     make_tree(tmp_path / "src", splits={"train": 2})
     bad = tmp_path / "src" / "train" / "cat" / "bad.png"

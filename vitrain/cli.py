@@ -87,12 +87,19 @@ def _parser() -> argparse.ArgumentParser:
     prepare = data_sub.add_parser(
         "prepare", help="decode an ImageFolder tree or .zip once into memory-mapped uint8 shards (resumable)"
     )
-    prepare.add_argument("src", metavar="SRC", help="ImageFolder tree (<split>/<class>/<image>) or a .zip of one")
+    prepare.add_argument(
+        "src", metavar="SRC", help="ImageFolder tree (<split>/<class>/<image>), identity folders, or a .zip of one"
+    )
     prepare.add_argument("dst", metavar="DST", help="output folder; rerun the same command to resume")
     prepare.add_argument("--size", type=int, default=None, help="resize to S x S (default: the images' own size)")
     prepare.add_argument("--workers", type=int, default=2, help="decoding processes (default 2)")
     prepare.add_argument("--shard-size", type=int, default=2048, help="images per shard file (default 2048)")
     prepare.add_argument("--channels", type=int, choices=(1, 3), default=None, help="default: 1 if all grey")
+    prepare.add_argument(
+        "--identities",
+        action="store_true",
+        help="SRC is a face set (one folder per identity, as task.name=face reads it): one split 'all', names kept",
+    )
     prepare.set_defaults(func=_data_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks a reader can rerun")
@@ -272,6 +279,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
             channels=args.channels,
             progress=lambda n: bars[0].update(n),
             on_plan=start_bar,
+            identities=args.identities,
         )
     except BrokenPipeError:  # `vitrain models | head`: the reader left; not an error
         sys.stderr.close()

@@ -1,4 +1,4 @@
-"""Face data: identity folders, the train/verification identity split, and verification pairs."""
+"""Face data: identity folders (or a prepared copy), the train/verification identity split, verification pairs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import torch
 
-from vitrain.data.sources import IMAGE_SUFFIXES, decode_files, file_reader, location
+from vitrain.data.prepared import IDENTITIES, IDENTITIES_SPLIT, PreparedSet, is_prepared, read_manifest, verify_files
+from vitrain.data.sources import IMAGE_SUFFIXES, ImageSet, decode_files, file_reader, location
 from vitrain.errors import DataError
 
 FOLDS = 10
@@ -139,6 +140,62 @@ def decode_faces(tree: FaceTree, names: list[str], in_chans: int, size: int, wor
     return decode_files(tree.root, tree.is_zip, names, mode, size, workers)
 
 
+@dataclass
+class FaceImages:
+    """A face set's identity listing and its images by name: decoded from the tree, or rows of a prepared copy."""
+
+    tree: FaceTree
+    in_chans: int
+    size: int
+    workers: int = 2
+    prepared: PreparedSet | None = None  # `vitrain data prepare --identities`: every image, memory-mapped
+    row_of: dict[str, int] | None = None  # prepared: image name -> row
+
+    def read(self, names: list[str]) -> torch.Tensor:
+        """uint8 images (N, in_chans, size, size) in the order of `names`."""
+        if self.prepared is None:
+            return decode_faces(self.tree, names, self.in_chans, self.size, self.workers)
+        return self.prepared.read(self._rows(names))[0]
+
+    def dataset(self, names: list[str], labels: torch.Tensor, classes: list[str]) -> ImageSet | PreparedSet:
+        """A training set of `names`: decoded into memory, or the prepared rows left memory-mapped."""
+        if self.prepared is None:
+            return ImageSet(self.read(names), labels, classes)
+        return self.prepared.subset(self._rows(names)).relabeled(labels, classes)
+
+    def _rows(self, names: list[str]) -> torch.Tensor:
+        return torch.tensor([self.row_of[name] for name in names], dtype=torch.long)
+
+
+def open_face_images(root: str | Path, in_chans: int, size: int, workers: int = 2, verify: str = "once") -> FaceImages:
+    """The face set at `root`: identity folders (see `open_face_tree`), or a folder made from them by
+    `vitrain data prepare SRC DST --identities`, whose listing holds the names the images had in SRC."""
+    root = Path(root).expanduser()
+    if not is_prepared(root):
+        return FaceImages(open_face_tree(root), in_chans, size, workers)
+    manifest = read_manifest(root)
+    if manifest.get("layout") != IDENTITIES:
+        raise DataError(
+            f"face data {root} is prepared from class folders, not identity folders; "
+            f"prepare the face tree with `vitrain data prepare SRC DST --identities --size S`"
+        )
+    if (manifest["size"], manifest["channels"]) != (size, in_chans):
+        raise DataError(
+            f"prepared face data {root} holds {manifest['size']}x{manifest['size']} images with "
+            f"{manifest['channels']} channel(s) but model.image_size={size} and model.in_chans={in_chans}; prepare "
+            f"it again with --size {size} --channels {in_chans} or set model.image_size={manifest['size']} "
+            f"model.in_chans={manifest['channels']}"
+        )
+    verify_files(root, manifest["files"], always_hash=verify == "always")
+    prepared = PreparedSet(root, manifest, IDENTITIES_SPLIT)
+    names = manifest["splits"][IDENTITIES_SPLIT]["names"]
+    files: dict[str, list[str]] = {}
+    for name, label in zip(names, prepared.all_labels.tolist(), strict=True):
+        files.setdefault(prepared.classes[label], []).append(name)
+    tree = FaceTree(root, False, [i for i in prepared.classes if i in files], files)
+    return FaceImages(tree, in_chans, size, workers, prepared, {name: row for row, name in enumerate(names)})
+
+
 # ---------------------------------------------------------------------------------------------- pairs
 
 
@@ -262,6 +319,11 @@ def cfp_pairs(tree: FaceTree, which: str) -> Pairs:
     """CFP's official frontal-frontal ("ff") or frontal-profile ("fp") pairs, read from its Protocol folder."""
     if which not in ("ff", "fp"):
         raise DataError(f"CFP protocol '{which}' is unknown; use cfp-ff or cfp-fp")
+    if is_prepared(tree.root):
+        raise DataError(
+            f"cfp-{which} needs CFP's Protocol files, which the prepared face data {tree.root} does not hold; "
+            f"point data.root at the CFP zip (or its unpacked cfp folder) for cfp-ff / cfp-fp pairs"
+        )
     data_folder = _common_folder([n for names in tree.files.values() for n in names])
     missing = (
         f"cfp-{which} needs CFP's Protocol folder beside Data (cfp/Protocol next to cfp/Data/Images); "

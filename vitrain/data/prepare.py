@@ -1,5 +1,9 @@
 """`vitrain data prepare`: decode an ImageFolder tree (or a .zip of one) once into memory-mappable uint8 shards.
 
+With `identities=True` the source is a face tree (identity folders, found as `open_face_tree` finds them): it
+becomes one split `all` whose classes are the identities and whose rows go identity by identity, each image's
+name in the tree recorded beside its row, so face training can read it by name (vitrain/data/faces.py).
+
 Shards are converted in parallel processes; each worker writes its shard file, then a small `.done.json`
 record, both by rename, so an interrupted run leaves only whole shards behind and a rerun converts just the
 missing ones. Files that do not decode are skipped and listed (path and reason) in failed.txt; the
@@ -19,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from vitrain.data.prepared import FORMAT, MANIFEST, sha256_file
+from vitrain.data.faces import FaceTree, open_face_tree
+from vitrain.data.prepared import FORMAT, IDENTITIES, IDENTITIES_SPLIT, MANIFEST, sha256_file
 from vitrain.data.sources import (
     IMAGE_SUFFIXES,
     ImageTree,
@@ -62,6 +67,7 @@ def prepare(
     channels: int | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    identities: bool = False,
 ) -> PrepareResult:
     """Convert `src` into `dst`.
 
@@ -73,9 +79,13 @@ def prepare(
         raise DataError(f"prepare source {src} does not exist; give an ImageFolder tree or a .zip of one")
     if shard_size <= 0 or workers <= 0:
         raise DataError(f"--shard-size={shard_size} and --workers={workers} must be positive")
-    tree = ImageTree(src)
-    splits = _find_splits(tree)
-    classes = sorted({c for folders in splits.values() for c in folders})
+    if identities:
+        tree = open_face_tree(src)
+        splits, classes = {IDENTITIES_SPLIT: tree.files}, tree.identities
+    else:
+        tree = ImageTree(src)
+        splits = _find_splits(tree)
+        classes = sorted({c for folders in splits.values() for c in folders})
     probed_channels, sizes = _probe(tree, splits)
     channels = channels or probed_channels
     if channels not in (1, 3):
@@ -95,6 +105,8 @@ def prepare(
         "classes": classes,
         "files_sha256": hashlib.sha256("\n".join(f for s in shards for f in s.files).encode()).hexdigest(),
     }
+    if identities:
+        plan["layout"] = IDENTITIES
     _start_or_resume(dst, plan)
     if on_plan is not None:
         on_plan(sum(len(s.files) for s in shards))
@@ -131,7 +143,7 @@ def _find_splits(tree: ImageTree) -> dict[str, dict[str, list[str]]]:
     return splits
 
 
-def _probe(tree: ImageTree, splits: dict[str, dict[str, list[str]]]) -> tuple[int, list[tuple[int, int]]]:
+def _probe(tree: ImageTree | FaceTree, splits: dict[str, dict[str, list[str]]]) -> tuple[int, list[tuple[int, int]]]:
     """(channels, sizes seen) from the first image of every class; 1 channel only if all of them are grey."""
     import io
 
@@ -152,8 +164,9 @@ def _probe(tree: ImageTree, splits: dict[str, dict[str, list[str]]]) -> tuple[in
 
 def _plan_shards(splits: dict[str, dict[str, list[str]]], classes: list[str], shard_size: int) -> list[Shard]:
     shards = []
+    label_of = {c: label for label, c in enumerate(classes)}
     for split, folders in sorted(splits.items()):
-        files = [(f, classes.index(c)) for c, fs in folders.items() for f in fs]
+        files = [(f, label_of[c]) for c, fs in folders.items() for f in fs]
         for k, start in enumerate(range(0, len(files), shard_size)):
             chunk = files[start : start + shard_size]
             shards.append(Shard(f"{split}-{k:05d}", split, [f for f, _ in chunk], [label for _, label in chunk]))
@@ -217,7 +230,7 @@ def _convert_shard(job: tuple) -> int:
     root, is_zip, name, files, labels, mode, size, dst = job
     dst = Path(dst)
     out = np.empty((len(files), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
-    kept, failed = [], []
+    kept, kept_names, failed = [], [], []
     with file_reader(root, is_zip) as read:
         for f, label in zip(files, labels, strict=True):
             try:
@@ -226,12 +239,14 @@ def _convert_shard(job: tuple) -> int:
                 failed.append((location(root, is_zip, f), f"{type(exc).__name__}: {exc}"))
                 continue
             kept.append(label)
+            kept_names.append(f)
     images = dst / f"{name}.npy"
     tmp = dst / f"{name}.npy.tmp"
     with open(tmp, "wb") as fh:
         np.save(fh, out[: len(kept)])
     os.replace(tmp, images)
-    record = {"count": len(kept), "labels": kept, "failed": failed, "bytes": images.stat().st_size}
+    record = {"count": len(kept), "labels": kept, "names": kept_names, "failed": failed}
+    record["bytes"] = images.stat().st_size
     record["sha256"] = sha256_file(images)
     _write_json(dst / f"{name}.done.json", record)
     return len(files)
@@ -267,9 +282,11 @@ def _finish(
             "labels": labels_name,
             "shards": [{"images": f"{n}.npy", "count": records[n]["count"]} for n in names],
         }
+        if plan.get("layout") == IDENTITIES:
+            manifest_splits[split]["names"] = [name for n in names for name in records[n]["names"]]
     (dst / FAILED).write_text("".join(f"{where}\t{reason}\n" for where, reason in failed))
     manifest = {
-        **{k: plan[k] for k in ("format", "source", "size", "channels", "classes")},
+        **{k: plan[k] for k in ("format", "source", "size", "channels", "classes", "layout") if k in plan},
         "count": sum(s["count"] for s in manifest_splits.values()),
         "failed": len(failed),
         "splits": manifest_splits,

@@ -8,6 +8,9 @@ Layout written by `vitrain data prepare` (vitrain/data/prepare.py):
     failed.txt               files that did not decode: path <TAB> reason
     verified.json            stamp of files already hashed (see `verify_files`)
 
+A face tree prepared with `--identities` has `layout: "identities"`, one split `all` whose classes are the
+identities, and that split's `names`: each row's image name in the source tree, in row order.
+
 Verification: every load checks each file's size against the manifest. The sha256 is computed when the file
 is not in the stamp or its (size, mtime, ctime, inode) differ from the stamped ones; any write to a file
 changes its ctime, which user space cannot set back, so a changed file is re-hashed and caught.
@@ -30,6 +33,8 @@ from vitrain.errors import DataError
 
 FORMAT = "vitrain-prepared/1"
 MANIFEST = "manifest.json"
+IDENTITIES = "identities"  # the manifest's layout of a prepared face tree
+IDENTITIES_SPLIT = "all"  # its one split
 STAMP = "verified.json"
 # A file changed within this long after it was hashed could keep the same coarse timestamps: do not stamp it.
 RACY_WINDOW_NS = 2_000_000_000
@@ -132,6 +137,16 @@ class PreparedSet:
         view = PreparedSet.__new__(PreparedSet)
         view.__dict__.update(self.__dict__)
         view.rows = np.asarray(chosen, dtype=np.int64)
+        return view
+
+    def relabeled(self, labels: torch.Tensor, classes: list[str]) -> PreparedSet:
+        """The same rows with new `labels` (one per row, in this set's order) and class names `classes`."""
+        rows = torch.arange(len(self)) if self.rows is None else torch.from_numpy(self.rows)
+        view = PreparedSet.__new__(PreparedSet)
+        view.__dict__.update(self.__dict__)
+        view.all_labels = torch.full((int(self.starts[-1]),), -1, dtype=torch.int64)
+        view.all_labels[rows] = labels.to(torch.int64)
+        view.classes = list(classes)
         return view
 
     def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

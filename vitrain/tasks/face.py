@@ -4,7 +4,8 @@ Training identities and verification identities are disjoint (task.verify_identi
 every image of the verification pair sets (task.pairs) and reports, per set, the 10-fold accuracy and TPR at
 FAR 0.1 / 0.01 / 0.001; the best checkpoint is the one with the highest accuracy on the first set. At the end of
 training the same figures for a raw-pixel cosine baseline are reported beside them (task.baseline), with
-verification.json and an ROC plot in the run folder.
+verification.json and an ROC plot in the run folder. data.root may also be a folder made from identity folders by
+`vitrain data prepare SRC DST --identities`: images are then read from its memory map instead of decoded.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from torch import nn
 from vitrain.config import Config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.faces import (
+    FaceImages,
     FaceTree,
     Pairs,
     cfp_pairs,
-    decode_faces,
     generate_pairs,
-    open_face_tree,
+    open_face_images,
     read_lfw_pairs,
     restrict_pairs,
     split_identities,
 )
 from vitrain.data.loader import BatchLoader
-from vitrain.data.sources import SPLIT_SEED, ImageSet
+from vitrain.data.sources import SPLIT_SEED
 from vitrain.engine.verify import embed_images, pixel_embeddings, score_pair_sets, summary_line, write_report
 from vitrain.models import create_model
 from vitrain.models.heads import Margin
@@ -54,12 +55,12 @@ def read_pair_sets(specs: tuple[str, ...] | list[str], tree: FaceTree, identitie
 
 
 class VerificationImages:
-    """The decoded images of some pair sets, each image once, with its row by name."""
+    """The images of some pair sets, each image once, with its row by name."""
 
-    def __init__(self, tree: FaceTree, pair_sets: list[Pairs], in_chans: int, size: int, workers: int):
+    def __init__(self, faces: FaceImages, pair_sets: list[Pairs]):
         names = sorted({name for pairs in pair_sets for name in (*pairs.left, *pairs.right)})
         self.row_of = {name: i for i, name in enumerate(names)}
-        self.images = decode_faces(tree, names, in_chans, size, workers)
+        self.images = faces.read(names)
         self.pair_sets = pair_sets
 
 
@@ -76,16 +77,15 @@ class FaceTask:
 
     def build_data(self, device: torch.device, rank: int, world_size: int) -> BatchLoader:
         cfg, k, m, d = self.cfg, self.cfg.task, self.cfg.model, self.cfg.data
-        tree = open_face_tree(Path(d.root).expanduser())
+        faces = open_face_images(d.root, m.in_chans, m.image_size, d.decode_workers, d.verify)
+        tree = faces.tree
         train_ids, verify_ids = split_identities(tree.identities, k.verify_identities, k.identity_split, SPLIT_SEED)
         names = [name for identity in train_ids for name in tree.files[identity]]
         labels = [i for i, identity in enumerate(train_ids) for _ in tree.files[identity]]
-        images = decode_faces(tree, names, m.in_chans, m.image_size, d.decode_workers)
-        train = ImageSet(images, torch.tensor(labels, dtype=torch.long), train_ids)
+        train = faces.dataset(names, torch.tensor(labels, dtype=torch.long), train_ids)
         self.num_identities = len(train_ids)
         self.verify_ids = verify_ids
-        pair_sets = read_pair_sets(k.pairs, tree, verify_ids, k.generated_pairs)
-        self.verification = VerificationImages(tree, pair_sets, m.in_chans, m.image_size, d.decode_workers)
+        self.verification = VerificationImages(faces, read_pair_sets(k.pairs, tree, verify_ids, k.generated_pairs))
         self.device = device
         return BatchLoader(
             train,
@@ -158,15 +158,13 @@ def verify(
     """`vitrain eval` of a face model: verification pairs on `root` (any identity folders, every identity), or
     without a root on the run's own data.root and held-out identities; the raw-pixel baseline beside it."""
     k, m, d = cfg.task, cfg.model, cfg.data
+    faces = open_face_images(d.root if root is None else root, m.in_chans, m.image_size, d.decode_workers, d.verify)
+    tree = faces.tree
+    identities: list[str] | None = None  # another face set: every identity
     if root is None:
-        tree = open_face_tree(Path(d.root).expanduser())
         _, identities = split_identities(tree.identities, k.verify_identities, k.identity_split, SPLIT_SEED)
-    else:
-        tree, identities = open_face_tree(root), None
     specs = pairs or (list(k.pairs) if root is None else ["generated"])
-    verification = VerificationImages(
-        tree, read_pair_sets(specs, tree, identities, k.generated_pairs), m.in_chans, m.image_size, d.decode_workers
-    )
+    verification = VerificationImages(faces, read_pair_sets(specs, tree, identities, k.generated_pairs))
     reports, lines = score(model, cfg, verification, device, baseline=k.baseline)
     path = write_report(out_dir, *reports, {"root": str(tree.root), "pairs": specs, "lines": lines})
     for line in lines:
