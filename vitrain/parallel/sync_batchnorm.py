@@ -5,8 +5,23 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: each rank's use of the sum reaches every input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        total = x.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
 
 
 class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -26,12 +41,12 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             return super().forward(x)
         dims = [d for d in range(x.dim()) if d != 1]  # every dimension but the channels
         count = x.new_tensor([x.numel() / x.shape[1]])
-        totals = dist_fn.all_reduce(torch.cat([x.sum(dim=dims), count]))
+        totals = _SumOverRanks.apply(torch.cat([x.sum(dim=dims), count]))
         n = totals[-1]
         mean = totals[:-1] / n
         shape = [1, -1] + [1] * (x.dim() - 2)
         centred = x - mean.view(shape)
-        var = dist_fn.all_reduce((centred * centred).sum(dim=dims)) / n
+        var = _SumOverRanks.apply((centred * centred).sum(dim=dims)) / n
         with torch.no_grad():
             self.num_batches_tracked += 1
             momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
