@@ -60,3 +60,21 @@ def test_one_process_keeps_plain_batchnorm_arithmetic():
     plain, synced = nn.BatchNorm1d(5), CpuSyncBatchNorm(5)
     x = _batch()
     assert torch.allclose(plain(x), synced(x)) and torch.allclose(plain.running_var, synced.running_var)
+
+
+def _autocast_job(out: str) -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = sync_batchnorm(nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6)), torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(_batch())
+    y.float().sum().backward()
+    norm = model[1]
+    with open(f"{out}.rank{dist.get_rank()}.json", "w") as f:
+        json.dump({"dtype": str(y.dtype), "stats": str(norm.running_var.dtype), "finite": bool(y.isfinite().all())}, f)
+
+
+def test_bf16_autocast_keeps_the_statistics_in_fp32(tmp_path):
+    run_two_ranks(_autocast_job, str(tmp_path / "out"))
+    got = json.loads((tmp_path / "out.rank0.json").read_text())
+    assert got == {"dtype": "torch.bfloat16", "stats": "torch.float32", "finite": True}

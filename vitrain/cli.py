@@ -195,8 +195,10 @@ def _eval(args: argparse.Namespace) -> int:
         root = Path(args.root).expanduser() if args.root else None
         report = verify(model, cfg, device, root, args.pairs, out)
         result = {"checkpoint": str(path), "step": meta.get("step"), **report}
-    elif args.pairs or args.root:
-        raise ConfigError(f"--pairs and --root verify face models; {path} was trained with task.name={cfg.task.name}")
+    elif args.pairs or args.root or args.out:
+        raise ConfigError(
+            f"--pairs, --root and --out verify face models; {path} was trained with task.name={cfg.task.name}"
+        )
     else:
         _, loader = build_loaders(cfg, device)
         result = {"checkpoint": str(path), "step": meta.get("step"), **evaluate(model, loader)}

@@ -86,7 +86,7 @@ class OptimConfig:
     # auto: fastest on the device; flat: all parameters as views into one buffer per group, one fused update each.
     impl: Literal["auto", "fused", "foreach", "loop", "flat"] = "auto"
     clip_grad_norm: float = 1.0  # 0 turns clipping off
-    head_lr_scale: float = 1.0  # the classifier head's lr = lr x this
+    head_lr_scale: float = 1.0  # the head's lr = lr x this (the classifier, or the face task's identity head)
     head_weight_decay: float | None = None  # None: same as weight_decay
     layer_decay: float = 1.0  # layer-wise lr decay for fine-tuning: block i gets lr x layer_decay^(depth+1-i); 1 = off
 
@@ -527,10 +527,15 @@ def _validate_task(cfg: Config) -> None:
         raise ConfigError(f"task.sample_rate={k.sample_rate} must be in (0, 1]; 1 uses every identity centre")
     if k.scale <= 0:
         raise ConfigError(f"task.scale={k.scale} must be positive")
-    if not 0.0 <= k.arcface_m < 3.14159 or k.cosface_m < 0:
-        raise ConfigError("task.arcface_m must be in [0, pi) and task.cosface_m >= 0")
-    if k.generated_pairs <= 0:
-        raise ConfigError(f"task.generated_pairs={k.generated_pairs} must be positive")
+    if not 0.0 <= k.arcface_m < 3.14159:
+        raise ConfigError(f"task.arcface_m={k.arcface_m} must be in [0, pi): an angle in radians, e.g. 0.5")
+    if k.cosface_m < 0:
+        raise ConfigError(f"task.cosface_m={k.cosface_m} must be >= 0, e.g. 0.35")
+    m1, m2, m3 = k.combined_m
+    if m1 <= 0 or m2 < 0 or m3 < 0:
+        raise ConfigError(f"task.combined_m={list(k.combined_m)} needs m1 > 0, m2 >= 0, m3 >= 0, e.g. [1.0, 0.3, 0.2]")
+    if k.generated_pairs < 10:
+        raise ConfigError(f"task.generated_pairs={k.generated_pairs} must be >= 10 (10 folds of matched pairs)")
     if not k.pairs:
         raise ConfigError("task.pairs is empty; use [generated], cfp-ff, cfp-fp or an LFW-format pairs file")
     if cfg.data.source != "folder":

@@ -56,6 +56,11 @@ def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain") -
 
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format {fmt} is unknown; choose one of: {', '.join(FORMATS)}")
+    if fmt == "timm" and (cfg.task.name != "classification" or cfg.model.pool == "flatten"):
+        raise CheckpointError(
+            f"task.name={cfg.task.name} model.pool={cfg.model.pool} has no timm VisionTransformer equivalent "
+            "(embedding neck or flattened tokens); use --format vitrain"
+        )
     state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     out_dir = Path(out_dir)
@@ -101,6 +106,11 @@ def load_pretrained(model: nn.Module, path: Path) -> None:
     own = model.state_dict()
     if "pos_embed" in state and "pos_embed" not in own:  # a timm export of a sin-cos model: the table is fixed
         state.pop("pos_embed")
+    if "head.weight" not in own:  # an embedding model (face): the source's classifier has no counterpart here
+        for key in ("head.weight", "head.bias"):
+            state.pop(key, None)
+        for key in [k for k in own if k.startswith("neck.") and k not in state]:
+            state[key] = own[key]  # the neck starts from scratch unless the source has one
     head = [k for k in ("head.weight", "head.bias") if k in state and k in own and state[k].shape != own[k].shape]
     if head:
         warnings.warn(

@@ -150,6 +150,7 @@ class FaceImages:
     workers: int = 2
     prepared: PreparedSet | None = None  # `vitrain data prepare --identities`: every image, memory-mapped
     row_of: dict[str, int] | None = None  # prepared: image name -> row
+    failed: int = 0  # prepared: images that failed to decode when the set was prepared (they have no row)
 
     def read(self, names: list[str]) -> torch.Tensor:
         """uint8 images (N, in_chans, size, size) in the order of `names`."""
@@ -193,7 +194,8 @@ def open_face_images(root: str | Path, in_chans: int, size: int, workers: int = 
     for name, label in zip(names, prepared.all_labels.tolist(), strict=True):
         files.setdefault(prepared.classes[label], []).append(name)
     tree = FaceTree(root, False, [i for i in prepared.classes if i in files], files)
-    return FaceImages(tree, in_chans, size, workers, prepared, {name: row for row, name in enumerate(names)})
+    rows = {name: row for row, name in enumerate(names)}
+    return FaceImages(tree, in_chans, size, workers, prepared, rows, int(manifest.get("failed", 0)))
 
 
 # ---------------------------------------------------------------------------------------------- pairs

@@ -220,8 +220,10 @@ class Trainer:
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = samples // self.global_micro_batch
         # Checkpoints before the task seam kept the classifier's best top-1 as best_top1.
-        best = meta.get("best_metric", meta.get("best_top1"))
-        self.best_metric = None if best is None or best < 0 else best
+        if "best_metric" in meta:
+            self.best_metric = meta["best_metric"]
+        else:  # best_top1 = -1.0 meant "no evaluation yet"
+            self.best_metric = meta["best_top1"] if meta.get("best_top1", -1.0) >= 0 else None
         self.last_eval = meta["last_eval"]
         restored = ckpt.load_rng(path)
         saved_ranks, ranks = meta.get("world_size", 1), self.dist.world_size
@@ -453,7 +455,7 @@ class Trainer:
         summary = {
             "name": self.cfg.name,
             "task": self.task.name,
-            **({"val_top1": 0.0, "val_top5": 0.0} if self.task.name == "classification" else {}),
+            **self.task.summary_defaults,
             **self.last_eval,
             f"best_{metric}": self.best_metric if self.best_metric is not None else -1.0,
             "images_per_s": images_per_s,

@@ -88,7 +88,15 @@ def build_optimizer(
 def build_head_optimizer(head: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer of a task's head outside the model (the identity head): optim.name with the head's own lr
     (optim.lr x optim.head_lr_scale) and weight decay (optim.head_weight_decay, default optim.weight_decay)."""
-    impl = "fused" if "fused" in KERNELS[cfg.name] and device.type in ("cpu", "cuda") else "foreach"
+    if getattr(head, "sharded", False) and cfg.name in ("lamb", "lars"):
+        raise ConfigError(
+            f"optim.name={cfg.name} scales each tensor's step by its norm, which for a head sharded over ranks would "
+            "depend on the number of ranks; use optim.name=adamw or sgd, or task.shard_head=false"
+        )
+    if cfg.impl in ("fused", "foreach", "loop") and cfg.impl in KERNELS[cfg.name]:
+        impl = cfg.impl
+    else:  # auto (and flat, which the head's single tensor does not need): the fastest per-tensor kernel
+        impl = "fused" if "fused" in KERNELS[cfg.name] and device.type in ("cpu", "cuda") else "foreach"
     weight_decay = cfg.weight_decay if cfg.head_weight_decay is None else cfg.head_weight_decay
     group = {
         "params": [p for p in head.parameters() if p.requires_grad],

@@ -212,6 +212,9 @@ class IdentityHead(nn.Module):
                 f"checkpoint {path} holds {found}, this run's is {shape} (identities x task.embed_dim); "
                 "resume with the same data.root, task.verify_identities and task.embed_dim"
             )
+        device = self.weight.device
+        group = optimizer.param_groups[0]
+        scalars_on_device = bool(group.get("fused") or group.get("capturable"))
         fields: dict[str, Any] = {}
         for key, md in index.items():
             if not key.startswith("head.state."):
@@ -220,9 +223,11 @@ class IdentityHead(nn.Module):
             if not isinstance(md, TensorStorageMetadata):
                 fields[field] = None  # a plain value: DCP fills it in
             elif tuple(md.size) == shape:
-                fields[field] = self._global(torch.empty(self.rows, self.embed_dim, dtype=md.properties.dtype))
-            else:
-                fields[field] = torch.empty(md.size, dtype=md.properties.dtype)
+                rows = torch.empty(self.rows, self.embed_dim, dtype=md.properties.dtype, device=device)
+                fields[field] = self._global(rows)
+            else:  # a scalar such as AdamW's step: on the device only for fused / capturable optimizers
+                scalar_device = device if scalars_on_device else torch.device("cpu")
+                fields[field] = torch.empty(md.size, dtype=md.properties.dtype, device=scalar_device)
         wanted = {"head": {"weight": self._global(self.weight.data), "state": fields}}
         ckpt.load_extra(path, wanted)
         loaded = wanted["head"]["state"]
@@ -239,7 +244,7 @@ class IdentityHead(nn.Module):
         from torch.distributed.tensor import DTensor, Shard
 
         if self._mesh is None:
-            self._mesh = init_device_mesh(local.device.type, (self.world_size,))
+            self._mesh = init_device_mesh(self.weight.device.type, (self.world_size,))
         return DTensor.from_local(
             local,
             self._mesh,

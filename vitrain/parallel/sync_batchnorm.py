@@ -39,6 +39,7 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or not (dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
+        out_dtype, x = x.dtype, x.float()  # statistics in fp32 (autocast hands a bf16 Linear output in), as torch's
         dims = [d for d in range(x.dim()) if d != 1]  # every dimension but the channels
         count = x.new_tensor([x.numel() / x.shape[1]])
         totals = _SumOverRanks.apply(torch.cat([x.sum(dim=dims), count]))
@@ -54,17 +55,19 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             self.running_var.lerp_(var.detach() * n / (n - 1).clamp_min(1), momentum)
         out = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+            out = out * self.weight.float().view(shape) + self.bias.float().view(shape)
+        return out.to(out_dtype)
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
     """Replace every BatchNorm of `model` by its cross-rank version (in place where the module tree allows)."""
-    if device.type != "cpu":
+    if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, CpuSyncBatchNorm):
+            # A BatchNorm without running statistics is left as it is (it normalizes each rank's own batch).
+            is_norm = isinstance(child, nn.modules.batchnorm._BatchNorm) and child.track_running_stats
+            if is_norm and not isinstance(child, CpuSyncBatchNorm):
                 synced = CpuSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
                 synced.load_state_dict(child.state_dict())
                 synced.to(next(iter(child.buffers()), torch.empty(0)).device)

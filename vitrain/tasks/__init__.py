@@ -25,6 +25,7 @@ class Task(Protocol):
     name: str
     best_metric: str
     higher_is_better: bool
+    summary_defaults: dict[str, Any]
 
     def build_data(self, device: torch.device, rank: int, world_size: int) -> Any: ...
 

@@ -19,6 +19,7 @@ class ClassificationTask:
     name = "classification"
     best_metric = "val_top1"
     higher_is_better = True
+    summary_defaults = {"val_top1": 0.0, "val_top5": 0.0}  # summary.json's fields before any evaluation
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

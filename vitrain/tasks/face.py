@@ -32,14 +32,23 @@ from vitrain.data.faces import (
 from vitrain.data.loader import BatchLoader
 from vitrain.data.sources import SPLIT_SEED
 from vitrain.engine.verify import embed_images, pixel_embeddings, score_pair_sets, summary_line, write_report
+from vitrain.errors import DataError
 from vitrain.models import create_model
 from vitrain.models.heads import Margin
-from vitrain.parallel.distributed import rank
+from vitrain.parallel import distributed
 from vitrain.parallel.identity_head import IdentityHead
 
 
-def read_pair_sets(specs: tuple[str, ...] | list[str], tree: FaceTree, identities: list[str] | None, count: int):
-    """The pair sets named in task.pairs; with `identities`, only pairs among them (the held-out identities)."""
+def read_pair_sets(
+    specs: tuple[str, ...] | list[str],
+    tree: FaceTree,
+    identities: list[str] | None,
+    count: int,
+    failed_images: int = 0,
+) -> list[Pairs]:
+    """The pair sets named in task.pairs; with `identities`, only pairs among them (the held-out identities).
+
+    `failed_images`: how many images of a prepared face set failed to decode (they have no row)."""
     sets = []
     for spec in specs:
         if spec == "generated":
@@ -47,9 +56,24 @@ def read_pair_sets(specs: tuple[str, ...] | list[str], tree: FaceTree, identitie
         elif spec in ("cfp-ff", "cfp-fp"):
             pairs = cfp_pairs(tree, spec.removeprefix("cfp-"))
         else:
+            if failed_images:  # LFW image numbers count an identity's images: one missing shifts the rest
+                raise DataError(
+                    f"pairs file {spec} numbers each identity's images, but {failed_images} image(s) of the prepared "
+                    f"data {tree.root} failed to decode (failed.txt); fix them and prepare again, or use data.root="
+                    "the original identity folders"
+                )
             pairs = read_lfw_pairs(spec, tree)
         if identities is not None and spec != "generated":
             pairs = restrict_pairs(pairs, tree, identities)
+        matched, folds = int(pairs.same.sum()), len(set(pairs.folds.tolist()))
+        if matched == 0 or matched == len(pairs) or folds < 2:
+            raise DataError(
+                f"pair set {pairs.name} ({spec}) holds {matched} matched and {len(pairs) - matched} mismatched pairs "
+                f"in {folds} folds among the verification identities; verification needs both kinds in 2 or more "
+                "folds: raise task.generated_pairs or task.verify_identities, or use another pair source"
+            )
+        if pairs.name in {p.name for p in sets}:
+            raise DataError(f"task.pairs names two pair sets {pairs.name}; give each pairs file its own file name")
         sets.append(pairs)
     return sets
 
@@ -68,6 +92,7 @@ class FaceTask:
     name = "face"
     best_metric = "val_acc"
     higher_is_better = True
+    summary_defaults: dict[str, Any] = {}
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -85,7 +110,8 @@ class FaceTask:
         train = faces.dataset(names, torch.tensor(labels, dtype=torch.long), train_ids)
         self.num_identities = len(train_ids)
         self.verify_ids = verify_ids
-        self.verification = VerificationImages(faces, read_pair_sets(k.pairs, tree, verify_ids, k.generated_pairs))
+        pair_sets = read_pair_sets(k.pairs, tree, verify_ids, k.generated_pairs, faces.failed)
+        self.verification = VerificationImages(faces, pair_sets)
         self.device = device
         return BatchLoader(
             train,
@@ -117,7 +143,7 @@ class FaceTask:
     def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]:
         k = self.cfg.task
         reports, lines = score(forward, self.cfg, self.verification, self.device, baseline=final and k.baseline)
-        if final and rank() == 0:
+        if final and distributed.rank() == 0:
             write_report(out_dir, *reports, {"verify_identities": self.verify_ids, "lines": lines})
         self._lines = lines
         metrics: dict[str, Any] = {"val_acc": reports[0][self.verification.pair_sets[0].name]["accuracy"]}
@@ -164,7 +190,7 @@ def verify(
     if root is None:
         _, identities = split_identities(tree.identities, k.verify_identities, k.identity_split, SPLIT_SEED)
     specs = pairs or (list(k.pairs) if root is None else ["generated"])
-    verification = VerificationImages(faces, read_pair_sets(specs, tree, identities, k.generated_pairs))
+    verification = VerificationImages(faces, read_pair_sets(specs, tree, identities, k.generated_pairs, faces.failed))
     reports, lines = score(model, cfg, verification, device, baseline=k.baseline)
     path = write_report(out_dir, *reports, {"root": str(tree.root), "pairs": specs, "lines": lines})
     for line in lines:
