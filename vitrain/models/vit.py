@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import ModelConfig
+from vitrain.models.parallel_plan import ParallelPlan, vit_plan
 
 
 class PatchEmbed(nn.Module):
@@ -189,6 +190,10 @@ class VisionTransformer(nn.Module):
 
     def complexity(self, batch_size: int = 1) -> Complexity:
         return complexity(self.cfg, batch_size, self.embed_dim)
+
+    def parallel_plan(self, wrap: str) -> ParallelPlan:
+        """Sharding units and checkpointable blocks for the strategies in vitrain/parallel."""
+        return vit_plan(self, wrap)
 
 
 def features_dim(cfg: ModelConfig) -> int:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every_k: int = 2) -> int:
+def apply_activation_checkpointing(blocks: list[nn.Module] | nn.ModuleList, mode: str, every_k: int = 2) -> int:
     """Make blocks keep only their input and recompute the rest during backward; returns how many.
 
     The block's `forward` is replaced on the instance (non-reentrant `torch.utils.checkpoint`), so parameter

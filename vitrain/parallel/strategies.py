@@ -23,9 +23,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> 
     Returns the module to call for forward/backward. For ddp/zero1 that is a DistributedDataParallel
     wrapper around `model`; for zero2/zero3 `model` itself, whose parameters become sharded DTensors.
     """
-    blocks = getattr(model, "blocks", None)
-    if blocks is not None:
-        apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.checkpoint_every_k)
+    plan = model.parallel_plan(cfg.wrap)  # the model names its units (vitrain/models/parallel_plan.py)
+    apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
     if cfg.strategy == "single":
         return model
     if cfg.sync_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
@@ -37,10 +36,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> 
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
-    return _fully_shard(model, cfg, device)
+    return _fully_shard(model, plan.shard_units, cfg, device)
 
 
-def _fully_shard(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+def _fully_shard(model: nn.Module, units: list[nn.Module], cfg: ParallelConfig, device: torch.device) -> nn.Module:
     from torch.distributed import get_world_size
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -51,14 +50,10 @@ def _fully_shard(model: nn.Module, cfg: ParallelConfig, device: torch.device) ->
     # zero3 frees each unit's gathered parameters after its forward (gathered again in backward);
     # zero2 keeps them until backward: less communication, full parameters resident between the two.
     reshard_after_forward = cfg.strategy == "zero3"
-    units = []
     if cfg.wrap == "sublayer":
         # FSDP2 warns when a unit returns a view (in-place ops on it would skip its backward hook); the blocks
         # only ever add the attention and MLP outputs out of place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        units += [sub for block in model.blocks for sub in (block.attn, block.mlp)]
-    if cfg.wrap in ("block", "sublayer"):
-        units += list(model.blocks)  # with sublayer, a block's own unit holds just its two norms
     for unit in [*units, model]:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     if not cfg.backward_prefetch:
