@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,13 @@ from vitrain.data.augment import BatchAugment
 from vitrain.data.faces import Pairs
 from vitrain.data.loader import epoch_order
 from vitrain.metrics import format_tpr_at_far, plot_roc, roc, verification_report
-from vitrain.parallel.distributed import is_distributed, rank, world_size
+from vitrain.parallel.distributed import rank, world_size
 
 FARS = (0.1, 0.01, 0.001)
 
 
 def embed_images(
-    forward: Callable[[torch.Tensor], torch.Tensor] | torch.nn.Module,
+    forward: torch.nn.Module,
     images: torch.Tensor,
     normalize: BatchAugment,
     batch_size: int,
@@ -33,31 +32,27 @@ def embed_images(
     Each rank embeds its share (padded to equal shares: a sharded model's forward is collective); the shares are
     all-gathered. Flip fusion adds the embedding of the mirrored image before normalizing.
     """
-    module = forward if isinstance(forward, torch.nn.Module) else None
-    was_training = module.training if module is not None else False
-    if module is not None:
-        module.eval()
-    order = epoch_order(images.shape[0], 0, 0, False, rank(), world_size(), drop_last=False)
-    parts = []
+    was_training = forward.training
+    forward.eval()
+    n, ranks = images.shape[0], world_size()
+    shares = [epoch_order(n, 0, 0, False, r, ranks, drop_last=False) for r in range(ranks)]
+    mine, parts = shares[rank()], []
     with torch.inference_mode():
-        for start in range(0, order.numel(), batch_size):
-            rows = order[start : start + batch_size]
+        for start in range(0, mine.numel(), batch_size):
+            rows = mine[start : start + batch_size]
             x, _ = normalize(images[rows].to(device), rows)
             out = forward(x).float()
             if flip_fusion:
                 out = out + forward(x.flip(-1)).float()
             parts.append(out)
-    if module is not None:
-        module.train(was_training)
-    local = torch.cat(parts) if parts else torch.zeros(0, 1, device=device)
-    if is_distributed():
-        gathered = [torch.empty_like(local) for _ in range(world_size())]
+    forward.train(was_training)
+    local = torch.cat(parts)
+    if ranks > 1:
+        gathered = [torch.empty_like(local) for _ in range(ranks)]
         torch.distributed.all_gather(gathered, local.contiguous())
-        n, ranks = images.shape[0], world_size()
-        order = torch.cat([epoch_order(n, 0, 0, False, r, ranks, drop_last=False) for r in range(ranks)])
         local = torch.cat(gathered)
-    embeddings = torch.empty(images.shape[0], local.shape[1], device=local.device)
-    embeddings[order.to(local.device)] = local  # padding repeats a row with the same value
+    embeddings = torch.empty(n, local.shape[1], device=local.device)
+    embeddings[torch.cat(shares).to(local.device)] = local  # padding repeats a row with the same value
     return F.normalize(embeddings, dim=1).cpu()
 
 

@@ -34,7 +34,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Groups keyed by (lr scale, weight decay): decay matrices only; optional head lr/wd and layer-wise lr decay."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     num_layers = 1 + max((int(n.split(".")[1]) for n, _ in named if n.startswith("blocks.")), default=-1)
-    head_wd = cfg.weight_decay if cfg.head_weight_decay is None else cfg.head_weight_decay
+    head_wd = head_weight_decay(cfg)
     groups: dict[tuple[float, float], dict] = {}
     for name, param in named:
         no_decay = param.ndim <= 1 or name.split(".")[-1] in NO_DECAY_NAMES
@@ -49,6 +49,11 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         )
         group["params"].append(param)
     return list(groups.values())
+
+
+def head_weight_decay(cfg: OptimConfig) -> float:
+    """optim.head_weight_decay, or optim.weight_decay when it is not set."""
+    return cfg.weight_decay if cfg.head_weight_decay is None else cfg.head_weight_decay
 
 
 def resolve_impl(impl: str, device: torch.device, name: str = "adamw", strategy: str = "single") -> str:
@@ -97,10 +102,9 @@ def build_head_optimizer(head: nn.Module, cfg: OptimConfig, device: torch.device
         impl = cfg.impl
     else:  # auto (and flat, which the head's single tensor does not need): the fastest per-tensor kernel
         impl = "fused" if "fused" in KERNELS[cfg.name] and device.type in ("cpu", "cuda") else "foreach"
-    weight_decay = cfg.weight_decay if cfg.head_weight_decay is None else cfg.head_weight_decay
     group = {
         "params": [p for p in head.parameters() if p.requires_grad],
-        "weight_decay": weight_decay,
+        "weight_decay": head_weight_decay(cfg),
         "lr_scale": cfg.head_lr_scale,
         "lr": cfg.lr * cfg.head_lr_scale,
     }

@@ -235,7 +235,7 @@ class IdentityHead(nn.Module):
             optimizer.state[self.weight] = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in loaded.items()}
 
     def _is_rows(self, value: Any) -> bool:
-        return torch.is_tensor(value) and tuple(value.shape) == (self.rows, self.embed_dim) and value.ndim == 2
+        return torch.is_tensor(value) and tuple(value.shape) == (self.rows, self.embed_dim)
 
     def _global(self, local: torch.Tensor) -> torch.Tensor:
         if not self.sharded:

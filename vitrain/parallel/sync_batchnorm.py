@@ -70,6 +70,6 @@ def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
             if is_norm and not isinstance(child, CpuSyncBatchNorm):
                 synced = CpuSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
                 synced.load_state_dict(child.state_dict())
-                synced.to(next(iter(child.buffers()), torch.empty(0)).device)
+                synced.to(child.running_mean.device)
                 setattr(parent, name, synced)
     return model

@@ -20,7 +20,6 @@ from vitrain.config import Config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.faces import (
     FaceImages,
-    FaceTree,
     Pairs,
     cfp_pairs,
     generate_pairs,
@@ -40,25 +39,19 @@ from vitrain.parallel.identity_head import IdentityHead
 
 
 def read_pair_sets(
-    specs: tuple[str, ...] | list[str],
-    tree: FaceTree,
-    identities: list[str] | None,
-    count: int,
-    failed_images: int = 0,
+    specs: tuple[str, ...] | list[str], faces: FaceImages, identities: list[str] | None, count: int
 ) -> list[Pairs]:
-    """The pair sets named in task.pairs; with `identities`, only pairs among them (the held-out identities).
-
-    `failed_images`: how many images of a prepared face set failed to decode (they have no row)."""
-    sets = []
+    """The pair sets named in task.pairs; with `identities`, only pairs among them (the held-out identities)."""
+    tree, sets = faces.tree, []
     for spec in specs:
         if spec == "generated":
             pairs = generate_pairs(tree, identities or tree.identities, count, SPLIT_SEED)
         elif spec in ("cfp-ff", "cfp-fp"):
             pairs = cfp_pairs(tree, spec.removeprefix("cfp-"))
         else:
-            if failed_images:  # LFW image numbers count an identity's images: one missing shifts the rest
+            if faces.failed:  # LFW image numbers count an identity's images: one missing shifts the rest
                 raise DataError(
-                    f"pairs file {spec} numbers each identity's images, but {failed_images} image(s) of the prepared "
+                    f"pairs file {spec} numbers each identity's images, but {faces.failed} image(s) of the prepared "
                     f"data {tree.root} failed to decode (failed.txt); fix them and prepare again, or use data.root="
                     "the original identity folders"
                 )
@@ -110,8 +103,7 @@ class FaceTask:
         train = faces.dataset(names, torch.tensor(labels, dtype=torch.long), train_ids)
         self.num_identities = len(train_ids)
         self.verify_ids = verify_ids
-        pair_sets = read_pair_sets(k.pairs, tree, verify_ids, k.generated_pairs, faces.failed)
-        self.verification = VerificationImages(faces, pair_sets)
+        self.verification = VerificationImages(faces, read_pair_sets(k.pairs, faces, verify_ids, k.generated_pairs))
         self.device = device
         return BatchLoader(
             train,
@@ -190,7 +182,7 @@ def verify(
     if root is None:
         _, identities = split_identities(tree.identities, k.verify_identities, k.identity_split, SPLIT_SEED)
     specs = pairs or (list(k.pairs) if root is None else ["generated"])
-    verification = VerificationImages(faces, read_pair_sets(specs, tree, identities, k.generated_pairs, faces.failed))
+    verification = VerificationImages(faces, read_pair_sets(specs, faces, identities, k.generated_pairs))
     reports, lines = score(model, cfg, verification, device, baseline=k.baseline)
     path = write_report(out_dir, *reports, {"root": str(tree.root), "pairs": specs, "lines": lines})
     for line in lines:
