@@ -140,6 +140,9 @@ class PrecisionConfig:
     # fp32 / bf16: a step whose loss or gradients hold inf/NaN is skipped (weights untouched, logged); more than
     # this many in a row stop the run with its last good checkpoint kept. 0: stop at the first.
     max_nonfinite_skips: int = 3
+    # amp_o2 under a parallel strategy: the dtype gradients are averaged in across ranks (FSDP2's reduce_dtype,
+    # a DDP communication hook); fp32 is exact to the single-process sum, bf16/fp16 halve the traffic.
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 @dataclass
@@ -162,6 +165,12 @@ class ParallelConfig:
     # BatchNorm layers (the face neck) normalize with the statistics of the whole global batch, so a run trains alike
     # on any number of ranks and resumes exactly on another; false: each rank's own batch (less communication).
     sync_batchnorm: bool = True
+    # Pipeline parallelism (torch.distributed.pipelining): the blocks split into this many balanced stages (patch
+    # embedding with the first, final norm and head with the last), one stage per process; the processes left over
+    # form the data-parallel dimension of a 2-D (pipeline x data) mesh. 1: no pipelining.
+    pipeline_stages: int = 1
+    microbatches: int = 0  # micro-batches per step's batch under pipelining; 0: twice the number of stages
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
 
 
 @dataclass
