@@ -91,10 +91,18 @@ def test_checkpointing_keeps_a_fraction_of_the_activations():
 
 def test_devices_needed_is_the_smallest_count_that_fits():
     big = _preset("ViT-120B/14")
-    setting = {"strategy": "zero3", "ac": True, "precision": "bf16"}
+    setting = {"strategy": "zero3", "ac": True, "precision": "bf16", "build": "sharded"}
     n = devices_needed(big, 80 * 2**30, **setting)
-    assert estimate(big, devices=n, **setting).total <= 80 * 2**30 < estimate(big, devices=n - 1, **setting).total
+    assert estimate(big, devices=n, **setting).peak <= 80 * 2**30 < estimate(big, devices=n - 1, **setting).peak
     assert devices_needed(big, 80 * 2**30, strategy="ddp") is None
+
+
+def test_building_the_whole_model_on_each_process_caps_what_sharding_can_fit():
+    big = _preset("ViT-22B/14")
+    est = estimate(big, devices=1024, strategy="zero3", ac=True, precision="bf16")
+    assert est.build == 4 * complexity(big).params  # the fp32 model, before fully_shard
+    assert est.peak == est.build > est.total
+    assert devices_needed(big, 80 * 2**30, strategy="zero3", ac=True, precision="bf16") is None
 
 
 def test_unknown_strategy_is_refused():
@@ -103,7 +111,8 @@ def test_unknown_strategy_is_refused():
 
 
 def test_cli_prints_every_preset_up_to_120b_with_devices_needed(capsys):
-    assert main(["estimate", "--devices", "8", "--strategy", "zero3", "--ac", "--precision", "bf16"]) == 0
+    setting = ["--strategy", "zero3", "--ac", "--precision", "bf16", "--build", "sharded"]
+    assert main(["estimate", "--devices", "8", *setting]) == 0
     out = capsys.readouterr().out
     assert "devices@80GiB" in out
     for preset in PRESETS.values():

@@ -69,14 +69,35 @@ def _parser() -> argparse.ArgumentParser:
 
     estimate = sub.add_parser("estimate", help="memory per device for a preset (or all) under a parallel strategy")
     estimate.add_argument("preset", nargs="?", help="a preset name or alias; omit for a table of every preset")
-    estimate.add_argument("--devices", type=int, default=1)
-    estimate.add_argument("--strategy", choices=["single", "ddp", "zero1", "zero2", "zero3"], default="zero3")
-    estimate.add_argument("--wrap", choices=["block", "sublayer", "model"], default="block")
-    estimate.add_argument("--offload", action="store_true", help="sharded states in host memory (zero2/zero3)")
-    estimate.add_argument("--ac", action="store_true", help="per-block activation checkpointing")
-    estimate.add_argument("--batch", type=int, default=1, help="images per device")
-    estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
-    estimate.add_argument("--memory", type=float, default=80.0, help="GiB per device, for the devices-needed count")
+    estimate.add_argument(
+        "--config", help="take strategy, wrap, checkpointing, offload, precision, batch and stages from a recipe"
+    )
+    estimate.add_argument("--devices", type=int, nargs="+", help="processes (several: a grid of presets x devices)")
+    estimate.add_argument("--strategy", choices=["single", "ddp", "zero1", "zero2", "zero3"])
+    estimate.add_argument("--wrap", choices=["block", "sublayer", "model"])
+    estimate.add_argument("--offload", action="store_true", default=None, help="sharded states in host memory")
+    estimate.add_argument("--ac", action="store_true", default=None, help="per-block activation checkpointing")
+    estimate.add_argument("--batch", type=int, help="images per device and step (default 1)")
+    estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="fp32, or amp_o2 in this dtype")
+    estimate.add_argument("--pipeline-stages", type=int, help="blocks split into this many stages, one per process")
+    estimate.add_argument(
+        "--build",
+        choices=["whole", "sharded"],
+        default="whole",
+        help="whole: every process builds the full fp32 model first (vitrain today); sharded: only its part",
+    )
+    estimate.add_argument(
+        "--baseline-gib", type=float, default=0.0, help="per-process memory besides the model (CPU: ~0.33)"
+    )
+    estimate.add_argument("--image-size", type=int, help="instead of the presets' own")
+    estimate.add_argument("--patch-size", type=int, help="instead of the presets' own")
+    estimate.add_argument("--from", dest="first", metavar="PRESET", help="the table starts at this preset")
+    estimate.add_argument(
+        "--memory", type=float, nargs="+", default=[80.0], help="GiB per device (several: marks in a grid)"
+    )
+    estimate.add_argument(
+        "--largest", action="store_true", help="the largest ViT on the presets' proportions that fits in --memory"
+    )
     estimate.set_defaults(func=_estimate)
 
     models = sub.add_parser("models", help="list model presets with their size and cost")
@@ -223,27 +244,62 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from vitrain.bench.memory import breakdown, table
+    from vitrain.bench.memory import breakdown, grid, largest, preset_models, table
     from vitrain.config import load_config
 
-    setting = {
-        "devices": args.devices,
+    setting = {"strategy": "zero3", "wrap": "block", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
+    setting["pipeline_stages"] = 1
+    if args.config:
+        setting.update(_recipe_setting(_load([args.config])))
+    flags = {
         "strategy": args.strategy,
         "wrap": args.wrap,
         "offload": args.offload,
         "ac": args.ac,
         "batch": args.batch,
         "precision": args.precision,
+        "pipeline_stages": args.pipeline_stages,
     }
-    header = ", ".join(f"{k}={v}" for k, v in setting.items())
-    if args.preset is None:
+    setting.update({k: v for k, v in flags.items() if v is not None})
+    setting.update(build=args.build, baseline_bytes=int(args.baseline_gib * 2**30))
+    devices = args.devices or [1]
+    header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **setting}.items())
+    fields = {"image_size": args.image_size, "patch_size": args.patch_size}
+    if args.largest:
+        base = {k: v for k, v in fields.items() if v}
         print(f"memory per device with AdamW ({header})")
-        print(table(args.memory, **setting))
+        print(largest(args.memory[0], base, devices=devices[0], **setting))
+    elif len(devices) > 1:
+        print(f"peak memory per device with AdamW ({header})")
+        print(grid(devices, args.memory, preset_models(args.first, **fields), **setting))
+    elif args.preset is None:
+        print(f"memory per device with AdamW ({header})")
+        print(table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting))
     else:
-        model = load_config(base={"model": {"preset": args.preset}}).model
+        model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
         print(f"{args.preset}: memory per device with AdamW ({header})")
-        print(breakdown(model, args.memory, **setting))
+        print(breakdown(model, args.memory[0], devices=devices[0], **setting))
     return 0
+
+
+def _recipe_setting(cfg) -> dict:
+    """What `vitrain estimate` needs from a config: how it is parallelized, its precision and batch per device."""
+    from vitrain.errors import ConfigError
+
+    p = cfg.parallel
+    if cfg.precision.mode == "pure":
+        raise ConfigError("vitrain estimate models fp32, amp_o1 and amp_o2; precision.mode=pure is not modelled")
+    return {
+        "strategy": p.strategy,
+        "wrap": p.wrap,
+        "offload": p.offload == "params",
+        "ac": p.activation_checkpointing != "none",
+        "batch": cfg.train.batch_size,
+        # amp_o1 keeps fp32 weights: its states are fp32's (its low-dtype activations are counted as fp32).
+        "precision": cfg.precision.dtype if cfg.precision.mode == "amp_o2" else "fp32",
+        "pipeline_stages": p.pipeline_stages,
+        "microbatches": p.microbatches,
+    }
 
 
 def _models(args: argparse.Namespace) -> int:
