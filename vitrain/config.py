@@ -594,10 +594,11 @@ def _validate_optim_schedule_precision(cfg: Config) -> None:
         raise ConfigError("schedule.cycle_epochs, base_batch_size, div_factor and final_div_factor must be positive")
     if s.min_lr < 0 or s.min_lr > o.lr:
         raise ConfigError(f"schedule.min_lr={s.min_lr} must be between 0 and optim.lr={o.lr}")
-    if p.mode in ("amp_o2", "pure") and cfg.parallel.strategy != "single":
+    if p.mode == "pure" and cfg.parallel.strategy not in ("single", "ddp"):
         raise ConfigError(
-            f"precision.mode={p.mode} keeps a low-precision copy of a single-device model; with "
-            f"parallel.strategy={cfg.parallel.strategy} use precision.mode=amp_o1 (autocast) or fp32"
+            f"precision.mode=pure steps low-precision weights in place, which parallel.strategy="
+            f"{cfg.parallel.strategy} shards or broadcasts; use precision.mode=amp_o2 (fp32 master weights, "
+            "sharded with the optimizer state) or parallel.strategy=ddp"
         )
     if p.init_scale < p.min_scale or p.min_scale <= 0:
         raise ConfigError(f"precision.init_scale={p.init_scale} must be >= precision.min_scale={p.min_scale} > 0")

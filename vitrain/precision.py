@@ -15,17 +15,20 @@ Modes (`precision.mode`, low dtype from `precision.dtype`):
 - amp_o2: `prepare` returns a working copy whose weights and activations are in the low dtype, except every norm
   layer (LayerNorm, RMSNorm, GroupNorm, BatchNorm; parameters and running statistics) which stays fp32, shared with
   the fp32 model and computed in fp32. The fp32 `model` is the master copy: the optimizer updates it and the
-  working copy is refreshed from it after each step, so checkpoints always hold fp32 master weights.
-- pure: the model's weights are cast to the low dtype (norms included, though norms compute in fp32 and keep fp32
-  running statistics); no fp32 master copy. With
-  `precision.compensated` (the default) each weight also keeps a low-dtype Kahan compensation term: the optimizer
-  steps on fp32 `weight + compensation` made only for the step, its state is fp32, and what rounding to the low
-  dtype drops is carried in the compensation to the next step, so small updates and weight decay accumulate as in
-  fp32 (2 bytes per parameter more). Without it the optimizer updates the low-dtype weights directly with its
-  state in the low dtype too (the least memory), and the accuracy risk is real: an update smaller than the low
-  dtype's resolution next to a weight (bf16 keeps 8 significant bits, so lr x update below ~1/256 of |w|) is lost,
-  weight decay mostly with it, and long runs or small learning rates drift from fp32.
-  Checkpoints hold the weights upcast to fp32 (the weights the run evaluated with) and, beside them, the
+  working copy is refreshed from it after each step, so checkpoints always hold fp32 master weights. Under ddp and
+  zero1 the working copy is what DDP replicates (its gradients averaged in `precision.reduce_dtype`). Under zero2
+  and zero3 there is no working copy: the fp32 model is sharded, and FSDP2's `MixedPrecisionPolicy` gathers each
+  unit's parameters in the low dtype for compute and reduce-scatters the gradients in `precision.reduce_dtype`
+  onto the fp32 shards the optimizer updates; norms are their own fp32 units (`ParallelPrecision`).
+- pure (single, ddp): the model's weights are cast to the low dtype (norms included, though norms compute in fp32 and
+  keep fp32 running statistics); no fp32 master copy. With `precision.compensated` (the default) each weight also
+  keeps a low-dtype Kahan compensation term: the optimizer steps on fp32 `weight + compensation` made only for the
+  step, its state is fp32, and what rounding to the low dtype drops is carried in the compensation to the next step,
+  so small updates and weight decay accumulate as in fp32 (2 bytes per parameter more). Without it the optimizer
+  updates the low-dtype weights directly with its state in the low dtype too (the least memory), and the accuracy risk
+  is real: an update smaller than the low dtype's resolution next to a weight (bf16 keeps 8 significant bits, so lr x
+  update below ~1/256 of |w|) is lost, weight decay mostly with it, and long runs or small learning rates drift from
+  fp32. Checkpoints hold the weights upcast to fp32 (the weights the run evaluated with) and, beside them, the
   compensation, so that a resume continues bit for bit.
 
 fp16 gets dynamic loss scaling in every mode (`LossScaler`); bf16 and fp32 need none.
@@ -37,6 +40,8 @@ import contextlib
 import copy
 import os
 import platform
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,14 +51,24 @@ from torch import nn
 
 from vitrain.config import PrecisionConfig
 from vitrain.errors import ConfigError, VitrainError
+from vitrain.models.parallel_plan import NORM_TYPES
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# _NormBase covers every BatchNorm and InstanceNorm, whose running statistics must stay fp32 too.
-NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+DTYPES = {"fp32": torch.float32, **LOW_DTYPES}
+SHARDED = ("zero2", "zero3")  # FSDP2 strategies: low-precision compute through MixedPrecisionPolicy
 
 
 class TrainingDiverged(VitrainError):
     """Gradients or weights became inf/NaN beyond recovery; raised before anything bad is written."""
+
+
+@dataclass(frozen=True)
+class ParallelPrecision:
+    """What a parallel strategy must do for amp_o2/pure: compute in `param_dtype` (norms in fp32), average gradients
+    across ranks in `reduce_dtype`. FSDP2 turns it into MixedPrecisionPolicy units; DDP into a communication hook."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -69,24 +84,37 @@ class Resolved:
         return "fp32" if self.mode == "fp32" else f"{self.mode} {str(self.dtype).removeprefix('torch.')}"
 
 
-def resolve(cfg: PrecisionConfig, device: torch.device, strategy: str = "single") -> Resolved:
+def resolve(
+    cfg: PrecisionConfig,
+    device: torch.device,
+    strategy: str = "single",
+    time_modes: Callable[[], dict[str, float]] | None = None,
+) -> Resolved:
     """Turn `precision.mode=auto` into a concrete policy for `device`; explicit modes pass through.
 
-    amp_o2 keeps a separate low-precision working copy of a single-device model, so under a parallel strategy
-    auto picks autocast (amp_o1) instead; config validation refuses an explicit amp_o2/pure there.
+    On a CPU with bf16 matrix units under zero2/zero3, `time_modes` (seconds of one block's forward and backward
+    under amp_o1 and amp_o2, see `time_block_modes`) decides between autocast and low-precision sharded compute.
     """
     if cfg.mode != "auto":
         dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
         return Resolved(cfg.mode, dtype, f"precision.mode={cfg.mode} set in the config")
     if device.type == "cuda":
         # CUDA branches are not exercised on the CPU-only machine this was developed on.
-        if torch.cuda.is_bf16_supported() and strategy != "single":
-            return Resolved("amp_o1", torch.bfloat16, f"auto: CUDA with bf16, parallel.strategy={strategy} -> bf16 O1")
         if torch.cuda.is_bf16_supported():
             return Resolved("amp_o2", torch.bfloat16, "auto: CUDA with bf16 support -> bf16 O2 (no loss scaling)")
         return Resolved("amp_o1", torch.float16, "auto: CUDA without bf16 -> fp16 O1 with dynamic loss scaling")
     if device.type == "cpu":
         forced = f", forced by {BF16_UNITS_ENV}" if BF16_UNITS_ENV in os.environ else ""
+        if _cpu_has_bf16_matmul_units() and strategy in SHARDED and time_modes is not None:
+            seconds = time_modes()
+            mode = min(seconds, key=seconds.get)
+            measured = ", ".join(f"{m} {seconds[m] * 1e3:.1f} ms" for m in sorted(seconds))
+            return Resolved(
+                mode,
+                torch.bfloat16,
+                f"auto: CPU with AMX bf16 matmul units{forced}, parallel.strategy={strategy}: one block's forward and "
+                f"backward at this run's shape measured {measured} -> the faster, bf16 {mode}",
+            )
         if _cpu_has_bf16_matmul_units():
             # AMX CPUs run bf16 matmuls faster than fp32; autocast keeps fp32 weights.
             return Resolved("amp_o1", torch.bfloat16, f"auto: CPU with AMX bf16 matmul units{forced} -> bf16 O1")
@@ -121,6 +149,29 @@ def _cpu_has_bf16_matmul_units() -> bool:
 
 def _amx_probe() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def time_block_modes(block: nn.Module, shape: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
+    """Seconds (best of `repeats`, after a warm-up) of one forward and backward of a copy of `block` on an input
+    of `shape`: under bf16 autocast on fp32 weights (amp_o1) and with bf16 weights, norms fp32 (amp_o2)."""
+    device = next(block.parameters()).device
+    fp32 = copy.deepcopy(block)
+    low, _ = _working_copy(fp32, torch.bfloat16)
+    x = torch.randn(shape, device=device)
+    runs = {"amp_o1": (fp32, x, True), "amp_o2": (low, x.to(torch.bfloat16), False)}
+    seconds = {}
+    for mode, (module, inputs, autocast) in runs.items():
+        timings = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                out = module(inputs)
+            out.float().square().mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timings.append(time.perf_counter() - start)
+        seconds[mode] = min(timings[1:])  # the first call is the warm-up
+    return seconds
 
 
 def cpu_description() -> str:
@@ -210,7 +261,9 @@ def _norm_in_fp32(module: nn.Module, args: tuple) -> tuple:
     return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
-def _norm_out_low(dtype: torch.dtype):
+def norm_output_to(dtype: torch.dtype):
+    """A forward hook that hands a norm's fp32 output on in the low dtype the next layer's weights are in."""
+
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return output.to(dtype)
 
@@ -220,9 +273,17 @@ def _norm_out_low(dtype: torch.dtype):
 class PrecisionPolicy:
     """One precision mode applied from outside the model: preparation, autocast, loss scaling and the step."""
 
-    def __init__(self, cfg: PrecisionConfig, device: torch.device, strategy: str = "single"):
-        self.resolved = resolve(cfg, device, strategy)
+    def __init__(
+        self,
+        cfg: PrecisionConfig,
+        device: torch.device,
+        strategy: str = "single",
+        time_modes: Callable[[], dict[str, float]] | None = None,
+    ):
+        self.resolved = resolve(cfg, device, strategy, time_modes)
         self.mode, self.dtype, self.device = self.resolved.mode, self.resolved.dtype, device
+        self.strategy = strategy
+        self.reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
         # fp32/bf16: a step whose loss or gradients hold inf/NaN is skipped, up to this many in a row, then the
         # run stops (fp16 has the loss scaler's own policy: skip, halve the scale, stop at the minimum).
@@ -232,42 +293,40 @@ class PrecisionPolicy:
         self.compensated = self.mode == "pure" and cfg.compensated
         # pure + compensated: Kahan compensation per optimizer parameter (a flat buffer's members get views of it).
         self.compensation: dict[nn.Parameter, torch.Tensor] = {}
-        self.master: nn.Module | None = None
         # (working low-dtype parameter, fp32 master parameter) pairs; filled by prepare() under amp_o2.
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
 
     # ------------------------------------------------------------------------------------------ model
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        """Return the module to run forward/backward on; build the optimizer over `model` afterwards."""
-        if self.mode in ("fp32", "amp_o1"):
-            return model
+    def prepare(
+        self,
+        model: nn.Module,
+        parallelize: Callable[[nn.Module, ParallelPrecision | None], nn.Module] | None = None,
+    ) -> nn.Module:
+        """Return the module to run forward/backward on; build the optimizer over `model` afterwards.
+
+        `parallelize(module, parallel_precision)` applies the parallel strategy to the module that computes: the
+        low-dtype working copy (amp_o2 under single, ddp, zero1) or `model` itself (FSDP2 shards the fp32 model
+        and computes in the low dtype through `parallel_precision`).
+        """
+        working = model
         if self.mode == "pure":
             model.to(self.dtype)
             for module in model.modules():
                 if isinstance(module, NORM_TYPES):
                     _compute_in_fp32(module)
-            return _LowPrecisionIO(model, self.dtype)
-        self.master = model
-        working = copy.deepcopy(model)
-        for work_mod, master_mod in zip(working.modules(), model.modules(), strict=True):
-            if isinstance(work_mod, NORM_TYPES):
-                # Share the fp32 parameters and running statistics with the master: one copy, always fp32.
-                for name, param in master_mod.named_parameters(recurse=False):
-                    setattr(work_mod, name, param)
-                for name, buf in master_mod.named_buffers(recurse=False):
-                    work_mod._buffers[name] = buf
-                work_mod.register_forward_pre_hook(_norm_in_fp32)
-                work_mod.register_forward_hook(_norm_out_low(self.dtype))
-                continue
-            for name, param in list(work_mod.named_parameters(recurse=False)):
-                low = nn.Parameter(param.detach().to(self.dtype), requires_grad=param.requires_grad)
-                setattr(work_mod, name, low)
-                self.pairs.append((low, getattr(master_mod, name)))
-            for name, buf in list(work_mod.named_buffers(recurse=False)):
-                if buf.is_floating_point():
-                    work_mod._buffers[name] = buf.to(self.dtype)
-        return _LowPrecisionIO(working, self.dtype)
+        elif self.mode == "amp_o2" and self.strategy not in SHARDED:
+            working, self.pairs = _working_copy(model, self.dtype)
+        computing = parallelize(working, self.parallel_precision()) if parallelize is not None else working
+        if self.mode == "pure" or (self.mode == "amp_o2" and self.strategy not in SHARDED):
+            return _LowPrecisionIO(computing, self.dtype)
+        return computing
+
+    def parallel_precision(self) -> ParallelPrecision | None:
+        """What the parallel strategy must apply for low-precision weights; None when the weights are fp32."""
+        if self.mode in ("fp32", "amp_o1"):
+            return None
+        return ParallelPrecision(param_dtype=self.dtype, reduce_dtype=self.reduce_dtype)
 
     def sync_working_copy(self) -> None:
         """Refresh the low-dtype working weights from the fp32 master (after a step or a checkpoint load)."""
@@ -453,6 +512,33 @@ def any_rank(flag: torch.Tensor) -> bool:
             flag = flag.detach().to(torch.int32)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def _working_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
+    """amp_o2's low-dtype copy of `model` and its (working, master) parameter pairs.
+
+    Norm layers are not copied: the copy shares the master's fp32 parameters and running statistics and runs them
+    in fp32 (inputs upcast, outputs cast back to `dtype`).
+    """
+    working = copy.deepcopy(model)
+    pairs = []
+    for work_mod, master_mod in zip(working.modules(), model.modules(), strict=True):
+        if isinstance(work_mod, NORM_TYPES):
+            for name, param in master_mod.named_parameters(recurse=False):
+                setattr(work_mod, name, param)
+            for name, buf in master_mod.named_buffers(recurse=False):
+                work_mod._buffers[name] = buf
+            work_mod.register_forward_pre_hook(_norm_in_fp32)
+            work_mod.register_forward_hook(norm_output_to(dtype))
+            continue
+        for name, param in list(work_mod.named_parameters(recurse=False)):
+            low = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            setattr(work_mod, name, low)
+            pairs.append((low, getattr(master_mod, name)))
+        for name, buf in list(work_mod.named_buffers(recurse=False)):
+            if buf.is_floating_point():
+                work_mod._buffers[name] = buf.to(dtype)
+    return working, pairs
 
 
 def _compute_in_fp32(norm: nn.Module) -> None:

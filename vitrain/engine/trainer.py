@@ -31,7 +31,7 @@ from vitrain.parallel import (
 )
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
 from vitrain.parallel.identity_head import average_replicated_gradients
-from vitrain.precision import PrecisionPolicy, check_finite
+from vitrain.precision import PrecisionPolicy, check_finite, time_block_modes
 from vitrain.tasks import build_task, is_better
 from vitrain.weights import load_pretrained
 
@@ -115,12 +115,13 @@ class Trainer:
         # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order
         # and augmentation have their own generators, functions of (seed, epoch, batch, rank).
         torch.manual_seed(cfg.train.seed + self.dist.rank)
-        # The policy may hand back a low-precision working copy (amp_o2/pure, single device only); the
-        # optimizer and the checkpoints always use self.model, which holds the fp32 master weights under amp_o2.
-        self.precision = PrecisionPolicy(cfg.precision, self.device, cfg.parallel.strategy)
-        working = self.precision.prepare(model)
-        if working is model:
-            working = model = parallelize(model, cfg.parallel, self.device)
+        # The policy applies the strategy to the module that computes (amp_o2 outside zero2/zero3: a low-dtype
+        # working copy). The optimizer and the checkpoints use self.model: the single-device model (its parameters
+        # sharded DTensors under zero2/zero3), which holds the fp32 master weights under amp_o2.
+        self.precision = PrecisionPolicy(
+            cfg.precision, self.device, cfg.parallel.strategy, time_modes=lambda: self._time_modes(model)
+        )
+        working = self.precision.prepare(model, lambda m, mixed: parallelize(m, cfg.parallel, self.device, mixed))
         self.model = model
         self.optimizer = build_parallel_optimizer(self.model, cfg.optim, cfg.parallel, self.device)
         self.forward = torch.compile(working) if t.compile else working
@@ -134,6 +135,12 @@ class Trainer:
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.best_metric: float | None = None  # the task's best_metric at the best evaluation so far
         self.last_eval: dict[str, Any] = {}
+
+    def _time_modes(self, model: torch.nn.Module) -> dict[str, float]:
+        """auto precision's probe: one block's forward and backward per mode, timed on rank 0 for every rank."""
+        plan = model.parallel_plan(self.cfg.parallel.wrap)
+        shape = plan.block_input_shape(self.cfg.train.batch_size)
+        return broadcast_object(time_block_modes(plan.checkpoint_units[0], shape) if self.is_main else None)
 
     # ------------------------------------------------------------------------------------------ state
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -16,12 +18,19 @@ from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.sync_batchnorm import sync_batchnorm
 
+if TYPE_CHECKING:
+    from vitrain.models.parallel_plan import ParallelPlan
+    from vitrain.precision import ParallelPrecision
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+
+def parallelize(
+    model: nn.Module, cfg: ParallelConfig, device: torch.device, precision: ParallelPrecision | None = None
+) -> nn.Module:
     """Activation checkpointing first (inside each FSDP unit), BatchNorm over all ranks, then the strategy's wrapper.
 
     Returns the module to call for forward/backward. For ddp/zero1 that is a DistributedDataParallel
     wrapper around `model`; for zero2/zero3 `model` itself, whose parameters become sharded DTensors.
+    `precision` (amp_o2, pure): `model` computes in its low dtype; gradients are averaged in its reduce dtype.
     """
     plan = model.parallel_plan(cfg.wrap)  # the model names its units (vitrain/models/parallel_plan.py)
     apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
@@ -31,20 +40,48 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> 
         sync_batchnorm(model, device)
     if cfg.strategy in ("ddp", "zero1"):
         # Gradients as views into the all-reduce buckets: no second copy of the gradients.
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
-    return _fully_shard(model, plan.shard_units, cfg, device)
+        if precision is not None and precision.reduce_dtype != precision.param_dtype:
+            ddp.register_comm_hook(None, _average_in(precision.reduce_dtype))
+        return ddp
+    return _fully_shard(model, plan, cfg, device, precision)
 
 
-def _fully_shard(model: nn.Module, units: list[nn.Module], cfg: ParallelConfig, device: torch.device) -> nn.Module:
-    from torch.distributed import get_world_size
+def _average_in(dtype: torch.dtype):
+    """A DDP communication hook that averages each gradient bucket in `dtype` (e.g. bf16 gradients in fp32)."""
+
+    # No annotations: DDP checks them against the real classes, which `from __future__ import annotations` hides.
+    def hook(group, bucket):  # noqa: ANN001, ANN202
+        buffer = bucket.buffer()
+        wide = buffer.to(dtype).div_(dist.get_world_size(group))
+        reduced = dist.all_reduce(wide, group=group, async_op=True).get_future()
+
+        def store(future: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(future.value()[0])
+            return buffer
+
+        return reduced.then(store)
+
+    return hook
+
+
+def _fully_shard(
+    model: nn.Module,
+    plan: ParallelPlan,
+    cfg: ParallelConfig,
+    device: torch.device,
+    precision: ParallelPrecision | None,
+) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (get_world_size(),))
+    from vitrain.precision import norm_output_to
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # Pinned host memory needs an accelerator; on a CPU-only machine the offload is a plain CPU copy.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
     # zero3 frees each unit's gathered parameters after its forward (gathered again in backward);
@@ -54,12 +91,29 @@ def _fully_shard(model: nn.Module, units: list[nn.Module], cfg: ParallelConfig, 
         # FSDP2 warns when a unit returns a view (in-place ops on it would skip its backward hook); the blocks
         # only ever add the attention and MLP outputs out of place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for unit in [*units, model]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    shard = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    if precision is None:
+        policy = root_policy = MixedPrecisionPolicy()
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
+        # The loss and the task's head outside the model see fp32 outputs; inputs are cast to the compute dtype.
+        root_policy = MixedPrecisionPolicy(
+            param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype, output_dtype=torch.float32
+        )
+        # Each group of norms is its own fp32 unit (gathered, computed and reduced in fp32; its inputs are upcast
+        # on entry), and hands its output on in the compute dtype of the unit around it.
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for group in plan.norm_groups:
+            fully_shard(group, mp_policy=fp32, **shard)
+            for norm in group:
+                norm.register_forward_hook(norm_output_to(precision.param_dtype))
+    for unit in plan.shard_units:
+        fully_shard(unit, mp_policy=policy, **shard)
+    fully_shard(model, mp_policy=root_policy, **shard)
     if not cfg.backward_prefetch:
         # An explicit prefetch list replaces FSDP2's default (the next unit); listing the unit itself, which is
         # already gathered when its backward starts, prefetches nothing.
-        for unit in [*units, model]:
+        for unit in [*plan.shard_units, model]:
             unit.set_modules_to_backward_prefetch([unit])
     return model
 

@@ -60,16 +60,17 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
-    """Replace every BatchNorm of `model` by its cross-rank version (in place where the module tree allows)."""
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # A BatchNorm without running statistics is left as it is (it normalizes each rank's own batch).
-            is_norm = isinstance(child, nn.modules.batchnorm._BatchNorm) and child.track_running_stats
-            if is_norm and not isinstance(child, CpuSyncBatchNorm):
-                synced = CpuSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
-                synced.load_state_dict(child.state_dict())
-                synced.to(child.running_mean.device)
-                setattr(parent, name, synced)
+    """Make every BatchNorm of `model` its cross-rank version, in place.
+
+    Only the class changes: parameters, buffers and hooks stay, so an amp_o2 working copy's norms keep sharing the
+    fp32 master's parameters and running statistics.
+    """
+    synced = nn.SyncBatchNorm if device.type == "cuda" else CpuSyncBatchNorm
+    for module in model.modules():
+        # A BatchNorm without running statistics is left as it is (it normalizes each rank's own batch).
+        is_norm = isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+        if is_norm and not isinstance(module, synced):
+            module.__class__ = synced
+            if synced is nn.SyncBatchNorm:
+                module.process_group = None  # the default group, as SyncBatchNorm.convert_sync_batchnorm sets
     return model
