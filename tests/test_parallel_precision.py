@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from torch import nn
 
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
+from vitrain import checkpoint as ckpt
 from vitrain.config import PrecisionConfig, load_config
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
@@ -179,3 +181,18 @@ def test_the_probe_times_both_modes_on_a_copy_of_the_block():
     seconds = time_block_modes(plan.checkpoint_units[0], plan.block_input_shape(4), repeats=1)
     assert set(seconds) == {"amp_o1", "amp_o2"} and all(s > 0 for s in seconds.values())
     assert all(p.grad is None and torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _continue_to_step_6(runs, name):
+    """Resume a copy of `name`'s run at its step-5 checkpoint in one process under amp_o2 for one more step."""
+    copy = runs / f"{name}_continued"
+    shutil.copytree(runs / name, copy)
+    Trainer(tiny_config(runs, copy.name, precision=AMP_O2, train={"max_steps": 6}), resume=True).fit()
+    return losses(copy)[6]
+
+
+def test_a_zero3_amp_o2_checkpoint_is_fp32_and_continues_in_one_process(runs):
+    index = ckpt.read_index(ckpt.latest(runs / "o2_zero3"))
+    weights = {key: meta for key, meta in index.items() if key.startswith("model.")}
+    assert weights and all(meta.properties.dtype == torch.float32 for meta in weights.values())
+    assert _continue_to_step_6(runs, "o2_zero3") == pytest.approx(_continue_to_step_6(runs, "single_o2"), rel=1e-2)
