@@ -475,15 +475,19 @@ def _read_legacy_meta(meta_file: Path) -> dict[str, Any]:
     return meta
 
 
-def check_model_matches(path: Path, model: nn.Module) -> None:
-    """Compare tensor names and shapes with the checkpoint's index before any rank reads a byte of it."""
+def check_model_matches(path: Path, model: nn.Module, part: bool = False) -> None:
+    """Compare tensor names and shapes with the checkpoint's index before any rank reads a byte of it.
+
+    `part`: `model` is a pipeline stage's part of the model (vitrain/parallel/pipeline.py), whose tensors are a
+    subset of the checkpoint's under the same names; the checkpoint's other tensors belong to other stages.
+    """
     saved = {
         key[len("model.") :]: tuple(getattr(md, "size", ()))
         for key, md in read_index(path).items()
         if key.startswith("model.")
     }
     own = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
-    missing, extra = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    missing, extra = sorted(set(own) - set(saved)), [] if part else sorted(set(saved) - set(own))
     if missing or extra:
         what = f"lacks tensor {missing[0]}" if missing else f"has an extra tensor {extra[0]}"
         raise CheckpointError(
@@ -498,9 +502,12 @@ def check_model_matches(path: Path, model: nn.Module) -> None:
             )
 
 
-def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Collective: fill the (possibly sharded) model and optimizer from a checkpoint of any world size."""
-    check_model_matches(path, model)
+def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: bool = False) -> None:
+    """Collective: fill the (possibly sharded) model and optimizer from a checkpoint of any world size.
+
+    `part`: `model` is a pipeline stage's part of the model; it reads its own tensors (check_model_matches).
+    """
+    check_model_matches(path, model, part)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         _load_zero1(path, model, optimizer)
         return

@@ -513,7 +513,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
-    _validate_parallel(cfg.parallel)
+    _validate_parallel(cfg)
     _validate_task(cfg)
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
@@ -557,7 +557,8 @@ def _validate_task(cfg: Config) -> None:
         raise ConfigError("task.name=face reads identity folders with the fast loader: set data.loader=fast")
 
 
-def _validate_parallel(p: ParallelConfig) -> None:
+def _validate_parallel(cfg: Config) -> None:
+    p = cfg.parallel
     if p.offload == "optimizer":
         raise ConfigError(
             "parallel.offload=optimizer has no PyTorch-native engine: FSDP2 offloads parameters, gradients and "
@@ -567,6 +568,61 @@ def _validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")
     if p.checkpoint_every_k <= 0:
         raise ConfigError(f"parallel.checkpoint_every_k={p.checkpoint_every_k} must be positive")
+    if p.pipeline_stages < 1:
+        raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages} must be >= 1 (1: no pipelining)")
+    if p.microbatches < 0:
+        raise ConfigError(f"parallel.microbatches={p.microbatches} must be >= 0 (0: twice parallel.pipeline_stages)")
+    if p.pipeline_stages == 1:
+        return
+    stages, depth = p.pipeline_stages, cfg.model.depth
+    where = f"with parallel.pipeline_stages={stages}"
+    if stages > depth:
+        raise ConfigError(f"parallel.pipeline_stages={stages} must be <= model.depth={depth}: each stage holds a block")
+    if p.strategy in ("single", "zero1"):
+        raise ConfigError(
+            f"parallel.strategy={p.strategy} {where}: the stages' replicas need parallel.strategy=ddp (gradients "
+            "averaged; also for a single replica), zero2 or zero3 (FSDP2 over the replicas)"
+        )
+    if p.pipeline_schedule == "interleaved_1f1b":
+        if stages % 2 or stages < 4:
+            raise ConfigError(
+                f"parallel.pipeline_schedule=interleaved_1f1b puts 2 stages on each pipeline process, so "
+                f"parallel.pipeline_stages={stages} must be even and >= 4; use gpipe or 1f1b for {stages} stages"
+            )
+        if p.strategy != "ddp":
+            raise ConfigError(
+                f"parallel.strategy={p.strategy} does not combine with parallel.pipeline_schedule=interleaved_1f1b; "
+                "use parallel.strategy=ddp or parallel.pipeline_schedule=1f1b"
+            )
+    micro = p.microbatches or 2 * stages
+    micro_name = f"parallel.microbatches={p.microbatches}" + ("" if p.microbatches else f" (= {micro})")
+    ranks = stages // 2 if p.pipeline_schedule == "interleaved_1f1b" else stages
+    if p.pipeline_schedule == "1f1b" and micro < stages:
+        raise ConfigError(f"{micro_name} must be >= parallel.pipeline_stages={stages} under 1f1b")
+    if p.pipeline_schedule == "interleaved_1f1b" and micro % ranks:
+        raise ConfigError(f"{micro_name} must be a multiple of the {ranks} pipeline processes under interleaved_1f1b")
+    if cfg.train.batch_size % micro:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by {micro_name}; "
+            f"use a batch size that is a multiple of {micro}"
+        )
+    if cfg.train.compile:
+        raise ConfigError(f"train.compile=true {where} is not supported; set train.compile=false")
+    if cfg.task.name == "face":
+        raise ConfigError(
+            f"task.name=face {where} is not supported (its identity head and loss live outside the model); "
+            "set parallel.pipeline_stages=1"
+        )
+    if cfg.optim.layer_decay != 1.0:
+        raise ConfigError(
+            f"optim.layer_decay={cfg.optim.layer_decay} {where}: each stage would count only its own blocks; "
+            "set optim.layer_decay=1"
+        )
+    if cfg.precision.mode in ("amp_o2", "pure"):
+        raise ConfigError(
+            f"precision.mode={cfg.precision.mode} {where} is not supported (stages compute on fp32 weights); "
+            "use precision.mode=amp_o1 or fp32"
+        )
 
 
 def _validate_optim_schedule_precision(cfg: Config) -> None:

@@ -12,13 +12,19 @@ from vitrain.parallel import sum_over_ranks
 
 
 def evaluate(model: nn.Module, loader: BatchLoader) -> dict[str, float]:
-    """Each rank runs its share of the split (padding labelled PAD_LABEL counts nowhere); the sums are added."""
+    """Each rank runs its share of the split (padding labelled PAD_LABEL counts nowhere); the sums are added.
+
+    Under pipelining `model` returns None on the ranks without the last stage: their replica's last stage counts.
+    """
     was_training = model.training
     model.eval()
     total, loss_sum, top1, top5 = 0, 0.0, 0, 0
     with torch.inference_mode():
         for images, labels in loader.epoch(0):
-            logits = model(images).float()
+            output = model(images)
+            if output is None:
+                continue
+            logits = output.float()
             loss_sum += float(F.cross_entropy(logits, labels, reduction="sum", ignore_index=PAD_LABEL))
             c1, c5 = topk_correct(logits, labels, (1, 5))  # a PAD_LABEL never matches a class index
             top1, top5, total = top1 + c1, top5 + c5, total + int((labels != PAD_LABEL).sum())

@@ -31,6 +31,7 @@ from vitrain.parallel import (
 )
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
 from vitrain.parallel.identity_head import average_replicated_gradients
+from vitrain.parallel.pipeline import Pipeline
 from vitrain.precision import PrecisionPolicy, check_finite, time_block_modes
 from vitrain.tasks import build_task, is_better
 from vitrain.weights import load_pretrained
@@ -98,7 +99,11 @@ class Trainer:
         t = cfg.train
         # The task owns data, head, loss, evaluation and the best metric (vitrain/tasks).
         self.task = build_task(cfg)
-        self.train_loader = self.task.build_data(self.device, self.dist.rank, self.dist.world_size)
+        # Pipelining: a (pipeline x data) mesh whose stages of one replica read the same batches.
+        self.pipeline = Pipeline(cfg.parallel, self.dist, self.task.loss) if cfg.parallel.pipeline_stages > 1 else None
+        if self.pipeline is not None:
+            self.dist = self.pipeline.dist
+        self.train_loader = self.task.build_data(self.device, self.dist.data_rank, self.dist.data_size)
         self.steps_per_epoch = len(self.train_loader) // t.accum_steps
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -106,12 +111,15 @@ class Trainer:
                 f"{len(self.train_loader.data)} training samples; lower the batch size"
             )
         self.total_steps = self.steps_per_epoch * t.epochs
-        peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.world_size)
+        peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.data_size)
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
 
-        model = self.task.build_model().to(self.device)  # the same initial weights on every rank (seed)
+        model = self.task.build_model()  # the same initial weights on every rank (seed)
         if cfg.model.init_from:
             load_pretrained(model, Path(cfg.model.init_from))
+        if self.pipeline is not None:  # this rank's stages only, before they take device memory
+            model = self.pipeline.split(model)
+        model = model.to(self.device)
         # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order
         # and augmentation have their own generators, functions of (seed, epoch, batch, rank).
         torch.manual_seed(cfg.train.seed + self.dist.rank)
@@ -121,10 +129,13 @@ class Trainer:
         self.precision = PrecisionPolicy(
             cfg.precision, self.device, cfg.parallel.strategy, time_modes=lambda: self._time_modes(model)
         )
-        working = self.precision.prepare(model, lambda m, mixed: parallelize(m, cfg.parallel, self.device, mixed))
+        parallel = self.pipeline.parallelize if self.pipeline is not None else parallelize
+        working = self.precision.prepare(model, lambda m, mixed: parallel(m, cfg.parallel, self.device, mixed))
         self.model = model
         self.optimizer = build_parallel_optimizer(self.model, cfg.optim, cfg.parallel, self.device)
         self.forward = torch.compile(working) if t.compile else working
+        if self.pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
+            self.forward = self.pipeline
         # Parameters outside the backbone (the face task's identity head): fp32, this rank's rows, own optimizer.
         self.head = self.task.build_head(self.device)
         self.head_optimizer = build_head_optimizer(self.head, cfg.optim, self.device) if self.head else None
@@ -186,7 +197,7 @@ class Trainer:
         the group's end, so the references go here.
         """
         self.model = self.forward = self.optimizer = self.precision = self.head = self.head_optimizer = None
-        self.task = self.train_loader = self.epoch_batches = None
+        self.task = self.train_loader = self.epoch_batches = self.pipeline = None
         gc.collect()
 
     def meta(self, is_best: bool = False) -> dict[str, Any]:
@@ -216,9 +227,9 @@ class Trainer:
                     f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
                     f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
                 )
-            ckpt.check_model_matches(path, self.model)
+            ckpt.check_model_matches(path, self.model, part=self.pipeline is not None)
         with self.precision.full_precision(self.optimizer):  # pure mode: fp32 weights and optimizer state
-            ckpt.load_training_state(path, self.model, self.optimizer)
+            ckpt.load_training_state(path, self.model, self.optimizer, part=self.pipeline is not None)
         if self.precision.compensated and (meta.get("precision") or {}).get("compensated"):
             ckpt.load_extra(path, {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)})
         if self.head is not None:
@@ -247,7 +258,7 @@ class Trainer:
 
     @property
     def global_micro_batch(self) -> int:
-        return self.cfg.train.batch_size * self.dist.world_size
+        return self.cfg.train.batch_size * self.dist.data_size
 
     def save(self, is_best: bool = False) -> Path:
         meta = self.meta(is_best)
@@ -320,9 +331,8 @@ class Trainer:
                     lr = self.schedule(self.step)
                     self.set_lr(lr)
                     loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
-                loss = self.loss(images, labels)
-                loss_nonfinite |= ~torch.isfinite(loss.detach())  # checked at the step, without a sync here
-                self.precision.backward(loss / t.accum_steps)
+                loss = self.forward_backward(images, labels)
+                loss_nonfinite |= ~torch.isfinite(loss)  # checked at the step, without a sync here
                 micro += 1
                 self.batch_in_epoch += 1
                 if micro < t.accum_steps:
@@ -334,7 +344,7 @@ class Trainer:
                     self._log_skip(log)
 
                 now = time.perf_counter()
-                step_images = images.shape[0] * t.accum_steps * self.dist.world_size
+                step_images = images.shape[0] * t.accum_steps * self.dist.data_size
                 step_wait_s = batches.take()
                 if compile_s is None and t.compile:
                     compile_s = now - step_start
@@ -348,7 +358,7 @@ class Trainer:
                 window_steps += 1
                 bar.update(1)
                 if self.step % cfg.log.every_steps == 0 or self.step == 1:
-                    loss_value = mean_over_ranks(loss.detach()).item()
+                    loss_value = self.mean_loss(loss).item()
                     images_per_s = window_images / max(now - window_start, 1e-9)
                     wait_frac = window_wait_s / max(now - window_start, 1e-9)
                     bar.set_postfix(
@@ -399,6 +409,18 @@ class Trainer:
             output = self.forward(images)
         return self.task.loss(output, labels)
 
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-step: its loss (detached), its gradients added to those of the step's earlier micro-steps."""
+        if self.pipeline is not None:  # the schedule runs every stage's forward and backward
+            return self.pipeline.forward_backward(images, labels, self.precision, self.cfg.train.accum_steps)
+        loss = self.loss(images, labels)
+        self.precision.backward(loss / self.cfg.train.accum_steps)
+        return loss.detach()
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Collective: the global batch's loss, from every rank's micro-step loss."""
+        return self.pipeline.mean_loss(loss) if self.pipeline is not None else mean_over_ranks(loss)
+
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
         if self.head_optimizer is not None:
@@ -406,6 +428,8 @@ class Trainer:
 
     def optimizer_step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
         """One optimizer step of the model (and the task's head); returns (gradient norm, skipped)."""
+        if self.pipeline is not None:  # clipped by the norm over every stage
+            return self.pipeline.step(self.precision, self.optimizer, self.cfg.optim.clip_grad_norm, loss_nonfinite)
         if self.head is not None:
             average_replicated_gradients(self.head)
         return self.precision.step(
@@ -442,19 +466,21 @@ class Trainer:
         cfg = self.cfg
         cost = unwrap(self.model).complexity()
         p = cfg.parallel
-        global_batch = cfg.train.batch_size * self.dist.world_size * cfg.train.accum_steps
+        global_batch = cfg.train.batch_size * self.dist.data_size * cfg.train.accum_steps
         impl = resolve_impl(cfg.optim.impl, self.device, cfg.optim.name, cfg.parallel.strategy)
         log.info(
             f"vitrain: {count_parameters(self.model) / 1e6:.2f}M params, {cost.flops / 1e9:.3f} GFLOPs/image, "
             f"device={self.device}, optimizer={cfg.optim.name}[{impl}], "
             f"parallel={p.strategy} x {self.dist.world_size} (wrap={p.wrap}, offload={p.offload}, "
             f"activation checkpointing={p.activation_checkpointing}), "
-            f"global batch={global_batch} ({cfg.train.batch_size} x {self.dist.world_size} processes x "
+            f"global batch={global_batch} ({cfg.train.batch_size} x {self.dist.data_size} replicas x "
             f"{cfg.train.accum_steps} accumulation), {self.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
             f"{len(self.train_loader.data)} train images / {self.task.describe_data()}, run dir {self.run_dir}"
         )
         if self.head is not None:
             log.info(f"head: {self.head.extra_repr()}")
+        if self.pipeline is not None:
+            log.info(self.pipeline.describe())
         log.info(self.precision.describe())
 
     def _summary(self, wall_s: float, images_per_s: float, compile_s: float | None) -> dict[str, Any]:
@@ -475,7 +501,7 @@ class Trainer:
             "device": str(self.device),
             "strategy": self.cfg.parallel.strategy,
             "world_size": self.dist.world_size,
-            "global_batch": self.cfg.train.batch_size * self.dist.world_size * self.cfg.train.accum_steps,
+            "global_batch": self.cfg.train.batch_size * self.dist.data_size * self.cfg.train.accum_steps,
             "precision": self.precision.resolved.label,
             **self._scaler_fields(),
         }

@@ -21,6 +21,10 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    # Which share of the data this process reads, of how many: its rank and the world size, except under pipelining,
+    # where the stages of one replica read the same batches (vitrain/parallel/pipeline.py).
+    data_rank: int = 0
+    data_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -60,7 +64,7 @@ def init_distributed(device: torch.device, strategy: str, backend: str = "auto")
             dist.init_process_group(name, store=_restart_store(), rank=rank, world_size=world_size)
         else:
             dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return DistInfo(rank, world_size, local_rank, device, data_rank=rank, data_size=world_size)
 
 
 RUN_DIR_KEY = "vitrain/run_dir"  # in torchrun's store: the run folder this launch writes into

@@ -1,0 +1,198 @@
+"""Pipeline parallelism trains, evaluates and checkpoints like one process: gpipe, 1f1b, interleaved, PP x DP."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.distributed_helpers import free_port, losses, run_two_ranks, tiny_config, torchrun_env
+from vitrain import checkpoint as ckpt
+from vitrain.config import load_config
+from vitrain.engine import Trainer
+from vitrain.errors import ConfigError
+from vitrain.models import create_model
+from vitrain.models.parallel_plan import ViTStage, stage_blocks
+from vitrain.parallel import shutdown
+
+MODEL = {"depth": 4}  # 4 blocks: 2 stages of 2, or 4 interleaved stages of 1 on 2 ranks
+
+
+def _pipelined(schedule: str = "1f1b", stages: int = 2, strategy: str = "ddp") -> dict:
+    return {"strategy": strategy, "pipeline_stages": stages, "pipeline_schedule": schedule}
+
+
+# name -> (parallel section, train section); all run in one spawned 2-process job, one stage per rank (interleaved:
+# two). Every rank reads the whole batch of 16: one data-parallel replica, the single process's global batch.
+TWO_RANKS = {
+    "gpipe": (_pipelined("gpipe"), {}),
+    "1f1b": (_pipelined("1f1b"), {}),
+    "interleaved_1f1b": (_pipelined("interleaved_1f1b", stages=4), {}),
+    "1f1b_accum": (_pipelined("1f1b"), {"accum_steps": 2}),
+}
+STOP, END = 3, 5  # the resume tests stop after STOP steps and continue to END in the other layout
+
+
+def _train_two_ranks(out_dir):
+    for name, (parallel, train) in TWO_RANKS.items():
+        batch = 16 // train.get("accum_steps", 1)
+        Trainer(tiny_config(out_dir, name, batch_size=batch, model=MODEL, parallel=parallel, train=train)).fit()
+    # A pipelined run stops at STOP (checkpointed there); one process continues it below.
+    Trainer(tiny_config(out_dir, "pp_then_one", model=MODEL, parallel=_pipelined(), train={"max_steps": STOP})).fit()
+    # One process's checkpoint at STOP (written before this job) continued by the pipeline.
+    Trainer(tiny_config(out_dir, "one_then_pp", model=MODEL, parallel=_pipelined()), resume=True).fit()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("pipeline")
+    Trainer(tiny_config(out_dir, "single", model=MODEL)).fit()
+    Trainer(tiny_config(out_dir, "single_accum", batch_size=8, model=MODEL, train={"accum_steps": 2})).fit()
+    Trainer(tiny_config(out_dir, "one_then_pp", model=MODEL, train={"max_steps": STOP})).fit()
+    run_two_ranks(_train_two_ranks, out_dir)
+    Trainer(tiny_config(out_dir, "pp_then_one", model=MODEL), resume=True).fit()
+    return out_dir
+
+
+def _assert_same_losses(got: dict[int, float], reference: dict[int, float], steps: range) -> None:
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step] == pytest.approx(reference[step], abs=1e-5), f"step {step}"
+    assert len({round(v, 6) for v in got.values()}) > 1  # training moved
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_two_stages_on_two_ranks_match_one_process_for_five_steps(runs, name):
+    reference = "single_accum" if name.endswith("accum") else "single"
+    _assert_same_losses(losses(runs / name), losses(runs / reference), range(1, 6))
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b"])
+def test_pipelined_gradient_norm_is_the_whole_models(runs, name):
+    reference = [r["grad_norm"] for r in _records(runs / "single") if "grad_norm" in r]
+    got = [r["grad_norm"] for r in _records(runs / name) if "grad_norm" in r]
+    assert got == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "interleaved_1f1b"])
+def test_pipelined_evaluation_matches_one_process(runs, name):
+    reference, got = _records(runs / "single")[-1], _records(runs / name)[-1]
+    assert got["step"] == reference["step"] == 5 and got["val_samples"] == reference["val_samples"] == 6
+    assert got["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+    assert got["val_top1"] == reference["val_top1"]
+
+
+def test_a_pipelined_checkpoint_resumes_in_one_process(runs):
+    expected, got = losses(runs / "single"), losses(runs / "pp_then_one")
+    _assert_same_losses(got, expected, range(1, END + 1))
+    meta = ckpt.read_meta(ckpt.latest(runs / "pp_then_one"))
+    assert meta["step"] == END and meta["world_size"] == 1
+
+
+def test_a_one_process_checkpoint_resumes_pipelined(runs):
+    _assert_same_losses(losses(runs / "one_then_pp"), losses(runs / "single"), range(1, END + 1))
+    meta = ckpt.read_meta(ckpt.latest(runs / "one_then_pp"))
+    assert meta["step"] == END and meta["world_size"] == 2
+
+
+# ------------------------------------------------------------------------------------------ PP x DP, 4 processes
+
+
+def _four_rank_worker(rank, port, out_dir):
+    os.environ.update(torchrun_env(rank, port, world_size=4))
+    try:
+        for strategy in ("ddp", "zero3"):
+            # 2 stages x 2 replicas of 8 images: the single process's global batch of 16.
+            cfg = tiny_config(out_dir, f"pp_dp_{strategy}", batch_size=8, model=MODEL, parallel=_pipelined("1f1b"))
+            cfg.parallel.strategy = strategy
+            Trainer(cfg).fit()
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(runs):
+    mp.spawn(_four_rank_worker, args=(free_port(), runs), nprocs=4, join=True)
+    return runs
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_stages_by_two_replicas_match_one_process(four_rank_runs, strategy):
+    run_dir = four_rank_runs / f"pp_dp_{strategy}"
+    _assert_same_losses(losses(run_dir), losses(four_rank_runs / "single"), range(1, 6))
+    reference, got = _records(four_rank_runs / "single")[-1], _records(run_dir)[-1]
+    assert got["val_samples"] == 6 and got["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ the split
+
+
+def test_stages_split_the_blocks_evenly_with_the_remainder_after_the_first():
+    assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_blocks(12, 5) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10), range(10, 12)]
+
+
+@pytest.mark.parametrize("layout", ["batch_first", "seq_first"])
+def test_stages_in_a_row_compute_the_model_and_keep_its_parameter_names(tmp_path, layout):
+    cfg = tiny_config(tmp_path, "split", model={"depth": 5, "layout": layout})
+    model = create_model(cfg.model)
+    images = torch.randn(3, 3, 8, 8)
+    expected = model(images)
+    parts = [ViTStage(model, blocks) for blocks in stage_blocks(5, 3)]
+    x = images
+    for part in parts:
+        x = part(x)
+    assert torch.equal(x, expected)
+    names = [name for part in parts for name in part.state_dict()]
+    assert sorted(names) == sorted(model.state_dict()) and len(names) == len(set(names))
+    assert "blocks.4.mlp.fc1.weight" in parts[2].state_dict() and "head.weight" in parts[2].state_dict()
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.depth=2", "parallel.pipeline_stages=3"], "parallel.pipeline_stages=3 must be <= model.depth=2"),
+        (["parallel.pipeline_stages=2"], "parallel.strategy=single with parallel.pipeline_stages=2"),
+        (["parallel.strategy=zero1", "parallel.pipeline_stages=2"], "parallel.strategy=zero1 with"),
+        (
+            ["parallel.strategy=ddp", "parallel.pipeline_stages=2", "train.batch_size=10"],
+            r"train.batch_size=10 is not divisible by parallel.microbatches=0 \(= 4\)",
+        ),
+        (
+            ["parallel.strategy=ddp", "parallel.pipeline_stages=2", "parallel.microbatches=1"],
+            "parallel.microbatches=1 must be >= parallel.pipeline_stages=2 under 1f1b",
+        ),
+        (
+            ["parallel.strategy=ddp", "parallel.pipeline_stages=2", "parallel.pipeline_schedule=interleaved_1f1b"],
+            "parallel.pipeline_stages=2 must be even and >= 4",
+        ),
+        (
+            ["parallel.strategy=zero3", "parallel.pipeline_stages=4", "parallel.pipeline_schedule=interleaved_1f1b"],
+            "use parallel.strategy=ddp or parallel.pipeline_schedule=1f1b",
+        ),
+        (["parallel.strategy=ddp", "parallel.pipeline_stages=2", "train.compile=true"], "set train.compile=false"),
+        (["parallel.strategy=ddp", "parallel.pipeline_stages=2", "optim.layer_decay=0.7"], "set optim.layer_decay=1"),
+    ],
+)
+def test_impossible_pipelines_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_a_pipeline_needs_a_multiple_of_its_processes(tmp_path):
+    cfg = tiny_config(tmp_path, "alone", model=MODEL, parallel=_pipelined())
+    try:
+        with pytest.raises(ConfigError, match=r"runs 2 processes per pipeline .* but 1 were launched"):
+            Trainer(cfg)
+    finally:
+        shutdown()
