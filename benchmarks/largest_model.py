@@ -58,15 +58,20 @@ ROWS: dict[str, dict[str, Any]] = {
         },
         "estimate": {"strategy": "zero3", "wrap": "block", "ac": True, "precision": "bf16"},
     },
+    # One pipeline of all the processes, 1F1B over 4 micro-batches of one image: the same 4 images per step as the
+    # data-parallel rows (the batch is the pipeline's, not each process's).
     "pipeline stages": {
-        "config": {"parallel": {"strategy": "ddp", "pipeline_stages": "PROCESSES"}},
-        "estimate": {"strategy": "ddp", "pipeline_stages": "PROCESSES"},
+        "config": {
+            "parallel": {"strategy": "ddp", "pipeline_stages": "PROCESSES", "microbatches": 4},
+            "train": {"batch_size": 4},
+        },
+        "estimate": {"strategy": "ddp", "pipeline_stages": "PROCESSES", "microbatches": 4, "batch": 4},
     },
 }
 STEPS = 3
 IMAGE_SIZE, PATCH_SIZE = 32, 16
 POLL_S = 0.02
-MIN_AVAILABLE_BYTES = 1 << 30  # the machine's MemAvailable below this stops the run (other jobs need memory too)
+MIN_AVAILABLE_BYTES = 3 << 29  # the machine's MemAvailable below this stops the run (other jobs need memory too)
 
 
 def _status_bytes(field: str, pid: int | str = "self") -> int:
@@ -134,8 +139,7 @@ def worker(spec_path: str, rank: int) -> None:
     for _ in range(STEPS):
         start = time.perf_counter()
         images, labels = next(batches)
-        loss = trainer.loss(images, labels)
-        trainer.precision.backward(loss)
+        loss = trainer.forward_backward(images, labels)
         trainer.optimizer_step()
         losses.append(loss.item())
         step_s.append(time.perf_counter() - start)
@@ -247,7 +251,7 @@ def search(name: str, row: dict[str, Any], args: argparse.Namespace, work: Path)
 
     budget = int(args.budget_gib * 2**30)
     baseline = measure_baseline(row, args, work)
-    setting = {**_resolve(row["estimate"], args.processes), "batch": args.batch, "baseline_bytes": baseline}
+    setting = {"batch": args.batch, **_resolve(row["estimate"], args.processes), "baseline_bytes": baseline}
     base = {"image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "num_classes": 1000}
     models = ladder(base)
     predicted = largest_that_fits(models, budget, devices=args.processes, **setting)
@@ -367,10 +371,12 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=5.0, help="peak resident set allowed per process")
     parser.add_argument("--batch", type=int, default=1, help="images per process per step")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), metavar="ROW")
-    parser.add_argument("--probe-timeout-s", type=float, default=900.0)
+    parser.add_argument("--probe-timeout-s", type=float, default=2400.0)
     parser.add_argument("--results", default=str(REPO / "results" / "largest_model.json"))
     parser.add_argument("--work-dir", default=None, help="probe specs, logs and run folders (default: a temp dir)")
     args = parser.parse_args()
+    # A stopped benchmark (kill PID) unwinds, so each probe's finally kills its processes instead of orphaning them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
 
@@ -385,6 +391,7 @@ def main() -> None:
     if any(results.get(k) != v for k, v in setting.items()):
         results = {}
     results.update(setting, cpu=_cpu_name(), torch=torch.__version__, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    results["command"] = " ".join(["python benchmarks/largest_model.py", *sys.argv[1:]])
     results.setdefault("rows", {})
     for name in args.rows:
         start = time.perf_counter()

@@ -155,3 +155,44 @@ def test_estimate_is_within_ten_percent_of_measured_peak_for_vit_b16(tmp_path):
         assert abs(row["error"]) <= 0.10, row["strategy"]
     # The issue's bar: zero3's per-rank peak at most 0.55x DDP's with 2 ranks (attention and MLP as FSDP units).
     assert rows["zero3"]["measured_peak_bytes"] <= 0.55 * rows["ddp"]["measured_peak_bytes"]
+
+
+def test_fsdp_mixed_precision_keeps_fp32_shards_and_gathers_in_bf16():
+    fp32 = estimate(BASE, devices=4, strategy="zero3")
+    bf16 = estimate(BASE, devices=4, strategy="zero3", precision="bf16")
+    # The fp32 shards are the master weights: no second copy, the same 16 bytes per parameter / N.
+    assert (bf16.weights, bf16.gradients, bf16.optimizer, bf16.master) == (P, P, 2 * P, 0)
+    assert bf16.model_states - bf16.gathered == fp32.model_states - fp32.gathered
+    assert bf16.gathered < fp32.gathered
+
+
+def test_each_pipeline_stage_holds_a_quarter_of_the_blocks():
+    one = estimate(BASE, devices=1, strategy="ddp")
+    staged = estimate(BASE, devices=4, strategy="ddp", pipeline_stages=4)
+    d, h = 768, 3072
+    block = (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d) + 4 * d
+    head = 2 * d + d * 1000 + 1000  # the last stage: 3 blocks, final norm and head (larger than the embeddings)
+    assert staged.weights == 4 * (3 * block + head)
+    assert staged.build == one.weights  # each process builds the whole model before keeping its stage
+
+
+def test_the_peak_adds_the_process_baseline_to_training_or_build():
+    est = estimate(BASE, devices=4, strategy="zero3", baseline_bytes=2**28)
+    assert est.peak == 2**28 + max(est.total, est.build)
+    assert estimate(BASE, devices=4, strategy="zero3", build="sharded").build == 0
+
+
+def test_cli_reads_a_recipes_settings_for_a_grid_of_presets_and_devices(capsys):
+    command = ["estimate", "--config", "vit-huge-fsdp", "--devices", "64", "1024", "--memory", "40", "80"]
+    assert main([*command, "--from", "ViT-H/14", "--build", "sharded"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy=zero3" in out and "ac=True" in out and "batch=32" in out and "precision=bf16" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("ViT-")}
+    assert list(rows)[0] == "ViT-H/14" and "ViT-B/16" not in rows
+    assert rows["ViT-120B/14"][-1] == "40" and rows["ViT-120B/14"][3] == "80"  # 1024 GPUs: 40 GB; 64: 80 GB
+
+
+def test_cli_names_the_largest_model_that_fits(capsys):
+    base = ["--devices", "4", "--memory", "5", "--baseline-gib", "0.33", "--image-size", "32", "--patch-size", "16"]
+    assert main(["estimate", "--largest", "--strategy", "ddp", *base]) == 0
+    assert "width 1024, depth 24" in capsys.readouterr().out  # ViT-L/16's shape: 16 bytes per parameter in 4.67 GiB

@@ -116,6 +116,22 @@ def _root_params(cfg: ModelConfig) -> tuple[int, int]:
     return params - cfg.depth * _block_params(cfg) - head, head
 
 
+def _largest_stage(cfg: ModelConfig, stages: int) -> tuple[ModelConfig, int]:
+    """The pipeline stage with the most parameters (as a model of its blocks) and its parameter count.
+
+    Stages hold depth // stages blocks each, one more for the stages after the first while the remainder lasts (the
+    first also holds the embeddings, the last the final norm and head), as models/parallel_plan.py splits them.
+    """
+    counts = [cfg.depth // stages + (1 if 0 < i <= cfg.depth % stages else 0) for i in range(stages)]
+    embed, head = _root_params(cfg)
+    sizes = [
+        c * _block_params(cfg) + (embed if i == 0 else 0) + (head if i == stages - 1 else 0)
+        for i, c in enumerate(counts)
+    ]
+    largest = max(range(stages), key=sizes.__getitem__)
+    return dataclasses.replace(cfg, depth=counts[largest]), sizes[largest]
+
+
 def estimate(
     cfg: ModelConfig,
     devices: int,
@@ -157,8 +173,7 @@ def estimate(
     whole, stage = complexity(cfg).params, cfg
     params = whole
     if pipeline_stages > 1:
-        stage = dataclasses.replace(cfg, depth=-(-cfg.depth // pipeline_stages))
-        params = stage.depth * _block_params(cfg) + max(_root_params(cfg))
+        stage, params = _largest_stage(cfg, pipeline_stages)
     n = devices // pipeline_stages if strategy != "single" else 1
     shard = {"single": (1, 1, 1), "ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (n, n, n), "zero3": (n, n, n)}
     w_div, g_div, o_div = shard[strategy]
