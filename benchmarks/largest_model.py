@@ -235,8 +235,11 @@ def probe(model: dict[str, Any], row: dict[str, Any], args: argparse.Namespace, 
 
 
 def measure_baseline(row: dict[str, Any], args: argparse.Namespace, work: Path) -> int:
-    """Peak resident set of a probe whose model is one narrow block: everything but the model's tensors."""
-    result = probe({"width": 64, "depth": 1, "heads": 1, "mlp_dim": 256}, row, args, work)
+    """Peak resident set of a probe whose model is a few narrow blocks: everything but the model's tensors.
+
+    One block per process, so that every pipeline stage has one.
+    """
+    result = probe({"width": 64, "depth": args.processes, "heads": 1, "mlp_dim": 256}, row, args, work)
     if not result["fits"]:
         raise RuntimeError(f"the baseline probe did not complete: {result.get('stopped')} {result.get('log_tail', '')}")
     return result["peak_bytes"]
