@@ -16,7 +16,8 @@ it also stops the run if the machine itself runs short (other jobs), rather than
 
 glibc is told to serve every allocation above 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the
 resident set at once and the peak is the live-tensor peak, not allocator caching. The per-process baseline (the
-interpreter, torch, gloo and the trainer with a 1-block model) is measured once per row and passed to the estimate.
+interpreter, torch, gloo and the trainer with one narrow block per process) is measured once per row and passed to
+the estimate.
 """
 
 from __future__ import annotations
