@@ -400,7 +400,8 @@ def main() -> None:
     for name in args.rows:
         start = time.perf_counter()
         try:
-            results["rows"][name] = {**search(name, ROWS[name], args, work), "wall_s": time.perf_counter() - start}
+            found = search(name, ROWS[name], args, work)
+            results["rows"][name] = {**found, "wall_s": time.perf_counter() - start, "command": results["command"]}
         except MachineShortOfMemory as exc:
             print(f"{name}: stopped, {exc}; run this row again later", flush=True)
             break
