@@ -356,6 +356,19 @@ def table(results: dict[str, Any]) -> str:
             if pred
             else f"| {name} | {big['params'] / 1e6:,.0f}M | {r['measured_peak_bytes'] / 2**30:.3f} GiB | | | none | |"
         )
+    errors = [
+        p["estimate_bytes"] / p["peak_bytes"] - 1
+        for r in results["rows"].values()
+        for p in r.get("probes", [])
+        if p.get("peak_bytes") and "estimate_bytes" in p
+    ]
+    if errors:
+        lines += ["", f"Every completed probe ({len(errors)}): estimate vs measured peak from {min(errors):+.1%} to "]
+        lines[-1] += f"{max(errors):+.1%}."
+    zero3, ddp_row = results["rows"].get("zero3 + activation checkpointing", {}), results["rows"].get("ddp", {})
+    if zero3.get("largest") and ddp_row.get("largest"):
+        ratio = zero3["largest"]["params"] / ddp_row["largest"]["params"]
+        lines.append(f"zero3 + activation checkpointing trains {ratio:.2f}x the parameters of ddp.")
     return "\n".join(lines) + "\n"
 
 
@@ -378,7 +391,12 @@ def main() -> None:
     parser.add_argument("--probe-timeout-s", type=float, default=2400.0)
     parser.add_argument("--results", default=str(REPO / "results" / "largest_model.json"))
     parser.add_argument("--work-dir", default=None, help="probe specs, logs and run folders (default: a temp dir)")
+    parser.add_argument("--table", action="store_true", help="only rewrite the .md table from the results JSON")
     args = parser.parse_args()
+    if args.table:
+        results_path = Path(args.results)
+        results_path.with_suffix(".md").write_text(table(json.loads(results_path.read_text())))
+        return
     # A stopped benchmark (kill PID) unwinds, so each probe's finally kills its processes instead of orphaning them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
