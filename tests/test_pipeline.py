@@ -89,6 +89,13 @@ def test_pipelined_evaluation_matches_one_process(runs, name):
     assert got["val_top1"] == reference["val_top1"]
 
 
+def test_a_pipelined_summary_counts_the_whole_model_and_the_global_batch(runs):
+    single = json.loads((runs / "single" / "summary.json").read_text())
+    pipelined = json.loads((runs / "1f1b" / "summary.json").read_text())
+    assert pipelined["params"] == single["params"] and pipelined["global_batch"] == single["global_batch"] == 16
+    assert pipelined["world_size"] == 2
+
+
 def test_a_pipelined_checkpoint_resumes_in_one_process(runs):
     expected, got = losses(runs / "single"), losses(runs / "pp_then_one")
     _assert_same_losses(got, expected, range(1, END + 1))

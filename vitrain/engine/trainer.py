@@ -260,6 +260,11 @@ class Trainer:
     def global_micro_batch(self) -> int:
         return self.cfg.train.batch_size * self.dist.data_size
 
+    @property
+    def parameters(self) -> int:
+        """The whole model's parameter count (a pipeline stage holds only its own part: the model's count instead)."""
+        return unwrap(self.model).complexity().params if self.pipeline is not None else count_parameters(self.model)
+
     def save(self, is_best: bool = False) -> Path:
         meta = self.meta(is_best)
         extra = {}
@@ -469,7 +474,7 @@ class Trainer:
         global_batch = cfg.train.batch_size * self.dist.data_size * cfg.train.accum_steps
         impl = resolve_impl(cfg.optim.impl, self.device, cfg.optim.name, cfg.parallel.strategy)
         log.info(
-            f"vitrain: {count_parameters(self.model) / 1e6:.2f}M params, {cost.flops / 1e9:.3f} GFLOPs/image, "
+            f"vitrain: {self.parameters / 1e6:.2f}M params, {cost.flops / 1e9:.3f} GFLOPs/image, "
             f"device={self.device}, optimizer={cfg.optim.name}[{impl}], "
             f"parallel={p.strategy} x {self.dist.world_size} (wrap={p.wrap}, offload={p.offload}, "
             f"activation checkpointing={p.activation_checkpointing}), "
@@ -495,7 +500,7 @@ class Trainer:
             "wall_s": wall_s,
             "epochs": self.epoch,
             "steps": self.step,
-            "params": count_parameters(self.model),
+            "params": self.parameters,
             "checkpoint": str(ckpt.latest(self.run_dir)),
             "best_checkpoint": str(ckpt.best(self.run_dir) or ckpt.latest(self.run_dir)),
             "device": str(self.device),
