@@ -196,3 +196,10 @@ def test_a_zero3_amp_o2_checkpoint_is_fp32_and_continues_in_one_process(runs):
     weights = {key: meta for key, meta in index.items() if key.startswith("model.")}
     assert weights and all(meta.properties.dtype == torch.float32 for meta in weights.values())
     assert _continue_to_step_6(runs, "o2_zero3") == pytest.approx(_continue_to_step_6(runs, "single_o2"), rel=1e-2)
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [("ddp", "amp_o1"), ("zero3", "amp_o2")])
+def test_auto_on_cuda_keeps_pipeline_stages_fp32_unless_fsdp_shards_them(monkeypatch, strategy, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    resolved = resolve(PrecisionConfig(), torch.device("cuda"), strategy, pipelined=True)
+    assert (resolved.mode, resolved.dtype) == (expected, torch.bfloat16)

@@ -18,7 +18,8 @@ from vitrain.models import create_model
 from vitrain.models.parallel_plan import ViTStage, stage_blocks
 from vitrain.parallel import shutdown
 
-MODEL = {"depth": 4}  # 4 blocks: 2 stages of 2, or 4 interleaved stages of 1 on 2 ranks
+MODEL = {"depth": 4}
+AMP_O2 = {"mode": "amp_o2", "dtype": "bf16"}  # 4 blocks: 2 stages of 2, or 4 interleaved stages of 1 on 2 ranks
 
 
 def _pipelined(schedule: str = "1f1b", stages: int = 2, strategy: str = "ddp") -> dict:
@@ -44,6 +45,9 @@ def _train_two_ranks(out_dir):
     Trainer(tiny_config(out_dir, "pp_then_one", model=MODEL, parallel=_pipelined(), train={"max_steps": STOP})).fit()
     # One process's checkpoint at STOP (written before this job) continued by the pipeline.
     Trainer(tiny_config(out_dir, "one_then_pp", model=MODEL, parallel=_pipelined()), resume=True).fit()
+    # amp_o2: FSDP2 computes each stage in bf16 on its fp32 (here one-replica) shards.
+    parallel = _pipelined(strategy="zero3")
+    Trainer(tiny_config(out_dir, "1f1b_zero3_o2", model=MODEL, parallel=parallel, precision=AMP_O2)).fit()
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +56,7 @@ def runs(tmp_path_factory):
     Trainer(tiny_config(out_dir, "single", model=MODEL)).fit()
     Trainer(tiny_config(out_dir, "single_accum", batch_size=8, model=MODEL, train={"accum_steps": 2})).fit()
     Trainer(tiny_config(out_dir, "one_then_pp", model=MODEL, train={"max_steps": STOP})).fit()
+    Trainer(tiny_config(out_dir, "single_o2", model=MODEL, precision=AMP_O2)).fit()
     run_two_ranks(_train_two_ranks, out_dir)
     Trainer(tiny_config(out_dir, "pp_then_one", model=MODEL), resume=True).fit()
     return out_dir
@@ -68,6 +73,13 @@ def _assert_same_losses(got: dict[int, float], reference: dict[int, float], step
 def test_two_stages_on_two_ranks_match_one_process_for_five_steps(runs, name):
     reference = "single_accum" if name.endswith("accum") else "single"
     _assert_same_losses(losses(runs / name), losses(runs / reference), range(1, 6))
+
+
+def test_amp_o2_stages_under_zero3_stay_within_1e_2_of_one_process(runs):
+    reference, got = losses(runs / "single_o2"), losses(runs / "1f1b_zero3_o2")
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, rel=1e-2), f"step {step}"
 
 
 def _records(run_dir) -> list[dict]:
@@ -189,6 +201,11 @@ def test_stages_in_a_row_compute_the_model_and_keep_its_parameter_names(tmp_path
         ),
         (["parallel.strategy=ddp", "parallel.pipeline_stages=2", "train.compile=true"], "set train.compile=false"),
         (["parallel.strategy=ddp", "parallel.pipeline_stages=2", "optim.layer_decay=0.7"], "set optim.layer_decay=1"),
+        (
+            ["parallel.strategy=ddp", "parallel.pipeline_stages=2", "precision.mode=amp_o2"],
+            "or amp_o2 with parallel.strategy=zero2 or zero3",
+        ),
+        (["parallel.strategy=zero3", "parallel.pipeline_stages=2", "precision.mode=pure"], "precision.mode=pure with"),
     ],
 )
 def test_impossible_pipelines_are_refused_in_one_line(overrides, message):

@@ -618,10 +618,11 @@ def _validate_parallel(cfg: Config) -> None:
             f"optim.layer_decay={cfg.optim.layer_decay} {where}: each stage would count only its own blocks; "
             "set optim.layer_decay=1"
         )
-    if cfg.precision.mode in ("amp_o2", "pure"):
+    if cfg.precision.mode == "pure" or (cfg.precision.mode == "amp_o2" and p.strategy not in ("zero2", "zero3")):
         raise ConfigError(
-            f"precision.mode={cfg.precision.mode} {where} is not supported (stages compute on fp32 weights); "
-            "use precision.mode=amp_o1 or fp32"
+            f"precision.mode={cfg.precision.mode} {where} and parallel.strategy={p.strategy} is not supported (the "
+            "stages compute on fp32 weights); use precision.mode=amp_o1 or fp32, or amp_o2 with parallel.strategy="
+            "zero2 or zero3 (FSDP2 computes each stage in bf16 on fp32 shards)"
         )
 
 

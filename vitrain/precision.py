@@ -89,8 +89,11 @@ def resolve(
     device: torch.device,
     strategy: str = "single",
     time_modes: Callable[[], dict[str, float]] | None = None,
+    pipelined: bool = False,
 ) -> Resolved:
     """Turn `precision.mode=auto` into a concrete policy for `device`; explicit modes pass through.
+
+    Pipeline stages hold no low-dtype working copy, so `pipelined` outside zero2/zero3 keeps fp32 weights (amp_o1).
 
     On a CPU with bf16 matrix units under zero2/zero3, `time_modes` (seconds of one block's forward and backward
     under amp_o1 and amp_o2, see `time_block_modes`) decides between autocast and low-precision sharded compute.
@@ -100,6 +103,13 @@ def resolve(
         return Resolved(cfg.mode, dtype, f"precision.mode={cfg.mode} set in the config")
     if device.type == "cuda":
         # CUDA branches are not exercised on the CPU-only machine this was developed on.
+        if torch.cuda.is_bf16_supported() and pipelined and strategy not in SHARDED:
+            return Resolved(
+                "amp_o1",
+                torch.bfloat16,
+                f"auto: CUDA with bf16, pipeline stages under parallel.strategy={strategy} compute on fp32 weights "
+                "-> bf16 O1",
+            )
         if torch.cuda.is_bf16_supported():
             return Resolved("amp_o2", torch.bfloat16, "auto: CUDA with bf16 support -> bf16 O2 (no loss scaling)")
         return Resolved("amp_o1", torch.float16, "auto: CUDA without bf16 -> fp16 O1 with dynamic loss scaling")
@@ -279,8 +289,9 @@ class PrecisionPolicy:
         device: torch.device,
         strategy: str = "single",
         time_modes: Callable[[], dict[str, float]] | None = None,
+        pipelined: bool = False,
     ):
-        self.resolved = resolve(cfg, device, strategy, time_modes)
+        self.resolved = resolve(cfg, device, strategy, time_modes, pipelined)
         self.mode, self.dtype, self.device = self.resolved.mode, self.resolved.dtype, device
         self.strategy = strategy
         self.reduce_dtype = DTYPES[cfg.reduce_dtype]
@@ -354,13 +365,15 @@ class PrecisionPolicy:
         clip_grad_norm: float,
         loss_nonfinite: torch.Tensor | None = None,
         head_optimizer: torch.optim.Optimizer | None = None,
+        norm_group: torch.distributed.ProcessGroup | None = None,
     ) -> tuple[float | None, bool]:
         """Unscale, check, clip and apply the gradients; returns (gradient norm before clipping, skipped).
 
         Collective under a parallel strategy: whether to skip is decided once for all ranks (a NaN loss on one
         rank, an inf in one rank's gradient shard), so every rank skips or steps together. `head_optimizer` steps
         parameters that live outside the model (the face task's fp32 identity head, one shard per rank): they are
-        unscaled and checked with the model's, and not clipped (the norm is the model's).
+        unscaled and checked with the model's, and not clipped (the norm is the model's). `norm_group`: the ranks
+        whose parameters together make the model (pipeline stages); the norm that clips and is returned is theirs.
         """
         self._gradients_to_master()
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -381,6 +394,10 @@ class PrecisionPolicy:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
             # Sharded (FSDP2) gradients give a DTensor norm; its full value is reduced over every rank's shard.
             full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if norm_group is not None:
+                squared = full_norm.detach().float() ** 2
+                torch.distributed.all_reduce(squared, group=norm_group)
+                norm = full_norm = squared.sqrt()
             bad = ~torch.isfinite(full_norm) | loss_nonfinite
             head_grads = [p.grad for p in head_params if p.grad is not None]
             if head_grads:

@@ -127,7 +127,11 @@ class Trainer:
         # working copy). The optimizer and the checkpoints use self.model: the single-device model (its parameters
         # sharded DTensors under zero2/zero3), which holds the fp32 master weights under amp_o2.
         self.precision = PrecisionPolicy(
-            cfg.precision, self.device, cfg.parallel.strategy, time_modes=lambda: self._time_modes(model)
+            cfg.precision,
+            self.device,
+            cfg.parallel.strategy,
+            time_modes=lambda: self._time_modes(model),
+            pipelined=self.pipeline is not None,
         )
         parallel = self.pipeline.parallelize if self.pipeline is not None else parallelize
         working = self.precision.prepare(model, lambda m, mixed: parallel(m, cfg.parallel, self.device, mixed))

@@ -99,24 +99,17 @@ class ViTStage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
         if self.has_head:
             self.norm, self.fc_norm, self.neck, self.head = model.norm, model.fc_norm, model.neck, model.head
-            # The model's own pooling and head code, run on these modules (same names, same config).
-            self._forward_head = type(model).forward_head
+        # The model's own embedding, final norm, pooling and head code, run on these modules (same names, config).
+        self._model_class = type(model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (first stage) or the previous stage's tokens -> tokens for the next stage, or the model's output."""
-        seq_first = self.cfg.layout == "seq_first"
-        if self.has_embedding:  # VisionTransformer.forward_features up to its blocks
-            x = self.patch_embed(x)
-            if self.cls_token is not None:
-                x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-            x = self.pos_drop(x + self.pos_embed)
-            if seq_first:
-                x = x.transpose(0, 1)
+        if self.has_embedding:
+            x = self._model_class.embed(self, x)
         for block in self.blocks.values():
             x = block(x)
-        if self.has_head:  # forward_features after its blocks, then forward_head
-            x = self.norm(x)
-            x = self._forward_head(self, x.transpose(0, 1) if seq_first else x)
+        if self.has_head:
+            x = self._model_class.forward_head(self, self._model_class.final_norm(self, x))
         return x
 
     def complexity(self, batch_size: int = 1):  # noqa: ANN201 (vit's Complexity; vit imports this module)

@@ -162,17 +162,23 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> the normalized token sequence (B, N, D), batch first in either layout."""
+        x = self.embed(images)
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Images -> the first block's input: patch tokens (after the class token), plus positions, in the layout."""
         x = self.patch_embed(images)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = self.pos_drop(x + self.pos_embed)
-        seq_first = self.cfg.layout == "seq_first"
-        if seq_first:
-            x = x.transpose(0, 1)
-        for block in self.blocks:
-            x = block(x)
+        return x.transpose(0, 1) if self.cfg.layout == "seq_first" else x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> the normalized token sequence (B, N, D), batch first."""
         x = self.norm(x)
-        return x.transpose(0, 1) if seq_first else x
+        return x.transpose(0, 1) if self.cfg.layout == "seq_first" else x
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens (B, N, D) -> pooled features through the neck; then the classifier unless `pre_logits`."""

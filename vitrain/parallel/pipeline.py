@@ -20,7 +20,6 @@ The trainer talks to a `Pipeline` through the few places a step differs:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ from vitrain.errors import ConfigError
 from vitrain.models.parallel_plan import ViTStage, stage_blocks
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.distributed import DistInfo, sum_over_ranks
+from vitrain.parallel.strategies import fully_shard_model
 
 if TYPE_CHECKING:
     from vitrain.precision import ParallelPrecision, PrecisionPolicy
@@ -114,21 +114,22 @@ class Pipeline:
     ) -> nn.Module:
         """Activation checkpointing, FSDP2 over the data mesh (zero2/zero3), then the stages and their schedule.
 
-        Same signature as strategies.parallelize; low-precision weights (`precision`: amp_o2, pure) are refused.
+        Same signature as strategies.parallelize. Low-precision weights (`precision`: amp_o2) need zero2/zero3,
+        where FSDP2 computes each stage in the low dtype on fp32 shards; a working copy per stage is not built.
         """
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        if precision is not None:
+        if precision is not None and cfg.strategy not in ("zero2", "zero3"):
             raise ConfigError(
-                f"parallel.pipeline_stages={self.num_stages} keeps fp32 weights, but the precision resolved to "
-                f"{precision.param_dtype} weights (precision.mode=auto picks amp_o2 on CUDA with bf16); "
-                "set precision.mode=amp_o1"
+                f"parallel.pipeline_stages={self.num_stages} with parallel.strategy={cfg.strategy} keeps fp32 weights, "
+                f"but the precision resolved to {precision.param_dtype} weights; set precision.mode=amp_o1, or "
+                "parallel.strategy=zero2 or zero3 for amp_o2"
             )
         plan = part.parallel_plan(cfg.wrap)
         apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
         if cfg.strategy in ("zero2", "zero3"):
             for chunk in self.chunks:
-                self._shard(chunk, cfg, device)
+                fully_shard_model(chunk, cfg, device, precision, mesh=self.data_mesh)
         stages = [
             PipelineStage(chunk, index, self.num_stages, device, group=self.group)
             for chunk, index in zip(self.chunks, self.stage_indices, strict=True)
@@ -142,22 +143,6 @@ class Pipeline:
             schedule_class = ScheduleGPipe if cfg.pipeline_schedule == "gpipe" else Schedule1F1B
             self.schedule = schedule_class(stages[0], **common)
         return part
-
-    def _shard(self, chunk: nn.Module, cfg: ParallelConfig, device: torch.device) -> None:
-        """FSDP2 on one stage over the data mesh, with the units, offload and prefetch of strategies._fully_shard."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
-        if cfg.wrap == "sublayer":  # see strategies._fully_shard
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        units = [*chunk.parallel_plan(cfg.wrap).shard_units, chunk]
-        for unit in units:
-            fully_shard(
-                unit, mesh=self.data_mesh, reshard_after_forward=cfg.strategy == "zero3", offload_policy=offload
-            )
-        if not cfg.backward_prefetch:
-            for unit in units:
-                unit.set_modules_to_backward_prefetch([unit])
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -201,22 +186,12 @@ class Pipeline:
         clip_grad_norm: float,
         loss_nonfinite: torch.Tensor | None,
     ) -> tuple[float | None, bool]:
-        """Collective: average over the replicas (ddp), clip by the norm over every stage, then the precision's step.
-
-        The norm is reduced over the data mesh (FSDP shards) and the pipeline (each rank holds some stages), as
-        torchtitan's clip_grad_norm_ does; the policy then unscales, checks and steps with clipping already done,
-        deciding to skip on all ranks together.
-        """
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
+        """Collective: average over the replicas (ddp), then the precision's step, clipping by the norm over every
+        stage (reduced over the pipeline, as torchtitan's clip_grad_norm_ does) and skipping on all ranks together."""
         if self.cfg.strategy == "ddp" and self.replicas > 1:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             self._average_over_replicas(grads)
-        scale = precision.loss_scale or 1.0  # fp16: the gradients are still scaled
-        norm = self._total_norm(grads)
-        if clip_grad_norm > 0 and bool(torch.isfinite(norm)):
-            torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm * scale, norm)
-        _, skipped = precision.step(optimizer, 0.0, loss_nonfinite)
-        return (None if skipped else float(norm) / scale), skipped
+        return precision.step(optimizer, clip_grad_norm, loss_nonfinite, norm_group=self.group)
 
     def _average_over_replicas(self, grads: list[torch.Tensor]) -> None:
         """ddp under pipelining: one all-reduce of the step's accumulated gradients over the data mesh."""
@@ -227,15 +202,6 @@ class Pipeline:
         flat /= self.replicas
         parts = flat.split([g.numel() for g in grads])
         torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads, strict=True)])
-
-    def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The 2-norm of the whole model's gradient: this rank's (full over FSDP shards), summed over the stages."""
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        if hasattr(norm, "full_tensor"):  # FSDP2 shards: a DTensor whose full value sums every replica's shard
-            norm = norm.full_tensor()
-        squared = norm.detach().float() ** 2
-        dist.all_reduce(squared, group=self.group)
-        return squared.sqrt()
 
     # ------------------------------------------------------------------------------------------ evaluation
 

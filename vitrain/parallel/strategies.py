@@ -19,7 +19,8 @@ from vitrain.parallel.activation_checkpoint import apply_activation_checkpointin
 from vitrain.parallel.sync_batchnorm import sync_batchnorm
 
 if TYPE_CHECKING:
-    from vitrain.models.parallel_plan import ParallelPlan
+    from torch.distributed.device_mesh import DeviceMesh
+
     from vitrain.precision import ParallelPrecision
 
 
@@ -48,7 +49,7 @@ def parallelize(
         if precision is not None and precision.reduce_dtype != precision.param_dtype:
             ddp.register_comm_hook(None, _average_in(precision.reduce_dtype))
         return ddp
-    return _fully_shard(model, plan, cfg, device, precision)
+    return fully_shard_model(model, cfg, device, precision)
 
 
 def _average_in(dtype: torch.dtype):
@@ -69,19 +70,22 @@ def _average_in(dtype: torch.dtype):
     return hook
 
 
-def _fully_shard(
+def fully_shard_model(
     model: nn.Module,
-    plan: ParallelPlan,
     cfg: ParallelConfig,
     device: torch.device,
-    precision: ParallelPrecision | None,
+    precision: ParallelPrecision | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
+    """zero2/zero3: FSDP2 over `mesh` (every rank by default; a pipeline stage's replicas under pipelining) with the
+    model's own units (its plan), offload, prefetch and, for low-precision weights, mixed-precision units."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from vitrain.precision import norm_output_to
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    plan = model.parallel_plan(cfg.wrap)
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     # Pinned host memory needs an accelerator; on a CPU-only machine the offload is a plain CPU copy.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
     # zero3 frees each unit's gathered parameters after its forward (gathered again in backward);
