@@ -28,7 +28,7 @@ The peak of a process is the larger of training and building: vitrain builds the
 process before it shards or splits it (`build="whole"`), so 4 bytes per parameter are needed once whatever the
 strategy; `build="sharded"` is the estimate for a build that only ever materializes each process's part (meta
 device, not yet in vitrain). `baseline_bytes` is what a process holds besides the model: on a CPU the
-interpreter, torch and the process group (about 0.4 GiB, benchmarks/largest_model.py measures it); on a GPU the
+interpreter, torch and the process group (0.33 GiB here, benchmarks/largest_model.py measures it); on a GPU the
 CUDA context and kernels.
 """
 
@@ -56,7 +56,7 @@ FP32 = 4
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device at the training peak; `host_bytes` is what offload moves to CPU memory."""
+    """Bytes per device: `total` at the training peak, `peak` with the build and baseline; `host_bytes` offloaded."""
 
     weights: int
     gradients: int
