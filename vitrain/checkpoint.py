@@ -24,6 +24,7 @@ import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ META_FILE = "meta.json"
 LEGACY_META_FILE = "meta.pt"  # format 2: a pickle, read only with weights_only=True
 COMPLETE_FILE = "COMPLETE"
 DCP_INDEX = ".metadata"
+DEEPSPEED_DIR = "deepspeed"  # train.engine=deepspeed: DeepSpeed's own files, in place of the DCP shards
 BEST_POINTER = "best"
 RNG_KEY = "rng"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -94,7 +96,9 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def _listed_files(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != COMPLETE_FILE}
+    """Every file under `folder` (paths relative to it, subfolders' too) with its size, but the marker."""
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE_FILE)
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
 
 
 def is_complete(path: Path) -> bool:
@@ -199,12 +203,24 @@ def save(
     keep: int,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank writes its shards into a temporary folder that rank 0 completes and renames.
+    """Collective: every rank writes its DCP shards into a temporary folder that rank 0 completes and renames.
 
     `extra` holds more tensors to save beside the model and optimizer (top-level keys); `load_extra` reads them.
     A failure on any rank (a full disk, an unwritable folder) raises the same error on every rank and leaves
     the previous checkpoints as they were.
     """
+
+    def write(folder: Path) -> None:
+        model_state, optim_state = training_state(model, optimizer)
+        own_rng = {f"rank{rank()}": rng_state()}
+        _dcp_save({"model": model_state, "optim": optim_state, RNG_KEY: own_rng, **(extra or {})}, folder)
+
+    return save_folder(run_dir, step, meta, keep, write)
+
+
+def save_folder(run_dir: Path, step: int, meta: dict[str, Any], keep: int, write: Callable[[Path], None]) -> Path:
+    """Collective: a step folder with the crash-safe protocol of this module; `write(folder)` (on every rank)
+    fills it with an engine's files (DCP shards, DeepSpeed's files), then rank 0 adds meta.json and COMPLETE."""
     root = Path(run_dir) / CHECKPOINT_DIR
     final = root / f"step_{step:08d}"
     tmp = root / f"{_TMP}{final.name}"
@@ -217,11 +233,10 @@ def save(
                 fsync_dir(root.parent)  # checkpoints/ itself may be new
                 fsync_dir(root)
         with all_or_none(what):
-            model_state, optim_state = training_state(model, optimizer)
-            own_rng = {f"rank{rank()}": rng_state()}
-            _dcp_save({"model": model_state, "optim": optim_state, RNG_KEY: own_rng, **(extra or {})}, tmp)
+            write(tmp)
         with all_or_none(what):
             if rank() == 0:
+                _fsync_tree(tmp)
                 write_json(tmp / META_FILE, {"format": FORMAT_VERSION, **meta})
                 fsync_dir(tmp)
                 write_json(tmp / COMPLETE_FILE, {"step": step, "files": _listed_files(tmp)})
@@ -236,6 +251,16 @@ def save(
                 atomic_write(root / BEST_POINTER, final.name.encode())
             _prune(run_dir, keep)
     return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Make every file under `folder` durable (DCP fsyncs its own files; other writers, DeepSpeed's, do not)."""
+    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        for path in sub.iterdir():
+            if path.is_file():
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        fsync_dir(sub)
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -435,10 +460,11 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"checkpoint {path} is a file; a vitrain checkpoint is a directory such as RUN/checkpoints/step_00000100"
         )
     meta_file, legacy = path / META_FILE, path / LEGACY_META_FILE
-    if not (path / DCP_INDEX).is_file() or not (meta_file.is_file() or legacy.is_file()):
+    tensors = (path / DCP_INDEX).is_file() or (path / DEEPSPEED_DIR).is_dir()
+    if not tensors or not (meta_file.is_file() or legacy.is_file()):
         raise CheckpointError(
-            f"checkpoint {path} is not a vitrain checkpoint (no {META_FILE} or {DCP_INDEX} in it); give a step folder "
-            "such as RUN/checkpoints/step_00000100 or a run folder"
+            f"checkpoint {path} is not a vitrain checkpoint (no {META_FILE}, or neither {DCP_INDEX} nor "
+            f"{DEEPSPEED_DIR}/ in it); give a step folder such as RUN/checkpoints/step_00000100 or a run folder"
         )
     if not is_complete(path):
         raise CheckpointError(
@@ -448,7 +474,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointError(f"checkpoint {meta_file} holds no config; it was not written by vitrain")
-    read_index(path)  # refuse a crafted DCP index before anything else reads it
+    if (path / DCP_INDEX).is_file():
+        read_index(path)  # refuse a crafted DCP index before anything else reads it
     return meta
 
 

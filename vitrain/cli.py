@@ -232,13 +232,14 @@ def _export(args: argparse.Namespace) -> int:
 
     from vitrain import checkpoint as ckpt
     from vitrain.config import config_from_dict
+    from vitrain.engine.engines import load_model_weights
     from vitrain.tasks import build_task
     from vitrain.weights import export
 
     path = ckpt.resolve(Path(args.checkpoint))
     cfg = config_from_dict(ckpt.read_meta(path)["config"])
     model = build_task(cfg).build_model()  # a face model exports its embedding backbone (the neck included)
-    ckpt.load_model_weights(path, model)
+    load_model_weights(path, model)  # native (DCP) or DeepSpeed checkpoints
     print(export(model, cfg, Path(args.out), args.format))
     return 0
 

@@ -121,6 +121,9 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # 0: checkpoint at the end of each epoch only
     max_steps: int = 0  # 0: no limit; otherwise stop after this many optimizer steps
     keep_checkpoints: int = 3  # the newest K step checkpoints are kept (plus the best one)
+    # What sets up, steps and checkpoints the model (vitrain/engine/engines.py): native (vitrain's precision policy,
+    # parallel strategy and DCP checkpoints) or deepspeed (DeepSpeed ZeRO; pip install 'vitrain[deepspeed]').
+    engine: Literal["native", "deepspeed"] = "native"
 
 
 @dataclass
@@ -514,6 +517,7 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
     _validate_parallel(cfg)
+    _validate_engine(cfg)
     _validate_task(cfg)
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
@@ -524,6 +528,42 @@ def validate(cfg: Config) -> None:
     _validate_optim_schedule_precision(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")
+
+
+def _validate_engine(cfg: Config) -> None:
+    """train.engine=deepspeed: what vitrain maps onto DeepSpeed (vitrain/engine/deepspeed_engine.py) and what not."""
+    if cfg.train.engine != "deepspeed":
+        return
+    p, where = cfg.parallel, "under train.engine=deepspeed"
+    if p.strategy == "single":
+        raise ConfigError(
+            f"parallel.strategy=single {where}: the strategy picks the ZeRO stage; use parallel.strategy=ddp "
+            "(stage 0), zero1, zero2 or zero3"
+        )
+    if p.pipeline_stages > 1:
+        raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages} {where} is not supported; use 1")
+    if p.offload == "params" and p.strategy != "zero3":
+        raise ConfigError(
+            f"parallel.offload=params {where} needs parallel.strategy=zero3 (DeepSpeed offloads parameters only "
+            "under ZeRO-3); use parallel.offload=optimizer with ddp/zero1/zero2"
+        )
+    if cfg.task.name == "face":
+        raise ConfigError(
+            f"task.name=face {where}: the identity head beside a DeepSpeed model is not supported yet; use "
+            "train.engine=native"
+        )
+    if cfg.train.compile:
+        raise ConfigError(f"train.compile=true {where} is not supported; set train.compile=false")
+    if cfg.precision.mode == "pure":
+        raise ConfigError(
+            f"precision.mode=pure {where} has no DeepSpeed counterpart (its bf16/fp16 keep fp32 master weights); "
+            "use precision.mode=amp_o2"
+        )
+    if cfg.precision.mode == "amp_o1" and cfg.precision.dtype == "fp16":
+        raise ConfigError(
+            f"precision.mode=amp_o1 precision.dtype=fp16 {where} would run without loss scaling; use "
+            "precision.mode=amp_o2 (DeepSpeed fp16, dynamic loss scaling) or precision.dtype=bf16"
+        )
 
 
 def _validate_task(cfg: Config) -> None:
@@ -559,10 +599,11 @@ def _validate_task(cfg: Config) -> None:
 
 def _validate_parallel(cfg: Config) -> None:
     p = cfg.parallel
-    if p.offload == "optimizer":
+    if p.offload == "optimizer" and cfg.train.engine == "native":
         raise ConfigError(
             "parallel.offload=optimizer has no PyTorch-native engine: FSDP2 offloads parameters, gradients and "
-            "optimizer state together; use parallel.offload=params with parallel.strategy=zero2 or zero3"
+            "optimizer state together; use parallel.offload=params with parallel.strategy=zero2 or zero3, or "
+            "train.engine=deepspeed (ZeRO-Offload)"
         )
     if p.offload == "params" and p.strategy not in ("zero2", "zero3"):
         raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")

@@ -17,27 +17,16 @@ from tqdm import tqdm
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, to_dict, to_yaml
 from vitrain.data.loader import WaitTimer
+from vitrain.engine.engines import build_engine
 from vitrain.engine.runs import choose_run, mark_run
 from vitrain.errors import CheckpointError, ConfigError
-from vitrain.models import count_parameters
-from vitrain.optim import Schedule, build_head_optimizer, resolve_impl, scaled_lr, set_lr
-from vitrain.parallel import (
-    broadcast_object,
-    build_parallel_optimizer,
-    init_distributed,
-    mean_over_ranks,
-    parallelize,
-    unwrap,
-)
+from vitrain.optim import Schedule, resolve_impl, scaled_lr
+from vitrain.parallel import broadcast_object, init_distributed, mean_over_ranks, unwrap
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
-from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.precision import PrecisionPolicy, check_finite, time_block_modes
+from vitrain.precision import time_block_modes
 from vitrain.tasks import build_task, is_better
 from vitrain.weights import load_pretrained
-
-COMPENSATION = "compensation"  # pure mode's Kahan terms, saved beside the model and optimizer
-HEAD = "head"  # a task's parameters outside the model (the identity head), saved by identity row
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,26 +112,24 @@ class Trainer:
         # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order
         # and augmentation have their own generators, functions of (seed, epoch, batch, rank).
         torch.manual_seed(cfg.train.seed + self.dist.rank)
-        # The policy applies the strategy to the module that computes (amp_o2 outside zero2/zero3: a low-dtype
-        # working copy). The optimizer and the checkpoints use self.model: the single-device model (its parameters
-        # sharded DTensors under zero2/zero3), which holds the fp32 master weights under amp_o2.
-        self.precision = PrecisionPolicy(
-            cfg.precision,
-            self.device,
-            cfg.parallel.strategy,
-            time_modes=lambda: self._time_modes(model),
-            pipelined=self.pipeline is not None,
-        )
-        parallel = self.pipeline.parallelize if self.pipeline is not None else parallelize
-        working = self.precision.prepare(model, lambda m, mixed: parallel(m, cfg.parallel, self.device, mixed))
-        self.model = model
-        self.optimizer = build_parallel_optimizer(self.model, cfg.optim, cfg.parallel, self.device)
-        self.forward = torch.compile(working) if t.compile else working
-        if self.pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
-            self.forward = self.pipeline
         # Parameters outside the backbone (the face task's identity head): fp32, this rank's rows, own optimizer.
         self.head = self.task.build_head(self.device)
-        self.head_optimizer = build_head_optimizer(self.head, cfg.optim, self.device) if self.head else None
+        # The engine (train.engine) sets up precision, parallelism and the optimizers, and owns backward, step,
+        # save and load; the trainer talks only to it for those (vitrain/engine/engines.py).
+        self.engine = build_engine(
+            cfg,
+            model,
+            self.dist,
+            head=self.head,
+            pipeline=self.pipeline,
+            time_modes=lambda: self._time_modes(model),
+        )
+        self.model = self.engine.model  # the single-device model: parameter names, complexity
+        self.forward = self.engine.forward  # what computes the loss and the evaluation
+        # The native engine's parts, which tools and tests reach through the trainer.
+        self.precision = getattr(self.engine, "precision", None)
+        self.optimizer = getattr(self.engine, "optimizer", None)
+        self.head_optimizer = getattr(self.engine, "head_optimizer", None)
 
         self.step = 0
         self.epoch = 0
@@ -155,7 +142,8 @@ class Trainer:
         """auto precision's probe: one block's forward and backward per mode, timed on rank 0 for every rank."""
         plan = model.parallel_plan(self.cfg.parallel.wrap)
         shape = plan.block_input_shape(self.cfg.train.batch_size)
-        return broadcast_object(time_block_modes(plan.checkpoint_units[0], shape) if self.is_main else None)
+        timed = time_block_modes(plan.checkpoint_units[0], shape, device=self.device) if self.is_main else None
+        return broadcast_object(timed)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -201,6 +189,7 @@ class Trainer:
         the group's end, so the references go here.
         """
         self.model = self.forward = self.optimizer = self.precision = self.head = self.head_optimizer = None
+        self.engine = None
         self.task = self.train_loader = self.epoch_batches = self.pipeline = None
         gc.collect()
 
@@ -208,7 +197,8 @@ class Trainer:
         """Everything but the tensors; the data position is in samples so another world size can resume it."""
         return {
             "config": to_dict(self.cfg),
-            "precision": self.precision.state_dict(),
+            "engine": self.engine.name,
+            "precision": self.engine.state_dict(),
             "step": self.step,
             "epoch": self.epoch,
             "samples_in_epoch": self.batch_in_epoch * self.global_micro_batch,
@@ -231,14 +221,13 @@ class Trainer:
                     f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
                     f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
                 )
-            ckpt.check_model_matches(path, self.model, part=self.pipeline is not None)
-        with self.precision.full_precision(self.optimizer):  # pure mode: fp32 weights and optimizer state
-            ckpt.load_training_state(path, self.model, self.optimizer, part=self.pipeline is not None)
-        if self.precision.compensated and (meta.get("precision") or {}).get("compensated"):
-            ckpt.load_extra(path, {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)})
-        if self.head is not None:
-            self.head.load_checkpoint(path, self.head_optimizer)
-        self.precision.load_state_dict(meta.get("precision"))
+            saved_engine = meta.get("engine", "native")
+            if saved_engine != self.engine.name:
+                raise CheckpointError(
+                    f"checkpoint {path} was written by train.engine={saved_engine}; resume it with "
+                    f"train.engine={saved_engine} (`vitrain export` turns either into fp32 weights)"
+                )
+        restored = self.engine.load(path, meta)
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = samples // self.global_micro_batch
         # Checkpoints before the task seam kept the classifier's best top-1 as best_top1.
@@ -247,7 +236,6 @@ class Trainer:
         else:  # best_top1 = -1.0 meant "no evaluation yet"
             self.best_metric = meta["best_top1"] if meta.get("best_top1", -1.0) >= 0 else None
         self.last_eval = meta["last_eval"]
-        restored = ckpt.load_rng(path)
         saved_ranks, ranks = meta.get("world_size", 1), self.dist.world_size
         if saved_ranks != ranks:
             kept = min(saved_ranks, ranks)
@@ -266,25 +254,11 @@ class Trainer:
 
     @property
     def parameters(self) -> int:
-        """The whole model's parameter count (a pipeline stage holds only its own part: the model's count instead)."""
-        return unwrap(self.model).complexity().params if self.pipeline is not None else count_parameters(self.model)
+        """The whole model's parameter count, also where a rank holds only a part (a pipeline stage, ZeRO-3)."""
+        return self.engine.parameter_count()
 
     def save(self, is_best: bool = False) -> Path:
-        meta = self.meta(is_best)
-        extra = {}
-        if self.precision.compensated:
-            extra[COMPENSATION] = self.precision.compensation_state(self.model, self.optimizer)
-        if self.head is not None:
-            extra[HEAD] = self.head.checkpoint_state(self.head_optimizer)
-        with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
-            # A diverged run keeps its last good checkpoint instead of saving inf/NaN (each rank checks its shard).
-            with all_or_none("checking the weights before a checkpoint"):
-                check_finite(self.model, self.optimizer)
-                if self.head is not None:
-                    check_finite(self.head, self.head_optimizer)
-            return ckpt.save(
-                self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.train.keep_checkpoints, extra
-            )
+        return self.engine.save(self.run_dir, self.step, self.meta(is_best), self.cfg.train.keep_checkpoints)
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -414,54 +388,36 @@ class Trainer:
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The training loss of one micro-batch: the task's, in fp32 under every precision policy."""
-        with self.precision.autocast():
+        with self.engine.autocast():
             output = self.forward(images)
         return self.task.loss(output, labels)
 
     def forward_backward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-step: its loss (detached), its gradients added to those of the step's earlier micro-steps."""
-        if self.pipeline is not None:  # the schedule runs every stage's forward and backward
-            return self.pipeline.forward_backward(images, labels, self.precision, self.cfg.train.accum_steps)
-        loss = self.loss(images, labels)
-        self.precision.backward(loss / self.cfg.train.accum_steps)
-        return loss.detach()
+        return self.engine.forward_backward(images, labels, self.loss)
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Collective: the global batch's loss, from every rank's micro-step loss."""
         return self.pipeline.mean_loss(loss) if self.pipeline is not None else mean_over_ranks(loss)
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-        if self.head_optimizer is not None:
-            set_lr(self.head_optimizer, lr)
+        self.engine.set_lr(lr)
 
     def optimizer_step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
         """One optimizer step of the model (and the task's head); returns (gradient norm, skipped)."""
-        if self.pipeline is not None:  # clipped by the norm over every stage
-            return self.pipeline.step(self.precision, self.optimizer, self.cfg.optim.clip_grad_norm, loss_nonfinite)
-        if self.head is not None:
-            average_replicated_gradients(self.head)
-        return self.precision.step(
-            self.optimizer, self.cfg.optim.clip_grad_norm, loss_nonfinite, head_optimizer=self.head_optimizer
-        )
+        return self.engine.step(loss_nonfinite)
 
     def _log_skip(self, log: RunLog) -> None:
-        fields = self._scaler_fields()
-        if self.precision.scaler is None:
-            in_a_row, limit = self.precision.nonfinite_in_a_row, self.precision.max_nonfinite_skips
-            fields = {"nonfinite_in_a_row": in_a_row, "nonfinite_skipped": self.precision.nonfinite_skipped}
-            log.info(
-                f"step {self.step}: loss or gradients hold inf/NaN: step skipped, weights unchanged "
-                f"({in_a_row} in a row; precision.max_nonfinite_skips={limit} in a row are skipped, then the run stops)"
-            )
+        fields, line = self.engine.skip_report()
+        if line:
+            log.info(f"step {self.step}: {line}")
         log.record(step=self.step, epoch=self.epoch, skipped=True, **fields)
 
     def _scaler_fields(self) -> dict[str, Any]:
-        scaler = self.precision.scaler
-        return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
+        return self.engine.scaler_fields()
 
     def _evaluate_and_save(self, log: RunLog, final: bool) -> None:
-        with self.precision.autocast():
+        with self.engine.autocast():
             self.last_eval = self.task.evaluate(self.forward, final, self.run_dir)
         value = self.last_eval[self.task.best_metric]
         is_best = is_better(self.task, value, self.best_metric)
@@ -490,7 +446,8 @@ class Trainer:
             log.info(f"head: {self.head.extra_repr()}")
         if self.pipeline is not None:
             log.info(self.pipeline.describe())
-        log.info(self.precision.describe())
+        for line in self.engine.describe():
+            log.info(line)
 
     def _summary(self, wall_s: float, images_per_s: float, compile_s: float | None) -> dict[str, Any]:
         metric = self.task.best_metric
@@ -511,7 +468,8 @@ class Trainer:
             "strategy": self.cfg.parallel.strategy,
             "world_size": self.dist.world_size,
             "global_batch": self.cfg.train.batch_size * self.dist.data_size * self.cfg.train.accum_steps,
-            "precision": self.precision.resolved.label,
+            "engine": self.engine.name,
+            "precision": self.engine.precision_label,
             **self._scaler_fields(),
         }
         if compile_s is not None:

@@ -1,0 +1,162 @@
+"""The DeepSpeed engine on 2 gloo ranks: ZeRO stages 0-3 train the digits recipe like the native engine."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'vitrain[deepspeed]'")
+
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch.multiprocessing.spawn import ProcessRaisedException  # noqa: E402
+
+from tests.distributed_helpers import free_port, losses, run_two_ranks, torchrun_env  # noqa: E402
+from vitrain.cli import main  # noqa: E402
+from vitrain.config import CONFIG_DIR, load_config  # noqa: E402
+from vitrain.engine import Trainer  # noqa: E402
+from vitrain.models import create_model  # noqa: E402
+
+# run name -> parallel.strategy, which picks the ZeRO stage
+STAGES = {f"deepspeed_stage{stage}": strategy for stage, strategy in enumerate(("ddp", "zero1", "zero2", "zero3"))}
+
+
+def digits(out_dir, name: str, *overrides: str):
+    """The digits recipe for 5 steps in fp32: exactly comparable between engines and machines."""
+    return load_config(
+        CONFIG_DIR / "digits.yaml",
+        [
+            f"name={name}",
+            f"log.out_dir={out_dir}",
+            "log.every_steps=1",
+            "log.progress=false",
+            "train.max_steps=5",
+            "train.threads=1",
+            "precision.mode=fp32",
+            *overrides,
+        ],
+    )
+
+
+def _train_engines(out_dir):
+    Trainer(digits(out_dir, "native_ddp", "parallel.strategy=ddp")).fit()
+    for name, strategy in STAGES.items():
+        Trainer(digits(out_dir, name, "train.engine=deepspeed", f"parallel.strategy={strategy}")).fit()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("deepspeed")
+    run_two_ranks(_train_engines, out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_deepspeed_stage_gives_the_native_engines_losses_on_two_ranks(runs, name):
+    reference = losses(runs / "native_ddp")
+    got = losses(runs / name)
+    assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5]
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), f"{name} step {step}"
+    assert len({round(v, 6) for v in reference.values()}) > 1  # training moved
+
+
+PROBE_SEED = 7  # the fixed images whose logits the exported weights must reproduce
+
+
+def _probe_images():
+    return torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(PROBE_SEED))
+
+
+def _train_and_probe(out_dir, name: str, *overrides: str) -> None:
+    """Train on 2 ranks; rank 0 keeps the engine's full fp32 weights and its logits on the probe images."""
+    trainer = Trainer(digits(out_dir, name, "train.engine=deepspeed", *overrides))
+    trainer.fit()
+    state = trainer.engine.full_state_dict()  # collective
+    trainer.forward.eval()
+    with torch.no_grad():
+        logits = trainer.forward(_probe_images())  # collective under ZeRO-3
+    if torch.distributed.get_rank() == 0:
+        torch.save({"state": state, "logits": logits}, out_dir / f"{name}.probe.pt")
+
+
+def _train_checkpointed(out_dir):
+    for strategy in ("ddp", "zero3"):
+        _train_and_probe(out_dir, f"export_{strategy}", f"parallel.strategy={strategy}")
+    # The same run straight through 6 steps, and stopped at 3 then resumed to 6.
+    Trainer(digits(out_dir, "straight", "train.engine=deepspeed", "parallel.strategy=zero2", "train.max_steps=6")).fit()
+    first = digits(out_dir, "resumed", "train.engine=deepspeed", "parallel.strategy=zero2", "train.max_steps=3")
+    Trainer(first).fit()
+    later = digits(out_dir, "resumed", "train.engine=deepspeed", "parallel.strategy=zero2", "train.max_steps=6")
+    Trainer(later, resume=True).fit()
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("deepspeed_checkpoints")
+    run_two_ranks(_train_checkpointed, out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_export_turns_a_deepspeed_checkpoint_into_fp32_weights_with_the_same_logits(checkpointed, tmp_path, strategy):
+    run = checkpointed / f"export_{strategy}"
+    probe = torch.load(checkpointed / f"export_{strategy}.probe.pt", weights_only=True)
+    assert main(["export", str(run), str(tmp_path)]) == 0
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    assert exported.keys() == probe["state"].keys()
+    for name, tensor in probe["state"].items():
+        assert exported[name].dtype == torch.float32
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
+    cfg = digits(checkpointed, "export_check")
+    model = create_model(cfg.model)
+    model.load_state_dict(exported)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(_probe_images()), probe["logits"], rtol=0, atol=1e-6)
+
+
+def test_a_resumed_deepspeed_run_continues_the_losses_of_an_uninterrupted_one(checkpointed):
+    straight, resumed = losses(checkpointed / "straight"), losses(checkpointed / "resumed")
+    assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), f"step {step}"
+
+
+def _one_process(job, *args) -> None:
+    """Run `job(*args)` in one spawned process with torchrun's variables (world size 1): its process group and
+    DeepSpeed's state end with it instead of staying in the test process."""
+    mp.spawn(_one_process_worker, args=(free_port(), job, args), nprocs=1, join=True)
+
+
+def _one_process_worker(rank: int, port: int, job, args: tuple) -> None:
+    os.environ.update(torchrun_env(rank, port, world_size=1))
+    from vitrain.parallel import shutdown
+
+    try:
+        job(*args)
+    finally:
+        shutdown()
+
+
+def _resume_on_one_rank(run_dir, out_dir):
+    cfg = digits(out_dir, "resumed", "train.engine=deepspeed", "parallel.strategy=zero2", "train.max_steps=9")
+    Trainer(cfg, resume=str(run_dir)).fit()
+
+
+def test_a_zero_checkpoint_of_two_ranks_is_refused_on_one_naming_both_counts(checkpointed):
+    with pytest.raises(ProcessRaisedException, match=r"ZeRO-2 optimizer partitions of 2 processes and 1 are running"):
+        _one_process(_resume_on_one_rank, checkpointed / "resumed", checkpointed)
+
+
+def _native_then_deepspeed(out_dir):
+    Trainer(digits(out_dir, "native", "parallel.strategy=ddp", "train.max_steps=1")).fit()
+    cfg = digits(out_dir, "native", "train.engine=deepspeed", "parallel.strategy=ddp")
+    Trainer(cfg, resume=str(out_dir / "native")).fit()
+
+
+def test_a_native_checkpoint_is_refused_by_the_deepspeed_engine(tmp_path):
+    with pytest.raises(ProcessRaisedException, match=r"written by train.engine=native; resume it with train.engine="):
+        _one_process(_native_then_deepspeed, tmp_path)

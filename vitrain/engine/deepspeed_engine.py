@@ -1,0 +1,305 @@
+"""The DeepSpeed engine (`train.engine=deepspeed`): vitrain's config as a DeepSpeed ZeRO config, vitrain's optimizer.
+
+    parallel.strategy  ddp -> ZeRO stage 0, zero1 -> 1, zero2 -> 2, zero3 -> 3
+    parallel.offload   optimizer -> zero_optimization.offload_optimizer (cpu); params -> offload_param (cpu, zero3)
+    precision          fp32 -> fp32; amp_o2 bf16 -> bf16; amp_o2 fp16 -> fp16 with dynamic loss scaling from
+                       precision.init_scale / growth_interval / min_scale; amp_o1 bf16 -> fp32 weights under
+                       torch.autocast; auto -> what vitrain's policy resolves to on this device
+    train              batch_size -> train_micro_batch_size_per_gpu; accum_steps -> gradient_accumulation_steps
+    optim              clip_grad_norm -> gradient_clipping, always written (DeepSpeed's code defaults to 0, its
+                       docs to 1.0); vitrain's own optimizer (optim.name, its parameter groups) is passed in
+
+The learning rate of every step comes from vitrain's schedule (the trainer sets it, as under the native engine),
+so DeepSpeed's scheduler slot stays empty and a resume continues the schedule from the step number.
+
+Runs on CPU with gloo (DeepSpeed's CPU accelerator) under torchrun, in the process group vitrain opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitrain import checkpoint as ckpt
+from vitrain.config import Config
+from vitrain.engine.engines import LossFn
+from vitrain.errors import CheckpointError, ConfigError
+from vitrain.models import count_parameters
+from vitrain.optim import build_optimizer, set_lr
+from vitrain.parallel import apply_activation_checkpointing
+from vitrain.parallel.distributed import DistInfo, all_or_none, rank
+from vitrain.parallel.pipeline import Pipeline
+from vitrain.precision import Resolved, TrainingDiverged, _LowPrecisionIO, any_rank, resolve
+
+ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+DEEPSPEED_DIR = ckpt.DEEPSPEED_DIR  # DeepSpeed's own files inside a vitrain step folder (its checkpoint "tag")
+RNG_FILE = "rng_rank{rank}.pt"  # each rank's RNG state (tensors only, read with weights_only=True)
+
+
+def import_deepspeed() -> Any:
+    """DeepSpeed on this machine's accelerator (the CPU one without CUDA), or a ConfigError saying how to get it."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed probes for one and warns
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise ConfigError(
+            f"train.engine=deepspeed needs DeepSpeed ({error}); pip install 'vitrain[deepspeed]' or use "
+            "train.engine=native"
+        ) from None
+    return deepspeed
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> Resolved:
+    """vitrain's precision for DeepSpeed: auto resolved as the native policy would; pure and fp16 O1 refused."""
+    resolved = resolve(cfg.precision, device, cfg.parallel.strategy)
+    if resolved.mode == "pure":
+        raise ConfigError(
+            "precision.mode=pure has no DeepSpeed counterpart (its bf16/fp16 keep fp32 master weights); use "
+            "precision.mode=amp_o2 with train.engine=deepspeed"
+        )
+    if resolved.mode == "amp_o1" and resolved.dtype == torch.float16:
+        raise ConfigError(
+            "precision.mode=amp_o1 precision.dtype=fp16 under train.engine=deepspeed would have no loss scaling; use "
+            "precision.mode=amp_o2 (DeepSpeed fp16 with dynamic loss scaling) or precision.dtype=bf16"
+        )
+    return resolved
+
+
+def deepspeed_config(cfg: Config, resolved: Resolved) -> dict[str, Any]:
+    """The DeepSpeed config dict for `cfg` (see the module's docstring for each mapping)."""
+    p, t = cfg.parallel, cfg.train
+    zero: dict[str, Any] = {"stage": ZERO_STAGES[p.strategy]}
+    if p.offload == "optimizer":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    elif p.offload == "params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.accum_steps,
+        "gradient_clipping": cfg.optim.clip_grad_norm,
+        "zero_optimization": zero,
+        # vitrain's optimizers (torch's AdamW/SGD, its LAMB/LARS) step ZeRO's flat fp32 partitions as they are;
+        # offload keeps vitrain's optimizer instead of demanding DeepSpeedCPUAdam.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**62,  # vitrain logs the steps
+        "wall_clock_breakdown": False,
+    }
+    if resolved.mode == "amp_o2" and resolved.dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif resolved.mode == "amp_o2":
+        power = math.log2(cfg.precision.init_scale)
+        if not power.is_integer():
+            raise ConfigError(
+                f"precision.init_scale={cfg.precision.init_scale:g} must be a power of 2 under train.engine=deepspeed "
+                f"(DeepSpeed's initial_scale_power); use {2 ** round(power):g}"
+            )
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0: dynamic
+            "initial_scale_power": int(power),
+            "loss_scale_window": cfg.precision.growth_interval,
+            "min_loss_scale": cfg.precision.min_scale,
+            "hysteresis": 1,  # halve at every overflow, as vitrain's LossScaler does
+        }
+    return config
+
+
+class DeepSpeedEngine:
+    """vitrain's model and optimizer inside `deepspeed.initialize`; backward, step and checkpoints are DeepSpeed's."""
+
+    name = "deepspeed"
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        dist: DistInfo,
+        head: nn.Module | None = None,
+        pipeline: Pipeline | None = None,
+    ):
+        # config.validate refuses these combinations first; the engine repeats it for callers that skip validation.
+        if head is not None or pipeline is not None:
+            raise ConfigError(
+                "train.engine=deepspeed runs neither an identity head beside the model (task.name=face) nor "
+                "pipeline stages yet; use train.engine=native"
+            )
+        deepspeed = import_deepspeed()
+        self.cfg, self.dist = cfg, dist
+        self.resolved = resolve_precision(cfg, dist.device)
+        self.config = deepspeed_config(cfg, self.resolved)
+        self.stage = self.config["zero_optimization"]["stage"]
+        plan = model.parallel_plan(cfg.parallel.wrap)  # the model names its units (vitrain/models/parallel_plan.py)
+        apply_activation_checkpointing(
+            plan.checkpoint_units, cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every_k
+        )
+        # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
+        optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")
+        self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        self.model = model  # the ds engine's module: under ZeRO-3 its parameters are partitioned
+        low = self.config.get("bf16") or self.config.get("fp16")
+        # DeepSpeed casts the model to its low dtype; images go in in that dtype and logits come back fp32.
+        self.forward: nn.Module = _LowPrecisionIO(self.ds, self.ds.get_data_types()[0]) if low else self.ds
+        self.fp16 = "fp16" in self.config
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.resolved.mode != "amp_o1":
+            return contextlib.nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=self.resolved.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed divides by gradient_accumulation_steps itself, and counts micro-steps in step(): each
+        # micro-step but the last of an optimizer step calls it (it only advances the count there).
+        boundary = self.ds.is_gradient_accumulation_boundary()
+        self.ds.backward(loss)
+        if not boundary:
+            self.ds.step()
+
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        loss = loss_fn(images, labels)
+        self.backward(loss)
+        return loss.detach()
+
+    def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
+        # DeepSpeed skips a step only under fp16 loss scaling (inf/NaN gradients halve the scale); in fp32 and
+        # bf16 it would apply a NaN step, so a non-finite loss stops the run before the weights change.
+        if not self.fp16 and loss_nonfinite is not None and any_rank(loss_nonfinite):
+            raise TrainingDiverged(
+                "the loss held inf/NaN under train.engine=deepspeed, which cannot skip an fp32/bf16 step: the run "
+                "stops with its last good checkpoint; lower optim.lr or use train.engine=native (it skips such steps)"
+            )
+        # Stage 0 keeps no norm of its own: the gradients are all-reduced by now, so every rank measures the same.
+        norm = self._stage0_norm() if self.stage == 0 else None
+        self.ds.step()
+        if not self.ds.was_step_applied():
+            return None, True
+        if norm is None:
+            norm = self.ds.get_global_grad_norm()
+        return (float(norm) if norm is not None else None), False
+
+    def _stage0_norm(self) -> float | None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)  # ZeRO's optimizers show the inner groups, "lr_scale" kept
+
+    def parameter_count(self) -> int:
+        return self.parameters
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.resolved.mode, "zero_stage": self.stage, "deepspeed_config": self.config}
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+        def write(folder: Path) -> None:
+            # DeepSpeed writes its model and (per rank) optimizer partitions under folder/deepspeed/.
+            self.ds.save_checkpoint(str(folder), tag=DEEPSPEED_DIR, save_latest=False)
+            torch.save(ckpt.rng_state(), folder / RNG_FILE.format(rank=rank()))
+
+        return ckpt.save_folder(run_dir, step, meta, keep, write)
+
+    def load(self, path: Path, meta: dict[str, Any]) -> bool:
+        saved_ranks = meta.get("world_size", 1)
+        with all_or_none(f"reading checkpoint {path}"):
+            if not (Path(path) / DEEPSPEED_DIR).is_dir():
+                raise CheckpointError(f"checkpoint {path} holds no {DEEPSPEED_DIR}/ folder of DeepSpeed's files")
+            saved_stage = ZERO_STAGES.get(meta.get("strategy"), 0)
+            if saved_stage != self.stage:
+                raise CheckpointError(
+                    f"checkpoint {path} was saved under ZeRO stage {saved_stage} (parallel.strategy="
+                    f"{meta.get('strategy')}); resume with the same parallel.strategy"
+                )
+            if saved_ranks != self.dist.world_size and self.stage > 0:
+                raise CheckpointError(
+                    f"checkpoint {path} holds DeepSpeed ZeRO-{self.stage} optimizer partitions of {saved_ranks} "
+                    f"processes and {self.dist.world_size} are running: resume on {saved_ranks} processes "
+                    "(DeepSpeed's checkpoints do not reshard)"
+                )
+        self.ds.load_checkpoint(str(path), tag=DEEPSPEED_DIR, load_lr_scheduler_states=False)
+        rng_file = Path(path) / RNG_FILE.format(rank=rank())
+        if not rng_file.is_file():
+            return False
+        state = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        return True
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Under bf16/fp16 these are the weights the model computes with, upcast (the fp32 masters live in
+        DeepSpeed's optimizer partitions; `vitrain export` reads those from a checkpoint)."""
+        params = list(self.model.parameters())
+        gathered = contextlib.nullcontext()
+        if self.stage == 3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        with gathered:
+            return {name: t.detach().float().cpu().clone() for name, t in self.model.state_dict().items()}
+
+    def scaler_fields(self) -> dict[str, Any]:
+        if not self.fp16:
+            return {}
+        return {"loss_scale": float(self.optimizer.cur_scale), "skipped_steps": int(self.ds.skipped_steps)}
+
+    def skip_report(self) -> tuple[dict[str, Any], str | None]:
+        return self.scaler_fields(), None
+
+    @property
+    def precision_label(self) -> str:
+        return self.resolved.label
+
+    def describe(self) -> list[str]:
+        zero = self.config["zero_optimization"]
+        offload = ", ".join(k for k in ("offload_optimizer", "offload_param") if k in zero) or "no offload"
+        low = "bf16" if "bf16" in self.config else "fp16 (dynamic loss scaling)" if self.fp16 else "fp32 weights"
+        return [
+            f"engine deepspeed {_version()}: ZeRO stage {self.stage} ({offload}), {low}, gradient_clipping="
+            f"{self.config['gradient_clipping']:g}, gradient_accumulation_steps="
+            f"{self.config['gradient_accumulation_steps']}",
+            f"precision {self.resolved.label} ({self.resolved.reason})",
+        ]
+
+
+def _version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A DeepSpeed step folder's fp32 weights under single-device names (one process, no process group).
+
+    ZeRO 1-3: DeepSpeed's zero_to_fp32 merges every rank's fp32 master partitions; stage 0: the model states file
+    (exact in fp32; under bf16/fp16 the low-dtype weights, upcast). Non-finite values are refused by name. These
+    files are DeepSpeed's pickles, read as DeepSpeed reads them: export only checkpoints you trust.
+    """
+    import_deepspeed()
+    folder = Path(path) / DEEPSPEED_DIR
+    stage = ZERO_STAGES.get(meta.get("strategy"), 0)
+    if stage == 0:
+        state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)
+    weights = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"checkpoint {path}: {name} holds inf/NaN; export an earlier checkpoint")
+        weights[name] = tensor.contiguous()
+    return weights

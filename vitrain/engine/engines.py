@@ -1,0 +1,246 @@
+"""Step engines: what sets up, steps and checkpoints the model, behind the one protocol the trainer talks to.
+
+    engine = build_engine(cfg, model, dist, head, pipeline, time_modes)   # train.engine
+    with engine.autocast():
+        output = engine.forward(images)        # also what evaluation calls
+    loss = engine.forward_backward(images, labels, loss_fn)   # one micro-step: its loss, gradients accumulated
+    grad_norm, skipped = engine.step(loss_nonfinite)  # after train.accum_steps micro-steps
+    path = engine.save(run_dir, step, meta, keep)     # collective; meta.json beside the engine's own files
+    engine.load(path)                                  # collective; the trainer reads and checks meta first
+
+`NativeEngine` is vitrain's own path (precision policy, parallel strategy, DCP checkpoints). The DeepSpeed engine
+(`train.engine=deepspeed`, vitrain/engine/deepspeed_engine.py) is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from vitrain import checkpoint as ckpt
+from vitrain.config import Config
+from vitrain.models import count_parameters
+from vitrain.optim import build_head_optimizer, set_lr
+from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
+from vitrain.parallel.distributed import DistInfo, all_or_none
+from vitrain.parallel.identity_head import average_replicated_gradients
+from vitrain.parallel.pipeline import Pipeline
+from vitrain.precision import PrecisionPolicy, check_finite
+
+COMPENSATION = "compensation"  # pure mode's Kahan terms, saved beside the model and optimizer
+HEAD = "head"  # a task's parameters outside the model (the identity head), saved by identity row
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, labels) -> the loss through `forward`
+
+
+class Engine(Protocol):
+    """Set up model and optimizer; forward, backward, step; save, load; the fp32 weights. Collective where noted."""
+
+    name: str
+    model: nn.Module  # the single-device model, under its own parameter names (complexity, checkpoints, export)
+    forward: Callable[[torch.Tensor], Any]  # the module that computes: training loss and evaluation
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-step's mean loss; the engine averages the gradients over train.accum_steps micro-steps."""
+
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        """One micro-step: its loss (detached), its gradients added to those of the step's earlier micro-steps.
+
+        `loss_fn(images, labels)` is the trainer's loss through `forward` under `autocast`; a pipeline's schedule
+        runs its stages' forward and backward itself instead.
+        """
+
+    def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
+        """Collective: clip and apply the step's gradients; returns (gradient norm before clipping, skipped)."""
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def parameter_count(self) -> int:
+        """The whole model's parameter count (also where a rank holds only a part)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's JSON state for meta.json (loss scale, skip counters)."""
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+        """Collective: a complete checkpoint folder (checkpoint.py's layout) with `meta` in meta.json."""
+
+    def load(self, path: Path, meta: dict[str, Any]) -> bool:
+        """Collective: weights, optimizer and engine state from `path`; True when this rank's RNG state was in it."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the model's whole fp32 weights under single-device names, on the CPU (every rank)."""
+
+    def scaler_fields(self) -> dict[str, Any]:
+        """Loss-scaling fields for the metrics log (empty without loss scaling)."""
+
+    def skip_report(self) -> tuple[dict[str, Any], str | None]:
+        """What a skipped step logs: fields for metrics.jsonl and, where they do not say it, a line for people."""
+
+    @property
+    def precision_label(self) -> str:
+        """The precision the engine computes in, e.g. `fp32` or `amp_o2 bfloat16`."""
+
+    def describe(self) -> list[str]:
+        """Lines for the log's header."""
+
+
+def build_engine(
+    cfg: Config,
+    model: nn.Module,
+    dist: DistInfo,
+    head: nn.Module | None = None,
+    pipeline: Pipeline | None = None,
+    time_modes: Callable[[], dict[str, float]] | None = None,
+) -> Engine:
+    """The engine `train.engine` names, set up over `model` (on its device, the same weights on every rank)."""
+    if cfg.train.engine == "deepspeed":
+        from vitrain.engine.deepspeed_engine import DeepSpeedEngine  # optional: vitrain[deepspeed]
+
+        return DeepSpeedEngine(cfg, model, dist, head=head, pipeline=pipeline)
+    return NativeEngine(cfg, model, dist, head=head, pipeline=pipeline, time_modes=time_modes)
+
+
+class NativeEngine:
+    """vitrain's own engine: a precision policy over a parallel strategy (or a pipeline), DCP checkpoints.
+
+    `model` is the single-device model (its parameters sharded DTensors under zero2/zero3), which holds the fp32
+    master weights under amp_o2 and is what the optimizer and checkpoints use; `forward` is the module that computes
+    (amp_o2 outside zero2/zero3: a low-dtype working copy). `head` (the face task's identity head: fp32, this rank's
+    rows) has its own optimizer and steps with the model, unscaled and checked with it.
+    """
+
+    name = "native"
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        dist: DistInfo,
+        head: nn.Module | None = None,
+        pipeline: Pipeline | None = None,
+        time_modes: Callable[[], dict[str, float]] | None = None,
+    ):
+        self.cfg, self.dist, self.pipeline = cfg, dist, pipeline
+        device = dist.device
+        self.precision = PrecisionPolicy(
+            cfg.precision, device, cfg.parallel.strategy, time_modes=time_modes, pipelined=pipeline is not None
+        )
+        strategy = pipeline.parallelize if pipeline is not None else parallelize
+        working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))
+        self.model = model
+        self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)
+        self.forward = torch.compile(working) if cfg.train.compile else working
+        if pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
+            self.forward = pipeline
+        self.head = head
+        self.head_optimizer = build_head_optimizer(head, cfg.optim, device) if head is not None else None
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss / self.cfg.train.accum_steps)
+
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        if self.pipeline is not None:  # the schedule runs every stage's forward and backward
+            return self.pipeline.forward_backward(images, labels, self.precision, self.cfg.train.accum_steps)
+        loss = loss_fn(images, labels)
+        self.backward(loss)
+        return loss.detach()
+
+    def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
+        clip = self.cfg.optim.clip_grad_norm
+        if self.pipeline is not None:  # clipped by the norm over every stage
+            return self.pipeline.step(self.precision, self.optimizer, clip, loss_nonfinite)
+        if self.head is not None:
+            average_replicated_gradients(self.head)
+        return self.precision.step(self.optimizer, clip, loss_nonfinite, head_optimizer=self.head_optimizer)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        if self.head_optimizer is not None:
+            set_lr(self.head_optimizer, lr)
+
+    def parameter_count(self) -> int:
+        # A pipeline stage holds only its own part: the model's count from its shape instead.
+        return unwrap(self.model).complexity().params if self.pipeline is not None else count_parameters(self.model)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.precision.state_dict()
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+        extra = {}
+        if self.precision.compensated:
+            extra[COMPENSATION] = self.precision.compensation_state(self.model, self.optimizer)
+        if self.head is not None:
+            extra[HEAD] = self.head.checkpoint_state(self.head_optimizer)
+        with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
+            # A diverged run keeps its last good checkpoint instead of saving inf/NaN (each rank checks its shard).
+            with all_or_none("checking the weights before a checkpoint"):
+                check_finite(self.model, self.optimizer)
+                if self.head is not None:
+                    check_finite(self.head, self.head_optimizer)
+            return ckpt.save(run_dir, step, self.model, self.optimizer, meta, keep, extra)
+
+    def load(self, path: Path, meta: dict[str, Any]) -> bool:
+        part = self.pipeline is not None
+        with all_or_none(f"reading checkpoint {path}"):
+            ckpt.check_model_matches(path, self.model, part=part)
+        with self.precision.full_precision(self.optimizer):  # pure mode: fp32 weights and optimizer state
+            ckpt.load_training_state(path, self.model, self.optimizer, part=part)
+        if self.precision.compensated and (meta.get("precision") or {}).get("compensated"):
+            ckpt.load_extra(path, {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)})
+        if self.head is not None:
+            self.head.load_checkpoint(path, self.head_optimizer)
+        self.precision.load_state_dict(meta.get("precision"))
+        return ckpt.load_rng(path)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        with self.precision.full_precision(self.optimizer):
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            return {name: tensor.detach().float().cpu().clone() for name, tensor in state.items()}
+
+    def scaler_fields(self) -> dict[str, Any]:
+        scaler = self.precision.scaler
+        return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
+
+    def skip_report(self) -> tuple[dict[str, Any], str | None]:
+        if self.precision.scaler is not None:  # the loss scale and the skipped count say it
+            return self.scaler_fields(), None
+        in_a_row, limit = self.precision.nonfinite_in_a_row, self.precision.max_nonfinite_skips
+        fields = {"nonfinite_in_a_row": in_a_row, "nonfinite_skipped": self.precision.nonfinite_skipped}
+        return fields, (
+            f"loss or gradients hold inf/NaN: step skipped, weights unchanged ({in_a_row} in a row; "
+            f"precision.max_nonfinite_skips={limit} in a row are skipped, then the run stops)"
+        )
+
+    @property
+    def precision_label(self) -> str:
+        return self.precision.resolved.label
+
+    def describe(self) -> list[str]:
+        return [self.precision.describe()]
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """A checkpoint's fp32 weights into a single-device `model` (one process), whichever engine wrote it."""
+    meta = ckpt.read_meta(path)
+    if meta.get("engine", "native") == "deepspeed":
+        from vitrain.engine.deepspeed_engine import consolidated_state_dict
+
+        model.load_state_dict(consolidated_state_dict(path, meta))
+    else:
+        ckpt.load_model_weights(path, model)
