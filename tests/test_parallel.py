@@ -27,6 +27,9 @@ VARIANTS = {
     "zero3_ac_every_k": {"strategy": "zero3", "activation_checkpointing": "every_k", "checkpoint_every_k": 2},
     "zero3_offload": {"strategy": "zero3", "offload": "params"},
     "zero3_no_prefetch": {"strategy": "zero3", "backward_prefetch": False},
+    # Built on the meta device, each rank's shards drawn afterwards: the very same initial weights.
+    "zero3_sharded_init": {"strategy": "zero3", "sharded_init": True},
+    "zero2_sharded_init_offload": {"strategy": "zero2", "sharded_init": True, "offload": "params"},
 }
 
 
@@ -114,3 +117,21 @@ def test_several_processes_with_strategy_single_are_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="2 processes were launched but parallel.strategy=single"):
         init_distributed(torch.device("cpu"), "single")
+
+
+def test_sharded_init_needs_an_fsdp_strategy():
+    with pytest.raises(ConfigError, match="parallel.sharded_init=true draws FSDP2 shards, but parallel.strategy=ddp"):
+        load_config(overrides=["parallel.strategy=ddp", "parallel.sharded_init=true"])
+    with pytest.raises(ConfigError, match="parallel.sharded_init=true under train.engine=deepspeed"):
+        load_config(overrides=["parallel.strategy=zero3", "parallel.sharded_init=true", "train.engine=deepspeed"])
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.pool=gap", "model.pos_embed=sincos"]])
+@pytest.mark.parametrize("embed_dim", [0, 16])
+def test_a_model_built_on_meta_says_how_every_tensor_starts(overrides, embed_dim):
+    cfg = load_config(overrides=["model.width=32", "model.depth=2", "model.heads=2", *overrides])
+    with torch.device("meta"):
+        model = create_model(cfg.model, embed_dim)
+    assert hasattr(model, "init_rng_state")  # drawn later, from the state this build started from
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert {name for name, _ in model.init_plan()} == set(tensors)

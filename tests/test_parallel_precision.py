@@ -28,6 +28,7 @@ VARIANTS = {
     "o2_zero3_ac": (AMP_O2, {"strategy": "zero3", "activation_checkpointing": "block"}),
     "o2_zero3_sublayer": (AMP_O2, {"strategy": "zero3", "wrap": "sublayer"}),
     "o2_zero3_reduce_bf16": ({**AMP_O2, "reduce_dtype": "bf16"}, {"strategy": "zero3"}),
+    "o2_zero3_sharded_init": (AMP_O2, {"strategy": "zero3", "sharded_init": True}),
     "pure_ddp": (PURE, {"strategy": "ddp"}),
 }
 REFERENCE = {"o2": "single_o2", "pure": "single_pure"}

@@ -164,6 +164,9 @@ class ParallelConfig:
     # zero2/zero3: gather the next unit's parameters during this unit's backward (overlap on GPUs, one more
     # unit of memory); off keeps one unit gathered at a time.
     backward_prefetch: bool = True
+    # zero2/zero3: build the model on the meta device and draw only this rank's shards, one tensor at a time (the
+    # same weights as a whole build); the build then needs one tensor of host memory instead of the whole fp32 model.
+    sharded_init: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on cuda, gloo on cpu
     # BatchNorm layers (the face neck) normalize with the statistics of the whole global batch, so a run trains alike
     # on any number of ranks and resumes exactly on another; false: each rank's own batch (less communication).
@@ -542,6 +545,11 @@ def _validate_engine(cfg: Config) -> None:
         )
     if p.pipeline_stages > 1:
         raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages} {where} is not supported; use 1")
+    if p.sharded_init:
+        raise ConfigError(
+            f"parallel.sharded_init=true {where} is not supported (DeepSpeed takes a built model); set "
+            "parallel.sharded_init=false"
+        )
     if p.offload == "params" and p.strategy != "zero3":
         raise ConfigError(
             f"parallel.offload=params {where} needs parallel.strategy=zero3 (DeepSpeed offloads parameters only "
@@ -609,6 +617,14 @@ def _validate_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")
     if p.checkpoint_every_k <= 0:
         raise ConfigError(f"parallel.checkpoint_every_k={p.checkpoint_every_k} must be positive")
+    if p.sharded_init and p.strategy not in ("zero2", "zero3"):
+        raise ConfigError(
+            f"parallel.sharded_init=true draws FSDP2 shards, but parallel.strategy={p.strategy} keeps whole "
+            "weights; use parallel.strategy=zero2 or zero3, or parallel.sharded_init=false"
+        )
+    if p.sharded_init and (cfg.model.init_from or p.pipeline_stages > 1):
+        what = f"model.init_from={cfg.model.init_from}" if cfg.model.init_from else "parallel.pipeline_stages>1"
+        raise ConfigError(f"parallel.sharded_init=true with {what} is not supported; set parallel.sharded_init=false")
     if p.pipeline_stages < 1:
         raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages} must be >= 1 (1: no pipelining)")
     if p.microbatches < 0:

@@ -161,13 +161,20 @@ def _amx_probe() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-def time_block_modes(block: nn.Module, shape: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
+def time_block_modes(
+    block: nn.Module, shape: tuple[int, ...], repeats: int = 3, device: torch.device | None = None
+) -> dict[str, float]:
     """Seconds (best of `repeats`, after a warm-up) of one forward and backward of a copy of `block` on an input
     of `shape`: under bf16 autocast on fp32 weights (amp_o1) and with bf16 weights, norms fp32 (amp_o2)."""
-    device = next(block.parameters()).device
+    device = device or next(block.parameters()).device
+    draw = torch.Generator(device).manual_seed(0)  # the run's own random stream is left alone
     fp32 = copy.deepcopy(block)
+    if any(p.is_meta for p in fp32.parameters()):  # parallel.sharded_init: only the shapes matter for timing
+        fp32.to_empty(device=device)
+        for param in fp32.parameters():
+            nn.init.normal_(param, std=0.02, generator=draw)
     low, _ = _working_copy(fp32, torch.bfloat16)
-    x = torch.randn(shape, device=device)
+    x = torch.randn(shape, device=device, generator=draw)
     runs = {"amp_o1": (fp32, x, True), "amp_o2": (low, x.to(torch.bfloat16), False)}
     seconds = {}
     for mode, (module, inputs, autocast) in runs.items():

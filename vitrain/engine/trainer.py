@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -103,12 +104,16 @@ class Trainer:
         peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.data_size)
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
 
-        model = self.task.build_model()  # the same initial weights on every rank (seed)
+        # parallel.sharded_init: built on the meta device, then the strategy draws this rank's shards of the
+        # same weights (vitrain/parallel/materialize.py).
+        with torch.device("meta") if cfg.parallel.sharded_init else contextlib.nullcontext():
+            model = self.task.build_model()  # the same initial weights on every rank (seed)
         if cfg.model.init_from:
             load_pretrained(model, Path(cfg.model.init_from))
         if self.pipeline is not None:  # this rank's stages only, before they take device memory
             model = self.pipeline.split(model)
-        model = model.to(self.device)
+        if not cfg.parallel.sharded_init:
+            model = model.to(self.device)
         # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order
         # and augmentation have their own generators, functions of (seed, epoch, batch, rank).
         torch.manual_seed(cfg.train.seed + self.dist.rank)

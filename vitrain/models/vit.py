@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,7 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, embed_dim: int = 0):
         super().__init__()
+        rng_state = torch.get_rng_state()  # what the layers' own default inits, then ours, draw from
         self.cfg = cfg
         self.embed_dim = embed_dim
         self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
@@ -132,11 +134,9 @@ class VisionTransformer(nn.Module):
         if cfg.pos_embed == "learned":
             self.pos_embed = nn.Parameter(torch.zeros(1, seq_len, cfg.width))
         else:
-            table = sincos_2d(cfg.image_size // cfg.patch_size, cfg.width)
-            table = torch.cat([torch.zeros(self.num_prefix_tokens, cfg.width), table])
-            self.register_buffer("pos_embed", table.unsqueeze(0), persistent=False)
+            self.register_buffer("pos_embed", self._sincos_table(), persistent=False)
         self.pos_drop = nn.Dropout(cfg.dropout)
-        rates = torch.linspace(0, cfg.drop_path, cfg.depth).tolist()
+        rates = torch.linspace(0, cfg.drop_path, cfg.depth, device="cpu").tolist()  # also when built on meta
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
         # timm's convention: a class-token model normalizes the sequence, a pooled model the pooled vector.
         self.norm = nn.LayerNorm(cfg.width, eps=1e-6) if cfg.pool != "gap" else nn.Identity()
@@ -144,21 +144,47 @@ class VisionTransformer(nn.Module):
         features = features_dim(cfg)
         self.neck = EmbeddingNeck(features, embed_dim) if embed_dim else nn.Identity()
         self.head = nn.Linear(features, cfg.num_classes) if not embed_dim else nn.Identity()
-        self.reset_parameters()
+        if self.patch_embed.proj.weight.is_meta:
+            # Built on the meta device (parallel.sharded_init): the weights are drawn later, shard by shard, from
+            # the random state this build started from (vitrain/parallel/materialize.py).
+            self.init_rng_state = rng_state
+        else:
+            self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        for module in self.modules():
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        tensors = dict(self.named_parameters()) | dict(self.named_buffers())
+        for name, init in self.init_plan():
+            init(tensors[name], generator)
+
+    def init_plan(self) -> list[tuple[str, Callable[[torch.Tensor, torch.Generator | None], None]]]:
+        """How each parameter and buffer starts, by name, in the order the random draws are made."""
+        plan = []
+        for prefix, module in self.named_modules():
+            at = f"{prefix}." if prefix else ""
             if isinstance(module, nn.Linear | nn.Conv2d):
-                nn.init.trunc_normal_(module.weight, std=0.02)
+                plan.append((f"{at}weight", lambda t, g: nn.init.trunc_normal_(t, std=0.02, generator=g)))
                 if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+                    plan.append((f"{at}bias", lambda t, g: nn.init.zeros_(t)))
             elif isinstance(module, nn.LayerNorm | nn.BatchNorm1d):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                plan += [(f"{at}weight", lambda t, g: nn.init.ones_(t)), (f"{at}bias", lambda t, g: nn.init.zeros_(t))]
+                if isinstance(module, nn.BatchNorm1d):
+                    plan += [
+                        (f"{at}running_mean", lambda t, g: nn.init.zeros_(t)),
+                        (f"{at}running_var", lambda t, g: nn.init.ones_(t)),
+                        (f"{at}num_batches_tracked", lambda t, g: nn.init.zeros_(t)),
+                    ]
         if isinstance(self.pos_embed, nn.Parameter):
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+            plan.append(("pos_embed", lambda t, g: nn.init.trunc_normal_(t, std=0.02, generator=g)))
+        else:
+            plan.append(("pos_embed", lambda t, g: t.copy_(self._sincos_table())))
         if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=1e-6)
+            plan.append(("cls_token", lambda t, g: nn.init.normal_(t, std=1e-6, generator=g)))
+        return plan
+
+    def _sincos_table(self) -> torch.Tensor:
+        cfg = self.cfg
+        table = sincos_2d(cfg.image_size // cfg.patch_size, cfg.width)
+        return torch.cat([torch.zeros(self.num_prefix_tokens, cfg.width), table]).unsqueeze(0)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> the normalized token sequence (B, N, D), batch first in either layout."""

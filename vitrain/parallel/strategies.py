@@ -16,6 +16,7 @@ from vitrain.errors import ConfigError
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from vitrain.parallel.materialize import is_on_meta, materialize_shards
 from vitrain.parallel.sync_batchnorm import sync_batchnorm
 
 if TYPE_CHECKING:
@@ -114,6 +115,8 @@ def fully_shard_model(
     for unit in plan.shard_units:
         fully_shard(unit, mp_policy=policy, **shard)
     fully_shard(model, mp_policy=root_policy, **shard)
+    if is_on_meta(model):  # parallel.sharded_init: only now, and only this rank's shards, take memory
+        materialize_shards(model, torch.device("cpu") if cfg.offload == "params" else device)
     if not cfg.backward_prefetch:
         # An explicit prefetch list replaces FSDP2's default (the next unit); listing the unit itself, which is
         # already gathered when its backward starts, prefetches nothing.
