@@ -52,6 +52,17 @@ ROWS: dict[str, dict[str, Any]] = {
         "config": {"parallel": {"strategy": "zero3", "wrap": "block", "activation_checkpointing": "block"}},
         "estimate": {"strategy": "zero3", "wrap": "block", "ac": True},
     },
+    "zero3 + activation checkpointing + sharded init": {
+        "config": {
+            "parallel": {
+                "strategy": "zero3",
+                "wrap": "block",
+                "activation_checkpointing": "block",
+                "sharded_init": True,
+            }
+        },
+        "estimate": {"strategy": "zero3", "wrap": "block", "ac": True, "build": "sharded"},
+    },
     "zero3 + amp_o2 bf16 + activation checkpointing": {
         "config": {
             "parallel": {"strategy": "zero3", "wrap": "block", "activation_checkpointing": "block"},

@@ -184,9 +184,10 @@ def test_the_peak_adds_the_process_baseline_to_training_or_build():
 
 def test_cli_reads_a_recipes_settings_for_a_grid_of_presets_and_devices(capsys):
     command = ["estimate", "--config", "vit-huge-fsdp", "--devices", "64", "1024", "--memory", "40", "80"]
-    assert main([*command, "--from", "ViT-H/14", "--build", "sharded"]) == 0
+    assert main([*command, "--from", "ViT-H/14"]) == 0
     out = capsys.readouterr().out
     assert "strategy=zero3" in out and "ac=True" in out and "batch=32" in out and "precision=bf16" in out
+    assert "build=sharded" in out  # the recipe sets parallel.sharded_init
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("ViT-")}
     assert list(rows)[0] == "ViT-H/14" and "ViT-B/16" not in rows
     assert rows["ViT-120B/14"][-1] == "40" and rows["ViT-120B/14"][3] == "80"  # 1024 GPUs: 40 GB; 64: 80 GB
@@ -196,3 +197,21 @@ def test_cli_names_the_largest_model_that_fits(capsys):
     base = ["--devices", "4", "--memory", "5", "--baseline-gib", "0.33", "--image-size", "32", "--patch-size", "16"]
     assert main(["estimate", "--largest", "--strategy", "ddp", *base]) == 0
     assert "width 1024, depth 24" in capsys.readouterr().out  # ViT-L/16's shape: 16 bytes per parameter in 4.67 GiB
+
+
+def test_a_flag_overrides_the_recipes_sharded_build(capsys):
+    command = [
+        "estimate",
+        "--config",
+        "vit-huge-fsdp",
+        "--devices",
+        "64",
+        "1024",
+        "--memory",
+        "80",
+        "--from",
+        "ViT-120B/14",
+    ]
+    assert main([*command, "--build", "whole"]) == 0
+    out = capsys.readouterr().out
+    assert "build=whole" in out and out.splitlines()[2].split()[-1] == "-"  # 120B never fits with a whole build

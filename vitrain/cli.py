@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--build",
         choices=["whole", "sharded"],
-        default="whole",
-        help="whole: every process builds the full fp32 model first (vitrain today); sharded: only its part",
+        help="whole: every process builds the full fp32 model first (the default); sharded: only its shards "
+        "(parallel.sharded_init=true under zero2/zero3)",
     )
     estimate.add_argument(
         "--baseline-gib", type=float, default=0.0, help="per-process memory besides the model (CPU: ~0.33)"
@@ -249,7 +249,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
 
     setting = {"strategy": "zero3", "wrap": "block", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
-    setting["pipeline_stages"] = 1
+    setting.update(pipeline_stages=1, build="whole")
     if args.config:
         setting.update(_recipe_setting(_load([args.config])))
     flags = {
@@ -260,9 +260,10 @@ def _estimate(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "precision": args.precision,
         "pipeline_stages": args.pipeline_stages,
+        "build": args.build,
     }
     setting.update({k: v for k, v in flags.items() if v is not None})
-    setting.update(build=args.build, baseline_bytes=int(args.baseline_gib * 2**30))
+    setting.update(baseline_bytes=int(args.baseline_gib * 2**30))
     devices = args.devices or [1]
     header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **setting}.items())
     fields = {"image_size": args.image_size, "patch_size": args.patch_size}
@@ -300,6 +301,7 @@ def _recipe_setting(cfg) -> dict:
         "precision": cfg.precision.dtype if cfg.precision.mode == "amp_o2" else "fp32",
         "pipeline_stages": p.pipeline_stages,
         "microbatches": p.microbatches,
+        "build": "sharded" if p.sharded_init else "whole",
     }
 
 

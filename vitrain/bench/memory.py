@@ -24,12 +24,12 @@ norm and head with the last); each process holds the model states of its largest
 devices / S data-parallel ranks as the strategy says, and the first stage keeps the activations of up to S
 micro-batches (1F1B) in flight.
 
-The peak of a process is the larger of training and building: vitrain builds the whole fp32 model on every
-process before it shards or splits it (`build="whole"`), so 4 bytes per parameter are needed once whatever the
-strategy; `build="sharded"` is the estimate for a build that only ever materializes each process's part (meta
-device, not yet in vitrain). `baseline_bytes` is what a process holds besides the model: on a CPU the
-interpreter, torch and the process group (0.33 GiB here, benchmarks/largest_model.py measures it); on a GPU the
-CUDA context and kernels.
+The peak of a process is the larger of training and building: by default vitrain builds the whole fp32 model on
+every process before it shards or splits it (`build="whole"`), so 4 bytes per parameter are needed once whatever the
+strategy; `build="sharded"` is zero2/zero3 with `parallel.sharded_init=true`, which builds on the meta device and
+materializes only each process's shards, one tensor at a time (vitrain/parallel/materialize.py). `baseline_bytes` is
+what a process holds besides the model: on a CPU the interpreter, torch and the process group (0.33 GiB here,
+benchmarks/largest_model.py measures it); on a GPU the CUDA context and kernels.
 """
 
 from __future__ import annotations
