@@ -7,6 +7,8 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'vitrain[deepspeed]'")
 
 import os  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -14,6 +16,7 @@ from safetensors.torch import load_file  # noqa: E402
 from torch.multiprocessing.spawn import ProcessRaisedException  # noqa: E402
 
 from tests.distributed_helpers import free_port, losses, run_two_ranks, torchrun_env  # noqa: E402
+from vitrain import checkpoint as ckpt  # noqa: E402
 from vitrain.cli import main  # noqa: E402
 from vitrain.config import CONFIG_DIR, load_config  # noqa: E402
 from vitrain.engine import Trainer  # noqa: E402
@@ -160,3 +163,21 @@ def _native_then_deepspeed(out_dir):
 def test_a_native_checkpoint_is_refused_by_the_deepspeed_engine(tmp_path):
     with pytest.raises(ProcessRaisedException, match=r"written by train.engine=native; resume it with train.engine="):
         _one_process(_native_then_deepspeed, tmp_path)
+
+
+class _RunsCode:
+    """Unpickling this calls a function: what a crafted checkpoint file would do."""
+
+    def __reduce__(self):
+        return (os.makedirs, (str(Path(os.environ["VITRAIN_TEST_MARKER"])),))
+
+
+def test_a_deepspeed_file_whose_pickle_would_run_code_is_refused_before_it_is_read(checkpointed, tmp_path, monkeypatch):
+    run = tmp_path / "crafted"
+    shutil.copytree(checkpointed / "export_ddp", run)
+    marker = tmp_path / "code-ran"
+    monkeypatch.setenv("VITRAIN_TEST_MARKER", str(marker))
+    states = next(run.glob(f"checkpoints/*/{ckpt.DEEPSPEED_DIR}/mp_rank_00_model_states.pt"))
+    torch.save({"module": {}, "payload": _RunsCode()}, states)
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()

@@ -76,6 +76,7 @@ def written(tmp_path_factory: pytest.TempPathFactory):
     return out
 
 
+@pytest.mark.slow  # a real 2-process search, ~20-40 s: pytest -m slow
 def test_the_largest_measured_model_fits_and_the_next_does_not(written):
     result = json.loads(written.read_text())
     row = result["rows"]["ddp"]
@@ -86,10 +87,12 @@ def test_the_largest_measured_model_fits_and_the_next_does_not(written):
     assert all(len(p["ranks"]) == 2 for p in row["probes"] if p["fits"])
 
 
+@pytest.mark.slow  # a real 2-process search, ~20-40 s: pytest -m slow
 def test_the_estimate_is_within_fifteen_percent_of_the_measured_peak(written):
     assert abs(json.loads(written.read_text())["rows"]["ddp"]["error"]) <= 0.15
 
 
+@pytest.mark.slow  # a real 2-process search, ~20-40 s: pytest -m slow
 def test_a_markdown_table_is_written_beside_the_json(written):
     table = written.with_suffix(".md").read_text()
     assert "0.45 GiB per-process budget" in table

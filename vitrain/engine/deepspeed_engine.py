@@ -216,6 +216,7 @@ class DeepSpeedEngine:
         with all_or_none(f"reading checkpoint {path}"):
             if not (Path(path) / DEEPSPEED_DIR).is_dir():
                 raise CheckpointError(f"checkpoint {path} holds no {DEEPSPEED_DIR}/ folder of DeepSpeed's files")
+            refuse_code(Path(path) / DEEPSPEED_DIR)
             saved_stage = ZERO_STAGES.get(meta.get("strategy"), 0)
             if saved_stage != self.stage:
                 raise CheckpointError(
@@ -285,13 +286,14 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
 
     ZeRO 1-3: DeepSpeed's zero_to_fp32 merges every rank's fp32 master partitions; stage 0: the model states file
     (exact in fp32; under bf16/fp16 the low-dtype weights, upcast). Non-finite values are refused by name. These
-    files are DeepSpeed's pickles, read as DeepSpeed reads them: export only checkpoints you trust.
+    files are DeepSpeed's pickles: `refuse_code` reads each one safely first.
     """
     import_deepspeed()
     folder = Path(path) / DEEPSPEED_DIR
+    refuse_code(folder)
     stage = ZERO_STAGES.get(meta.get("strategy"), 0)
     if stage == 0:
-        state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -303,3 +305,24 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
             raise CheckpointError(f"checkpoint {path}: {name} holds inf/NaN; export an earlier checkpoint")
         weights[name] = tensor.contiguous()
     return weights
+
+
+def refuse_code(folder: Path) -> None:
+    """Read every DeepSpeed file in `folder` with torch's weights_only unpickler first, which builds tensors, plain
+    data and only DeepSpeed's own plain records (its loss scalers, ZeRO stage enum and fragment addresses), and runs
+    nothing; a file naming anything else is refused before DeepSpeed, which unpickles without that guard, reads it."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    for file in sorted(folder.glob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # an UnpicklingError naming the global, or a damaged file
+            reason = " ".join(str(exc).split())[:300]
+            raise CheckpointError(
+                f"checkpoint file {file} holds more than tensors and DeepSpeed's plain records, so vitrain does not "
+                f"unpickle it ({reason}); load only checkpoints that DeepSpeed wrote"
+            ) from None
