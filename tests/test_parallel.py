@@ -12,7 +12,8 @@ from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
-from vitrain.parallel import apply_activation_checkpointing, init_distributed
+from vitrain.parallel import apply_activation_checkpointing, init_distributed, parallelize
+from vitrain.parallel.sync_batchnorm import sync_batchnorm
 
 # name -> parallel section; all of them run in one spawned 2-process job.
 VARIANTS = {
@@ -133,5 +134,31 @@ def test_a_model_built_on_meta_says_how_every_tensor_starts(overrides, embed_dim
     with torch.device("meta"):
         model = create_model(cfg.model, embed_dim)
     assert hasattr(model, "init_rng_state")  # drawn later, from the state this build started from
+    sync_batchnorm(model, torch.device("cpu"))  # as the strategies do before sharding (the face neck's BatchNorm)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     assert {name for name, _ in model.init_plan()} == set(tensors)
+
+
+def _sharded_face_model_equals_a_whole_build(out_dir):
+    """Each rank: a face model (bias-free neck Linear, BatchNorm) built on meta and sharded vs a whole build."""
+    cfg = load_config(overrides=["model.width=32", "model.depth=2", "model.heads=2", "parallel.strategy=zero3"])
+    init_distributed(torch.device("cpu"), "zero3")
+    torch.manual_seed(3)
+    whole = create_model(cfg.model, embed_dim=16)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        sharded = create_model(cfg.model, embed_dim=16)
+    parallelize(sharded, cfg.parallel, torch.device("cpu"))
+    state = sharded.state_dict()
+    mismatched = [
+        name
+        for name, tensor in whole.state_dict().items()
+        if not torch.equal(getattr(state[name], "full_tensor", lambda t=state[name]: t)(), tensor)
+    ]
+    (out_dir / f"mismatched{torch.distributed.get_rank()}.json").write_text(json.dumps(mismatched))
+
+
+def test_sharded_init_draws_the_whole_builds_weights_for_a_face_model(tmp_path):
+    run_two_ranks(_sharded_face_model_equals_a_whole_build, tmp_path)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"mismatched{rank}.json").read_text()) == []

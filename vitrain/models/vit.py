@@ -165,9 +165,9 @@ class VisionTransformer(nn.Module):
                 plan.append((f"{at}weight", lambda t, g: nn.init.trunc_normal_(t, std=0.02, generator=g)))
                 if module.bias is not None:
                     plan.append((f"{at}bias", lambda t, g: nn.init.zeros_(t)))
-            elif isinstance(module, nn.LayerNorm | nn.BatchNorm1d):
+            elif isinstance(module, nn.LayerNorm | nn.modules.batchnorm._BatchNorm):  # also once made cross-rank
                 plan += [(f"{at}weight", lambda t, g: nn.init.ones_(t)), (f"{at}bias", lambda t, g: nn.init.zeros_(t))]
-                if isinstance(module, nn.BatchNorm1d):
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
                     plan += [
                         (f"{at}running_mean", lambda t, g: nn.init.zeros_(t)),
                         (f"{at}running_var", lambda t, g: nn.init.ones_(t)),

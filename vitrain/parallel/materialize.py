@@ -59,5 +59,8 @@ def _replay_default_init(module: nn.Module, model: nn.Module) -> None:
     layer = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))  # e.g. LayerNorm, not its FSDP2 twin
     scratch = layer.__new__(layer)
     scratch.__dict__ = dict(module.__dict__)
-    scratch._parameters = {name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for name, p in own.items()}
+    scratch._parameters = {  # a parameter the layer lacks (Linear(bias=False)) stays None, as its init expects
+        name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+        for name, p in module._parameters.items()
+    }
     layer.reset_parameters(scratch)
