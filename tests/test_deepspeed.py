@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'vitrain[deepspeed]'")
 
+import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -43,15 +44,29 @@ def digits(out_dir, name: str, *overrides: str):
     )
 
 
+# A user's DeepSpeed JSON: vitrain fills the "auto" values; the keys it does not map reach DeepSpeed as written.
+USER_JSON = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": "auto", "overlap_comm": False, "reduce_bucket_size": 1000000},
+    "bf16": {"enabled": "auto"},
+}
+
+
 def _train_engines(out_dir):
     Trainer(digits(out_dir, "native_ddp", "parallel.strategy=ddp")).fit()
     for name, strategy in STAGES.items():
         Trainer(digits(out_dir, name, "train.engine=deepspeed", f"parallel.strategy={strategy}")).fit()
+    user = f"train.deepspeed_config={out_dir / 'ds.json'}"
+    Trainer(digits(out_dir, "deepspeed_user_json", "train.engine=deepspeed", "parallel.strategy=zero2", user)).fit()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("deepspeed")
+    (out_dir / "ds.json").write_text(json.dumps(USER_JSON))
     run_two_ranks(_train_engines, out_dir)
     return out_dir
 
@@ -64,6 +79,17 @@ def test_deepspeed_stage_gives_the_native_engines_losses_on_two_ranks(runs, name
     for step, loss in reference.items():
         assert got[step] == pytest.approx(loss, abs=1e-4), f"{name} step {step}"
     assert len({round(v, 6) for v in reference.values()}) > 1  # training moved
+
+
+def test_a_run_from_a_user_json_gets_vitrains_values_and_the_files_own_keys_on_two_ranks(runs):
+    reference, got = losses(runs / "native_ddp"), losses(runs / "deepspeed_user_json")
+    assert sorted(got) == sorted(reference)
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), f"step {step}"
+    meta = ckpt.read_meta(next((runs / "deepspeed_user_json" / "checkpoints").glob("step_*")))
+    config = meta["precision"]["deepspeed_config"]
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": False, "reduce_bucket_size": 1000000}
+    assert config["train_micro_batch_size_per_gpu"] * 2 == config["train_batch_size"]
 
 
 PROBE_SEED = 7  # the fixed images whose logits the exported weights must reproduce

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import types
 import typing
 import warnings
@@ -124,6 +125,9 @@ class TrainConfig:
     # What sets up, steps and checkpoints the model (vitrain/engine/engines.py): native (vitrain's precision policy,
     # parallel strategy and DCP checkpoints) or deepspeed (DeepSpeed ZeRO; pip install 'vitrain[deepspeed]').
     engine: Literal["native", "deepspeed"] = "native"
+    # A user's DeepSpeed JSON (train.engine=deepspeed): its "auto" values are filled from this config and a concrete
+    # value that disagrees with it is an error; keys vitrain does not map pass through (docs/deepspeed.md).
+    deepspeed_config: str = ""
 
 
 @dataclass
@@ -536,7 +540,14 @@ def validate(cfg: Config) -> None:
 def _validate_engine(cfg: Config) -> None:
     """train.engine=deepspeed: what vitrain maps onto DeepSpeed (vitrain/engine/deepspeed_engine.py) and what not."""
     if cfg.train.engine != "deepspeed":
+        if cfg.train.deepspeed_config:
+            raise ConfigError(
+                f"train.deepspeed_config={cfg.train.deepspeed_config} is read only by the DeepSpeed engine; set "
+                "train.engine=deepspeed or drop train.deepspeed_config"
+            )
         return
+    if cfg.train.deepspeed_config:
+        read_deepspeed_json(cfg.train.deepspeed_config)
     p, where = cfg.parallel, "under train.engine=deepspeed"
     if p.strategy == "single":
         raise ConfigError(
@@ -572,6 +583,25 @@ def _validate_engine(cfg: Config) -> None:
             f"precision.mode=amp_o1 precision.dtype=fp16 {where} would run without loss scaling; use "
             "precision.mode=amp_o2 (DeepSpeed fp16, dynamic loss scaling) or precision.dtype=bf16"
         )
+
+
+def read_deepspeed_json(path: str) -> dict[str, Any]:
+    """train.deepspeed_config's file as a dict (read with json, never unpickled), or a ConfigError naming the file."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(
+            f"train.deepspeed_config={path} is not a file; give the path of a DeepSpeed JSON config or drop the field"
+        )
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"train.deepspeed_config={path} is not valid JSON ({error}); fix the file") from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"train.deepspeed_config={path} holds a JSON {type(config).__name__}, not an object; a DeepSpeed config "
+            'is an object such as {"zero_optimization": {"stage": "auto"}}'
+        )
+    return config
 
 
 def _validate_task(cfg: Config) -> None:

@@ -9,6 +9,11 @@
     optim              clip_grad_norm -> gradient_clipping, always written (DeepSpeed's code defaults to 0, its
                        docs to 1.0); vitrain's own optimizer (optim.name, its parameter groups) is passed in
 
+A user's DeepSpeed JSON (`train.deepspeed_config=FILE`) is the base instead: its `"auto"` values are filled from
+the mapping above (as Hugging Face Accelerate fills them), a concrete value of a mapped key that disagrees with
+vitrain's config is a ConfigError naming both, and the keys vitrain does not map (overlap_comm, bucket sizes, the
+user's own offload settings) pass through to DeepSpeed as written.
+
 The learning rate of every step comes from vitrain's schedule (the trainer sets it, as under the native engine),
 so DeepSpeed's scheduler slot stays empty and a resume continues the schedule from the step number.
 
@@ -18,8 +23,11 @@ Runs on CPU with gloo (DeepSpeed's CPU accelerator) under torchrun, in the proce
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +35,7 @@ import torch
 from torch import nn
 
 from vitrain import checkpoint as ckpt
-from vitrain.config import Config
+from vitrain.config import Config, read_deepspeed_json
 from vitrain.engine.engines import LossFn
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import count_parameters
@@ -72,8 +80,16 @@ def resolve_precision(cfg: Config, device: torch.device) -> Resolved:
     return resolved
 
 
-def deepspeed_config(cfg: Config, resolved: Resolved) -> dict[str, Any]:
-    """The DeepSpeed config dict for `cfg` (see the module's docstring for each mapping)."""
+def deepspeed_config(cfg: Config, resolved: Resolved, world_size: int = 1) -> dict[str, Any]:
+    """The DeepSpeed config dict for `cfg` on `world_size` processes (see the module's docstring for each mapping),
+    merged into train.deepspeed_config's file when one is given."""
+    config = _mapped_config(cfg, resolved, world_size)
+    if not cfg.train.deepspeed_config:
+        return config
+    return merge_user_config(read_deepspeed_json(cfg.train.deepspeed_config), config, cfg)
+
+
+def _mapped_config(cfg: Config, resolved: Resolved, world_size: int) -> dict[str, Any]:
     p, t = cfg.parallel, cfg.train
     zero: dict[str, Any] = {"stage": ZERO_STAGES[p.strategy]}
     if p.offload == "optimizer":
@@ -84,6 +100,7 @@ def deepspeed_config(cfg: Config, resolved: Resolved) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.accum_steps,
+        "train_batch_size": t.batch_size * t.accum_steps * world_size,
         "gradient_clipping": cfg.optim.clip_grad_norm,
         "zero_optimization": zero,
         # vitrain's optimizers (torch's AdamW/SGD, its LAMB/LARS) step ZeRO's flat fp32 partitions as they are;
@@ -113,6 +130,98 @@ def deepspeed_config(cfg: Config, resolved: Resolved) -> dict[str, Any]:
     return config
 
 
+def _precision(cfg: Config, value: Any) -> str:
+    return f"precision.mode={cfg.precision.mode} precision.dtype={cfg.precision.dtype} gives {json.dumps(value)}"
+
+
+def _optimizer(cfg: Config, value: Any) -> str:
+    return f"vitrain passes its own optimizer (optim.name={cfg.optim.name}), which needs {json.dumps(value)}"
+
+
+# The keys of a user's DeepSpeed JSON that vitrain's config decides, each with what decides it (for the error): a
+# missing or "auto" value is filled, a different one refused. Other keys vitrain writes (steps_per_print,
+# wall_clock_breakdown, pin_memory) are only its defaults: the file's values win.
+MAPPED: dict[str, Callable[[Config, Any], str]] = {
+    "train_micro_batch_size_per_gpu": lambda c, v: f"train.batch_size={c.train.batch_size}",
+    "gradient_accumulation_steps": lambda c, v: f"train.accum_steps={c.train.accum_steps}",
+    "train_batch_size": lambda c, v: (
+        f"train.batch_size={c.train.batch_size} x train.accum_steps={c.train.accum_steps} x processes = {v}"
+    ),
+    "gradient_clipping": lambda c, v: f"optim.clip_grad_norm={c.optim.clip_grad_norm:g}",
+    "zero_optimization.stage": lambda c, v: f"parallel.strategy={c.parallel.strategy} (stage {v})",
+    "zero_optimization.offload_optimizer.device": lambda c, v: f"parallel.offload={c.parallel.offload}",
+    "zero_optimization.offload_param.device": lambda c, v: f"parallel.offload={c.parallel.offload}",
+    "bf16.enabled": _precision,
+    "fp16.enabled": _precision,
+    "fp16.loss_scale": lambda c, v: "vitrain's fp16 uses dynamic loss scaling (0)",
+    "fp16.initial_scale_power": lambda c, v: f"precision.init_scale={c.precision.init_scale:g} (2^{v})",
+    "fp16.loss_scale_window": lambda c, v: f"precision.growth_interval={c.precision.growth_interval}",
+    "fp16.min_loss_scale": lambda c, v: f"precision.min_scale={c.precision.min_scale:g}",
+    "fp16.hysteresis": lambda c, v: "vitrain's loss scaling halves at every overflow (1)",
+    "zero_allow_untested_optimizer": _optimizer,
+    "zero_force_ds_cpu_optimizer": _optimizer,
+}
+# Sections DeepSpeed would build instead of vitrain's optimizer and schedule.
+OWNED_SECTIONS = {"optimizer": "optim.*", "scheduler": "schedule.*"}
+
+
+def merge_user_config(user: dict[str, Any], ours: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    """`ours` (vitrain's mapping) merged into the user's DeepSpeed JSON: "auto" and missing mapped values filled,
+    disagreements refused naming both values, every key vitrain does not map kept as the user wrote it."""
+    name = f"train.deepspeed_config={cfg.train.deepspeed_config}"
+    for section, fields in OWNED_SECTIONS.items():
+        if section in user:
+            raise ConfigError(
+                f'{name} has an "{section}" section, but vitrain passes its own ({fields}); remove the section'
+            )
+    ours = copy.deepcopy(ours)
+    for low in ("bf16", "fp16"):  # an "auto" or explicit switch in the file is compared with vitrain's precision
+        ours.setdefault(low, {"enabled": False})
+    merged = copy.deepcopy(user)
+    _merge_into(merged, ours, cfg, name, prefix="")
+    leftover = _auto_keys(merged)
+    if leftover:
+        raise ConfigError(
+            f'{name}: {leftover[0]}="auto" is not a value vitrain fills (it fills {", ".join(sorted(MAPPED))}); '
+            "give a value or remove the key"
+        )
+    return merged
+
+
+def _merge_into(theirs: dict[str, Any], ours: dict[str, Any], cfg: Config, name: str, prefix: str) -> None:
+    for key, value in ours.items():
+        dotted = prefix + key
+        if isinstance(value, dict):
+            section = theirs.setdefault(key, {})
+            if section == "auto":
+                section = theirs[key] = {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"{name}: {dotted} must be a JSON object, not {json.dumps(section)}; fix the file")
+            _merge_into(section, value, cfg, name, prefix=dotted + ".")
+        elif key not in theirs or theirs[key] == "auto":
+            theirs[key] = value
+        elif dotted in MAPPED and not _same(theirs[key], value):
+            raise ConfigError(
+                f"deepspeed_config {dotted}={json.dumps(theirs[key])} but {MAPPED[dotted](cfg, value)}; set one of "
+                'them to match or "auto"'
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: true is not 1, 2 is 2.0."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+def _auto_keys(config: dict[str, Any], prefix: str = "") -> list[str]:
+    found = []
+    for key, value in config.items():
+        if value == "auto":
+            found.append(prefix + key)
+        elif isinstance(value, dict):
+            found += _auto_keys(value, prefix + key + ".")
+    return found
+
+
 class DeepSpeedEngine:
     """vitrain's model and optimizer inside `deepspeed.initialize`; backward, step and checkpoints are DeepSpeed's."""
 
@@ -135,7 +244,7 @@ class DeepSpeedEngine:
         deepspeed = import_deepspeed()
         self.cfg, self.dist = cfg, dist
         self.resolved = resolve_precision(cfg, dist.device)
-        self.config = deepspeed_config(cfg, self.resolved)
+        self.config = deepspeed_config(cfg, self.resolved, dist.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
         plan = model.parallel_plan(cfg.parallel.wrap)  # the model names its units (vitrain/models/parallel_plan.py)
         apply_activation_checkpointing(
@@ -146,10 +255,10 @@ class DeepSpeedEngine:
         self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         self.model = model  # the ds engine's module: under ZeRO-3 its parameters are partitioned
-        low = self.config.get("bf16") or self.config.get("fp16")
+        self.fp16 = _enabled(self.config, "fp16")
+        low = self.fp16 or _enabled(self.config, "bf16")
         # DeepSpeed casts the model to its low dtype; images go in in that dtype and logits come back fp32.
         self.forward: nn.Module = _LowPrecisionIO(self.ds, self.ds.get_data_types()[0]) if low else self.ds
-        self.fp16 = "fp16" in self.config
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -266,13 +375,19 @@ class DeepSpeedEngine:
     def describe(self) -> list[str]:
         zero = self.config["zero_optimization"]
         offload = ", ".join(k for k in ("offload_optimizer", "offload_param") if k in zero) or "no offload"
-        low = "bf16" if "bf16" in self.config else "fp16 (dynamic loss scaling)" if self.fp16 else "fp32 weights"
+        low = (
+            "bf16" if _enabled(self.config, "bf16") else "fp16 (dynamic loss scaling)" if self.fp16 else "fp32 weights"
+        )
         return [
             f"engine deepspeed {_version()}: ZeRO stage {self.stage} ({offload}), {low}, gradient_clipping="
             f"{self.config['gradient_clipping']:g}, gradient_accumulation_steps="
             f"{self.config['gradient_accumulation_steps']}",
             f"precision {self.resolved.label} ({self.resolved.reason})",
         ]
+
+
+def _enabled(config: dict[str, Any], section: str) -> bool:
+    return bool(config.get(section, {}).get("enabled"))
 
 
 def _version() -> str:
