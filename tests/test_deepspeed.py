@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'vitrain[deepspeed]'")
 
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -17,6 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 from torch.multiprocessing.spawn import ProcessRaisedException  # noqa: E402
 
 from tests.distributed_helpers import free_port, losses, run_two_ranks, torchrun_env  # noqa: E402
+from tests.test_face import face_config, make_faces  # noqa: E402
 from vitrain import checkpoint as ckpt  # noqa: E402
 from vitrain.cli import main  # noqa: E402
 from vitrain.config import CONFIG_DIR, load_config  # noqa: E402
@@ -207,3 +209,74 @@ def test_a_deepspeed_file_whose_pickle_would_run_code_is_refused_before_it_is_re
     torch.save({"module": {}, "payload": _RunsCode()}, states)
     assert main(["export", str(run), str(tmp_path / "out")]) == 2
     assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------- face task
+
+ORL = Path("/work/shared/data/orl-faces.zip")
+
+
+def _face_runs(out_dir, root):
+    """The face task's sharded identity head on 2 ranks: native ddp, DeepSpeed stage 0 and ZeRO-2 (straight, and
+    stopped at step 3 then resumed from its checkpoint, head rows included)."""
+    two = {"batch_size": 8}
+    Trainer(face_config(out_dir, root, "face_native", parallel={"strategy": "ddp"}, train=two)).fit()
+    for strategy in ("ddp", "zero2"):
+        ds = {"strategy": strategy}
+        Trainer(
+            face_config(out_dir, root, f"face_ds_{strategy}", parallel=ds, train={**two, "engine": "deepspeed"})
+        ).fit()
+    first = face_config(
+        out_dir,
+        root,
+        "face_ds_resumed",
+        parallel={"strategy": "zero2"},
+        train={**two, "engine": "deepspeed", "max_steps": 3},
+    )
+    Trainer(first).fit()
+    later = face_config(
+        out_dir, root, "face_ds_resumed", parallel={"strategy": "zero2"}, train={**two, "engine": "deepspeed"}
+    )
+    Trainer(later, resume=True).fit()
+
+
+@pytest.fixture(scope="module")
+def face_runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("deepspeed_face")
+    root = make_faces(out_dir / "faces")
+    run_two_ranks(_face_runs, out_dir, root)
+    return out_dir
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_the_face_task_with_a_deepspeed_backbone_and_the_sharded_head_gives_the_native_losses(face_runs, strategy):
+    reference, got = losses(face_runs / "face_native"), losses(face_runs / f"face_ds_{strategy}")
+    assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5, 6]
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), f"step {step}"
+    assert len({round(v, 6) for v in reference.values()}) > 1  # training moved
+
+
+def test_a_deepspeed_face_checkpoint_holds_the_head_by_identity_row_and_resumes(face_runs):
+    step3 = face_runs / "face_ds_resumed" / "checkpoints" / "step_00000003"
+    index = ckpt.read_index(step3)
+    assert tuple(index["head.weight"].size) == (5, 16) and tuple(index["head.state.exp_avg"].size) == (5, 16)
+    assert (step3 / ckpt.DEEPSPEED_DIR).is_dir()
+    straight, resumed = losses(face_runs / "face_ds_zero2"), losses(face_runs / "face_ds_resumed")
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), f"step {step}"
+
+
+def _orl_steps(out_dir):
+    overrides = ["train.engine=deepspeed", "parallel.strategy=zero2", "train.max_steps=3", "train.epochs=1"]
+    overrides += [f"data.root={ORL}", f"log.out_dir={out_dir}", "log.every_steps=1", "log.progress=false"]
+    Trainer(load_config(CONFIG_DIR / "face-orl.yaml", overrides)).fit()
+
+
+@pytest.mark.skipif(not ORL.is_file(), reason=f"the ORL faces are not at {ORL}")
+def test_the_face_orl_recipe_trains_under_deepspeed_with_the_sharded_head_on_two_ranks(tmp_path):
+    run_two_ranks(_orl_steps, tmp_path)
+    got = losses(tmp_path / "face-orl")
+    assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values())
+    summary = json.loads((tmp_path / "face-orl" / "summary.json").read_text())
+    assert summary["engine"] == "deepspeed" and summary["task"] == "face"

@@ -105,6 +105,10 @@ def test_offload_maps_to_deepspeeds_cpu_offload():
         (["precision.mode=pure"], r"precision.mode=pure under train.engine=deepspeed .* precision.mode=amp_o2"),
         (["precision.mode=amp_o1", "precision.dtype=fp16"], r"amp_o1 precision.dtype=fp16 .* without loss scaling"),
         (["train.compile=true"], r"train.compile=true under train.engine=deepspeed"),
+        (
+            ["task.name=face", "precision.mode=amp_o2", "precision.dtype=fp16"],
+            r"task.name=face with precision.mode=amp_o2 precision.dtype=fp16 .* use precision.dtype=bf16",
+        ),
     ],
 )
 def test_what_deepspeed_cannot_run_is_refused_naming_the_field(overrides, message):

@@ -586,6 +586,12 @@ def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer
         local.state[owned[name][0]] = entries
 
 
+def save_extra(folder: Path, state: dict[str, Any]) -> None:
+    """Collective: `state`'s tensors as DCP shards in `folder` (an engine's step folder being written, beside its
+    own files); `load_extra` reads them back under any world size."""
+    _dcp_save(state, folder)
+
+
 def load_extra(path: Path, state: dict[str, Any]) -> None:
     """Collective: fill `state`'s tensors in place from the same keys that `save(extra=...)` wrote."""
     _dcp_load(state, path)

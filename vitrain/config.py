@@ -566,9 +566,10 @@ def _validate_engine(cfg: Config) -> None:
             f"parallel.offload=params {where} needs parallel.strategy=zero3 (DeepSpeed offloads parameters only "
             "under ZeRO-3); use parallel.offload=optimizer with ddp/zero1/zero2"
         )
-    if cfg.task.name == "face":
+    if cfg.task.name == "face" and cfg.precision.mode == "amp_o2" and cfg.precision.dtype == "fp16":
         raise ConfigError(
-            f"task.name=face {where}: the identity head beside a DeepSpeed model is not supported yet; use "
+            f"task.name=face with precision.mode=amp_o2 precision.dtype=fp16 {where}: DeepSpeed's loss scale would "
+            "reach the identity head's gradients unchecked; use precision.dtype=bf16, precision.mode=fp32, or "
             "train.engine=native"
         )
     if cfg.train.compile:

@@ -17,6 +17,12 @@ user's own offload settings) pass through to DeepSpeed as written.
 The learning rate of every step comes from vitrain's schedule (the trainer sets it, as under the native engine),
 so DeepSpeed's scheduler slot stays empty and a resume continues the schedule from the step number.
 
+The face task's identity head (vitrain/parallel/identity_head.py: fp32, this rank's rows) lives outside DeepSpeed:
+DeepSpeed's backward reaches it through the loss, DeepSpeed steps the backbone, then the head's own torch optimizer
+steps it (not clipped: the clipping norm is the backbone's, as under the native engine), and its rows and optimizer
+state go into the step folder as DCP shards that reshard to any world size. Under fp16 DeepSpeed would scale the
+head's gradients by its loss scale and check only the backbone's for overflow, so fp16 with a head is refused.
+
 Runs on CPU with gloo (DeepSpeed's CPU accelerator) under torchrun, in the process group vitrain opened.
 """
 
@@ -36,14 +42,16 @@ from torch import nn
 
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, read_deepspeed_json
-from vitrain.engine.engines import LossFn
+from vitrain.engine.engines import HEAD, LossFn
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import count_parameters
-from vitrain.optim import build_optimizer, set_lr
+from vitrain.optim import build_head_optimizer, build_optimizer, set_lr
 from vitrain.parallel import apply_activation_checkpointing
 from vitrain.parallel.distributed import DistInfo, all_or_none, rank
+from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.precision import Resolved, TrainingDiverged, _LowPrecisionIO, any_rank, resolve
+from vitrain.parallel.sync_batchnorm import sync_batchnorm
+from vitrain.precision import Resolved, TrainingDiverged, _LowPrecisionIO, any_rank, check_finite, resolve
 
 ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 DEEPSPEED_DIR = ckpt.DEEPSPEED_DIR  # DeepSpeed's own files inside a vitrain step folder (its checkpoint "tag")
@@ -236,20 +244,27 @@ class DeepSpeedEngine:
         pipeline: Pipeline | None = None,
     ):
         # config.validate refuses these combinations first; the engine repeats it for callers that skip validation.
-        if head is not None or pipeline is not None:
-            raise ConfigError(
-                "train.engine=deepspeed runs neither an identity head beside the model (task.name=face) nor "
-                "pipeline stages yet; use train.engine=native"
-            )
+        if pipeline is not None:
+            raise ConfigError("train.engine=deepspeed does not run pipeline stages; use train.engine=native")
         deepspeed = import_deepspeed()
         self.cfg, self.dist = cfg, dist
         self.resolved = resolve_precision(cfg, dist.device)
+        if head is not None and self.resolved.mode == "amp_o2" and self.resolved.dtype == torch.float16:
+            raise ConfigError(
+                "task.name=face with precision amp_o2 fp16 under train.engine=deepspeed: DeepSpeed's loss scale would "
+                "reach the identity head's gradients unchecked; use precision.dtype=bf16, precision.mode=fp32, or "
+                "train.engine=native"
+            )
         self.config = deepspeed_config(cfg, self.resolved, dist.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
         plan = model.parallel_plan(cfg.parallel.wrap)  # the model names its units (vitrain/models/parallel_plan.py)
         apply_activation_checkpointing(
             plan.checkpoint_units, cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every_k
         )
+        # BatchNorm (the face neck's) over the global batch, as the native strategies do: the same statistics on
+        # any number of ranks.
+        if cfg.parallel.sync_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            sync_batchnorm(model, dist.device)
         # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
         optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")
         self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
@@ -259,6 +274,8 @@ class DeepSpeedEngine:
         low = self.fp16 or _enabled(self.config, "bf16")
         # DeepSpeed casts the model to its low dtype; images go in in that dtype and logits come back fp32.
         self.forward: nn.Module = _LowPrecisionIO(self.ds, self.ds.get_data_types()[0]) if low else self.ds
+        self.head = head
+        self.head_optimizer = build_head_optimizer(head, cfg.optim, dist.device) if head is not None else None
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -282,16 +299,30 @@ class DeepSpeedEngine:
 
     def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
         # DeepSpeed skips a step only under fp16 loss scaling (inf/NaN gradients halve the scale); in fp32 and
-        # bf16 it would apply a NaN step, so a non-finite loss stops the run before the weights change.
-        if not self.fp16 and loss_nonfinite is not None and any_rank(loss_nonfinite):
-            raise TrainingDiverged(
-                "the loss held inf/NaN under train.engine=deepspeed, which cannot skip an fp32/bf16 step: the run "
-                "stops with its last good checkpoint; lower optim.lr or use train.engine=native (it skips such steps)"
-            )
+        # bf16 it would apply a NaN step, so a non-finite loss (or head gradient) stops the run before the weights
+        # change.
+        if not self.fp16:
+            bad = loss_nonfinite if loss_nonfinite is not None else torch.zeros((), dtype=torch.bool)
+            if self.head is not None:
+                average_replicated_gradients(self.head)
+                grads = [p.grad for p in self.head.parameters() if p.grad is not None]
+                if grads:
+                    bad = bad.to(grads[0].device) | ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
+            if any_rank(bad.to(self.dist.device)):
+                raise TrainingDiverged(
+                    "the loss or the head's gradients held inf/NaN under train.engine=deepspeed, which cannot skip an "
+                    "fp32/bf16 step: the run stops with its last good checkpoint; lower optim.lr or use "
+                    "train.engine=native (it skips such steps)"
+                )
         # Stage 0 keeps no norm of its own: the gradients are all-reduced by now, so every rank measures the same.
         norm = self._stage0_norm() if self.stage == 0 else None
         self.ds.step()
-        if not self.ds.was_step_applied():
+        applied = self.ds.was_step_applied()
+        if self.head_optimizer is not None:  # after DeepSpeed's step, and only when DeepSpeed applied one
+            if applied:
+                self.head_optimizer.step()
+            self.head_optimizer.zero_grad(set_to_none=True)
+        if not applied:
             return None, True
         if norm is None:
             norm = self.ds.get_global_grad_norm()
@@ -303,6 +334,8 @@ class DeepSpeedEngine:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)  # ZeRO's optimizers show the inner groups, "lr_scale" kept
+        if self.head_optimizer is not None:
+            set_lr(self.head_optimizer, lr)
 
     def parameter_count(self) -> int:
         return self.parameters
@@ -313,10 +346,16 @@ class DeepSpeedEngine:
         return {"mode": self.resolved.mode, "zero_stage": self.stage, "deepspeed_config": self.config}
 
     def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+        if self.head is not None:  # a diverged head keeps the last good checkpoint instead of saving inf/NaN
+            with all_or_none("checking the head before a checkpoint"):
+                check_finite(self.head, self.head_optimizer)
+
         def write(folder: Path) -> None:
             # DeepSpeed writes its model and (per rank) optimizer partitions under folder/deepspeed/.
             self.ds.save_checkpoint(str(folder), tag=DEEPSPEED_DIR, save_latest=False)
             torch.save(ckpt.rng_state(), folder / RNG_FILE.format(rank=rank()))
+            if self.head is not None:  # DCP shards by identity row beside DeepSpeed's folder: any world size
+                ckpt.save_extra(folder, {HEAD: self.head.checkpoint_state(self.head_optimizer)})
 
         return ckpt.save_folder(run_dir, step, meta, keep, write)
 
@@ -339,6 +378,8 @@ class DeepSpeedEngine:
                     "(DeepSpeed's checkpoints do not reshard)"
                 )
         self.ds.load_checkpoint(str(path), tag=DEEPSPEED_DIR, load_lr_scheduler_states=False)
+        if self.head is not None:
+            self.head.load_checkpoint(path, self.head_optimizer)
         rng_file = Path(path) / RNG_FILE.format(rank=rank())
         if not rng_file.is_file():
             return False
