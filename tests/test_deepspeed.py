@@ -214,14 +214,15 @@ def test_a_deepspeed_file_whose_pickle_would_run_code_is_refused_before_it_is_re
 # ---------------------------------------------------------------------------------------------- face task
 
 ORL = Path("/work/shared/data/orl-faces.zip")
+FACE_STAGES = ("ddp", "zero1", "zero2", "zero3")  # ZeRO stages 0-3
 
 
 def _face_runs(out_dir, root):
-    """The face task's sharded identity head on 2 ranks: native ddp, DeepSpeed stage 0 and ZeRO-2 (straight, and
-    stopped at step 3 then resumed from its checkpoint, head rows included)."""
+    """The face task's sharded identity head on 2 ranks: native ddp, DeepSpeed stages 0-3, and ZeRO-2 stopped at
+    step 3 then resumed from its checkpoint (head rows included)."""
     two = {"batch_size": 8}
     Trainer(face_config(out_dir, root, "face_native", parallel={"strategy": "ddp"}, train=two)).fit()
-    for strategy in ("ddp", "zero2"):
+    for strategy in FACE_STAGES:
         ds = {"strategy": strategy}
         Trainer(
             face_config(out_dir, root, f"face_ds_{strategy}", parallel=ds, train={**two, "engine": "deepspeed"})
@@ -248,7 +249,7 @@ def face_runs(tmp_path_factory):
     return out_dir
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", FACE_STAGES)
 def test_the_face_task_with_a_deepspeed_backbone_and_the_sharded_head_gives_the_native_losses(face_runs, strategy):
     reference, got = losses(face_runs / "face_native"), losses(face_runs / f"face_ds_{strategy}")
     assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5, 6]
