@@ -11,6 +11,9 @@ import pytest
 
 from tests.conftest import REPO
 
+# A real run of the benchmark script (~20-30 s): `pytest -m slow` runs it, the default run stays under 10 minutes.
+pytestmark = pytest.mark.slow
+
 TINY = ["--identities", "2000", "--embed-dim", "32", "--batch", "8", "--steps", "2"]
 
 
