@@ -23,6 +23,8 @@ from vitrain import checkpoint as ckpt  # noqa: E402
 from vitrain.cli import main  # noqa: E402
 from vitrain.config import CONFIG_DIR, load_config  # noqa: E402
 from vitrain.engine import Trainer  # noqa: E402
+from vitrain.engine.deepspeed_engine import UNIVERSAL_DIR, consolidated_state_dict, universal_checkpoint  # noqa: E402
+from vitrain.errors import CheckpointError  # noqa: E402
 from vitrain.models import create_model  # noqa: E402
 
 # run name -> parallel.strategy, which picks the ZeRO stage
@@ -172,14 +174,57 @@ def _one_process_worker(rank: int, port: int, job, args: tuple) -> None:
         shutdown()
 
 
-def _resume_on_one_rank(run_dir, out_dir):
-    cfg = digits(out_dir, "resumed", "train.engine=deepspeed", "parallel.strategy=zero2", "train.max_steps=9")
-    Trainer(cfg, resume=str(run_dir)).fit()
+def _resume_on_one_rank(out_dir, name: str, strategy: str, max_steps: int) -> None:
+    """Resume run `name` (saved on 2 ranks) in one process for 2 more steps; keep the weights DeepSpeed loaded,
+    before any step changes them."""
+    from vitrain.engine.deepspeed_engine import DeepSpeedEngine
+
+    loaded: dict[str, torch.Tensor] = {}
+    load = DeepSpeedEngine.load
+
+    def load_and_keep(self, path, meta):
+        restored = load(self, path, meta)
+        loaded.update(self.full_state_dict())
+        return restored
+
+    DeepSpeedEngine.load = load_and_keep  # this spawned process only
+    cfg = digits(
+        out_dir, name, "train.engine=deepspeed", f"parallel.strategy={strategy}", f"train.max_steps={max_steps}"
+    )
+    Trainer(cfg, resume=True).fit()
+    torch.save(loaded, out_dir / f"{name}.loaded.pt")
 
 
-def test_a_zero_checkpoint_of_two_ranks_is_refused_on_one_naming_both_counts(checkpointed):
-    with pytest.raises(ProcessRaisedException, match=r"ZeRO-2 optimizer partitions of 2 processes and 1 are running"):
-        _one_process(_resume_on_one_rank, checkpointed / "resumed", checkpointed)
+@pytest.mark.parametrize(("name", "strategy", "saved_step"), [("resumed", "zero2", 6), ("export_zero3", "zero3", 5)])
+def test_a_zero_checkpoint_of_two_ranks_resumes_on_one_through_deepspeeds_universal_checkpoint(
+    checkpointed, tmp_path, name, strategy, saved_step
+):
+    shutil.copytree(checkpointed / name, tmp_path / name)
+    step_dir = tmp_path / name / "checkpoints" / f"step_{saved_step:08d}"
+    saved = consolidated_state_dict(step_dir, ckpt.read_meta(step_dir))  # the 2 ranks' fp32 masters, merged
+    before = losses(tmp_path / name)
+    _one_process(_resume_on_one_rank, tmp_path, name, strategy, saved_step + 2)
+    loaded = torch.load(tmp_path / f"{name}.loaded.pt", weights_only=True)
+    assert loaded.keys() == saved.keys()
+    for key, tensor in saved.items():
+        torch.testing.assert_close(loaded[key], tensor, rtol=0, atol=1e-6, msg=key)
+    assert (step_dir / UNIVERSAL_DIR / ckpt.DEEPSPEED_DIR / "zero").is_dir()
+    after = losses(tmp_path / name)
+    # One rank sees half the global batch of two, so the new losses are not the 2-rank run's: they are finite and
+    # continue from the saved step.
+    assert sorted(after) == [*range(1, saved_step + 3)]
+    assert all(after[step] == before[step] for step in before)
+    assert all(math.isfinite(after[step]) for step in (saved_step + 1, saved_step + 2))
+    meta = ckpt.read_meta(tmp_path / name / "checkpoints" / f"step_{saved_step + 2:08d}")
+    assert meta["world_size"] == 1 and meta["step"] == saved_step + 2
+
+
+def test_a_folder_deepspeeds_converter_cannot_convert_is_refused_naming_it_and_leaves_nothing(checkpointed, tmp_path):
+    step_dir = next((checkpointed / "export_ddp" / "checkpoints").glob("step_*"))
+    shutil.copytree(step_dir, tmp_path / step_dir.name)  # stage 0: no ZeRO optimizer partitions to convert
+    with pytest.raises(CheckpointError, match=r"universal checkpoint conversion .* failed \(FileNotFoundError"):
+        universal_checkpoint(tmp_path / step_dir.name)
+    assert sorted(p.name for p in (tmp_path / step_dir.name).iterdir()) == sorted(p.name for p in step_dir.iterdir())
 
 
 def _native_then_deepspeed(out_dir):

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,7 @@ from vitrain.precision import Resolved, TrainingDiverged, _LowPrecisionIO, any_r
 
 ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 DEEPSPEED_DIR = ckpt.DEEPSPEED_DIR  # DeepSpeed's own files inside a vitrain step folder (its checkpoint "tag")
+UNIVERSAL_DIR = "deepspeed_universal"  # DeepSpeed's universal checkpoint of a step folder, made to change world size
 RNG_FILE = "rng_rank{rank}.pt"  # each rank's RNG state (tensors only, read with weights_only=True)
 
 
@@ -371,13 +374,23 @@ class DeepSpeedEngine:
                     f"checkpoint {path} was saved under ZeRO stage {saved_stage} (parallel.strategy="
                     f"{meta.get('strategy')}); resume with the same parallel.strategy"
                 )
-            if saved_ranks != self.dist.world_size and self.stage > 0:
-                raise CheckpointError(
-                    f"checkpoint {path} holds DeepSpeed ZeRO-{self.stage} optimizer partitions of {saved_ranks} "
-                    f"processes and {self.dist.world_size} are running: resume on {saved_ranks} processes "
-                    "(DeepSpeed's checkpoints do not reshard)"
-                )
-        self.ds.load_checkpoint(str(path), tag=DEEPSPEED_DIR, load_lr_scheduler_states=False)
+            # ZeRO 1-3 keep one flat optimizer partition per rank, which DeepSpeed reads only on as many ranks: on
+            # another count the step folder is converted once into DeepSpeed's universal checkpoint (whole tensors
+            # per parameter), which any count loads.
+            reshard = saved_ranks != self.dist.world_size and self.stage > 0
+            if reshard and rank() == 0:
+                universal_checkpoint(Path(path))
+        load_dir = Path(path)
+        if reshard:
+            load_dir = Path(path) / UNIVERSAL_DIR
+            with all_or_none(f"reading the universal checkpoint {load_dir}"):
+                refuse_code(load_dir / DEEPSPEED_DIR)
+        previous = self.ds._config.load_universal_checkpoint
+        self.ds._config.load_universal_checkpoint = reshard  # DeepSpeed reads the switch at load time only
+        try:
+            self.ds.load_checkpoint(str(load_dir), tag=DEEPSPEED_DIR, load_lr_scheduler_states=False)
+        finally:
+            self.ds._config.load_universal_checkpoint = previous
         if self.head is not None:
             self.head.load_checkpoint(path, self.head_optimizer)
         rng_file = Path(path) / RNG_FILE.format(rank=rank())
@@ -463,8 +476,54 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
     return weights
 
 
+def universal_checkpoint(path: Path) -> Path:
+    """Step folder `path`'s DeepSpeed files as DeepSpeed's universal checkpoint, in `path`/deepspeed_universal/
+    (tag deepspeed/ inside it, as DeepSpeed's loader expects a folder and a tag), converted on first use.
+
+    ds_to_universal unpickles the input files without weights_only, so `refuse_code` vets them first. The conversion
+    fills a temporary folder and renames it into place, so a crash leaves no half-converted folder that a later
+    resume would take for a whole one. vitrain's models carry no tensor-parallel patterns, so the missing
+    universal-checkpoint info is injected as DeepSpeed's converter offers (`inject_missing_state`).
+    """
+    final = path / UNIVERSAL_DIR
+    if final.is_dir():
+        return final
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    refuse_code(path / DEEPSPEED_DIR)
+    tmp = path / f".tmp-{UNIVERSAL_DIR}"
+    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted conversion's leftovers
+    args = argparse.Namespace(
+        input_folder=str(path / DEEPSPEED_DIR),
+        output_folder=str(tmp / DEEPSPEED_DIR),
+        num_extract_workers=1,  # in this process: no process pool inside a training process
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    try:
+        # Its progress prints and tqdm bars are not vitrain's log.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ds_to_universal.main(args)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise CheckpointError(
+            f"checkpoint {path}: DeepSpeed's universal checkpoint conversion (deepspeed.checkpoint.ds_to_universal) "
+            f"failed ({reason}); resume on the world size it was saved with"
+        ) from None
+    ckpt._fsync_tree(tmp)
+    tmp.rename(final)
+    ckpt.fsync_dir(path)
+    return final
+
+
 def refuse_code(folder: Path) -> None:
-    """Read every DeepSpeed file in `folder` with torch's weights_only unpickler first, which builds tensors, plain
+    """Read every DeepSpeed `*.pt` file under `folder` (subfolders too: a universal checkpoint keeps one folder of
+    files per parameter) with torch's weights_only unpickler first, which builds tensors, plain
     data and only DeepSpeed's own plain records (its loss scalers, ZeRO stage enum and fragment addresses), and runs
     nothing; a file naming anything else is refused before DeepSpeed, which unpickles without that guard, reads it."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
@@ -472,7 +531,7 @@ def refuse_code(folder: Path) -> None:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-    for file in sorted(folder.glob("*.pt")):
+    for file in sorted(folder.rglob("*.pt")):
         try:
             with torch.serialization.safe_globals(allowed):
                 torch.load(file, map_location="cpu", weights_only=True)
