@@ -187,6 +187,13 @@ def rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore what `rng_state` gave (its CUDA part only where CUDA is available)."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def _dcp_save(state: dict[str, Any], path: Path) -> None:
     # One process without a process group is a normal case here, not worth DCP's warning.
     with warnings.catch_warnings():
@@ -615,9 +622,7 @@ def load_rng(path: Path) -> bool:
     state = wanted[RNG_KEY][f"rank{rank()}"]
     if "cpu" not in state:
         return False
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    set_rng_state(state)
     return True
 
 

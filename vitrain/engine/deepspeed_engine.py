@@ -48,11 +48,10 @@ from vitrain.engine.engines import HEAD, LossFn
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import count_parameters
 from vitrain.optim import build_head_optimizer, build_optimizer, set_lr
-from vitrain.parallel import apply_activation_checkpointing
 from vitrain.parallel.distributed import DistInfo, all_or_none, rank
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.parallel.sync_batchnorm import sync_batchnorm
+from vitrain.parallel.strategies import prepare_layers
 from vitrain.precision import Resolved, TrainingDiverged, _LowPrecisionIO, any_rank, check_finite, resolve
 
 ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -260,14 +259,8 @@ class DeepSpeedEngine:
             )
         self.config = deepspeed_config(cfg, self.resolved, dist.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
-        plan = model.parallel_plan(cfg.parallel.wrap)  # the model names its units (vitrain/models/parallel_plan.py)
-        apply_activation_checkpointing(
-            plan.checkpoint_units, cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every_k
-        )
-        # BatchNorm (the face neck's) over the global batch, as the native strategies do: the same statistics on
-        # any number of ranks.
-        if cfg.parallel.sync_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-            sync_batchnorm(model, dist.device)
+        # Activation checkpointing and cross-rank BatchNorm (the face neck's), as the native strategies apply them.
+        prepare_layers(model, cfg.parallel, dist.device)
         # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
         optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")
         self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
@@ -396,10 +389,7 @@ class DeepSpeedEngine:
         rng_file = Path(path) / RNG_FILE.format(rank=rank())
         if not rng_file.is_file():
             return False
-        state = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+        ckpt.set_rng_state(torch.load(rng_file, weights_only=True))
         return True
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

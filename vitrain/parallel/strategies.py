@@ -34,12 +34,9 @@ def parallelize(
     wrapper around `model`; for zero2/zero3 `model` itself, whose parameters become sharded DTensors.
     `precision` (amp_o2, pure): `model` computes in its low dtype; gradients are averaged in its reduce dtype.
     """
-    plan = model.parallel_plan(cfg.wrap)  # the model names its units (vitrain/models/parallel_plan.py)
-    apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
+    prepare_layers(model, cfg, device)
     if cfg.strategy == "single":
         return model
-    if cfg.sync_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        sync_batchnorm(model, device)
     if cfg.strategy in ("ddp", "zero1"):
         # Gradients as views into the all-reduce buckets: no second copy of the gradients.
         ddp = DistributedDataParallel(
@@ -51,6 +48,17 @@ def parallelize(
             ddp.register_comm_hook(None, _average_in(precision.reduce_dtype))
         return ddp
     return fully_shard_model(model, cfg, device, precision)
+
+
+def prepare_layers(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> None:
+    """What every engine does to the model's layers before wrapping it: activation checkpointing on the blocks the
+    model names (vitrain/models/parallel_plan.py) and, on several ranks, BatchNorm over the global batch."""
+    plan = model.parallel_plan(cfg.wrap)
+    apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
+    if cfg.strategy == "single" or not cfg.sync_batchnorm:
+        return
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        sync_batchnorm(model, device)
 
 
 def _average_in(dtype: torch.dtype):
