@@ -174,6 +174,18 @@ def test_stages_in_a_row_compute_the_model_and_keep_its_parameter_names(tmp_path
     assert "blocks.4.mlp.fc1.weight" in parts[2].state_dict() and "head.weight" in parts[2].state_dict()
 
 
+@pytest.mark.parametrize(("layout", "pool"), [("batch_first", "gap"), ("seq_first", "cls"), ("seq_first", "gap")])
+def test_a_stage_sends_contiguous_tokens(tmp_path, layout, pool):
+    # Point-to-point sends refuse strided tensors: without a class token the token stream is a transposed view.
+    cfg = tiny_config(tmp_path, "contiguous", model={"depth": 2, "layout": layout, "pool": pool})
+    model = create_model(cfg.model)
+    expected = model(torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0)))
+    first, last = (ViTStage(model, blocks) for blocks in stage_blocks(2, 2))
+    tokens = first(torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0)))
+    assert tokens.is_contiguous()
+    assert torch.equal(last(tokens), expected)
+
+
 # ------------------------------------------------------------------------------------------ refusals
 
 

@@ -110,7 +110,10 @@ class ViTStage(nn.Module):
             x = block(x)
         if self.has_head:
             x = self._model_class.forward_head(self, self._model_class.final_norm(self, x))
-        return x
+            return x
+        # Sent to the next stage: point-to-point sends take contiguous tensors only, and the token stream is a
+        # strided view under pool=gap (no class token to concatenate) and under the seq_first layout.
+        return x.contiguous()
 
     def complexity(self, batch_size: int = 1):  # noqa: ANN201 (vit's Complexity; vit imports this module)
         """The whole model's cost (the header's GFLOPs per image), not this part's."""
