@@ -14,6 +14,10 @@ DEFAULT_RECIPE = "digits"
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `vitrain bench CONFIG ...` (and `vitrain bench --ladder`) is `vitrain bench run ...`.
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in BENCH_COMMANDS + ("-h", "--help")):
+        argv.insert(1, "run")
     args = parser.parse_args(argv)
     warnings.showwarning = _one_line_warning
     try:
@@ -27,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vitrain: interrupted; continue the run with --resume", file=sys.stderr)
         return 130
+
+
+BENCH_COMMANDS = ("run", "loader", "optim")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,8 +130,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     prepare.set_defaults(func=_data_prepare)
 
-    bench = sub.add_parser("bench", help="benchmarks a reader can rerun")
+    bench = sub.add_parser(
+        "bench", help="benchmarks a reader can rerun: vitrain bench [CONFIG] [overrides] [--ladder | --peers]"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    run = bench_sub.add_parser(
+        "run", help="time a recipe's real training step (the default: `vitrain bench CONFIG` means this)"
+    )
+    run.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, then overrides")
+    run.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 5; ladder rows 3)")
+    run.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 1)")
+    run.add_argument(
+        "--synthetic", action="store_true", help="random images of the model's shape instead of the recipe's data"
+    )
+    run.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace and op table of one timed step")
+    run.add_argument("--json", metavar="FILE", help="also write the result (or the ladder/peers results) as JSON")
+    run.add_argument("--ladder", action="store_true", help="the ablation ladder, each row in its own processes")
+    run.add_argument("--peers", action="store_true", help="vitrain vs timm and transformers on the same model/batch")
+    run.add_argument("--out", metavar="DIR", help="--ladder/--peers: where the table, JSON and PNG go")
+    run.add_argument(
+        "--rows", metavar="TEXT,...", help="--ladder: only rows whose names contain one of these (the rest: skipped)"
+    )
+    run.add_argument(
+        "--nproc", type=int, default=None, help="--ladder: processes per row (default: 2 on a CPU, the GPUs on CUDA)"
+    )
+    # The ladder measures the GEMM peaks once and hands them to its rows: fp32=TFLOPS,bf16=TFLOPS.
+    run.add_argument("--peaks", default=None, help=argparse.SUPPRESS)
+    run.set_defaults(func=_bench_run)
     loader = bench_sub.add_parser("loader", help="images/s of the fast prepared loader vs per-sample PIL workers")
     loader.add_argument("--prepared", required=True, help="a folder made by `vitrain data prepare`")
     loader.add_argument("--folder", required=True, help="the same images as an ImageFolder tree (or .zip)")
@@ -362,6 +394,48 @@ def _data_prepare(args: argparse.Namespace) -> int:
         f"{result.shards_done_before} already done from an earlier run, {len(result.failed)} failed)"
     )
     return 0
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.ladder or args.peers:
+        import importlib
+
+        module = importlib.import_module("vitrain.bench.ladder" if args.ladder else "vitrain.bench.peers")
+        # Without a recipe these benchmarks use their own model (ViT-Ti/16, ViT-S/16 at 224 px), not digits.
+        has_recipe = bool(args.args) and "=" not in args.args[0]
+        name, overrides = (args.args[0], args.args[1:]) if has_recipe else (None, list(args.args))
+        return module.main(name, overrides, args)
+
+    from vitrain.bench.step import bench_step, format_result, main_rank, parse_peaks, write_json
+    from vitrain.parallel import shutdown
+
+    cfg = _load(args.args)
+    if args.synthetic:
+        cfg = _synthetic_data(cfg)
+    try:
+        result = bench_step(
+            cfg,
+            steps=args.steps or 5,
+            warmup=2 if args.warmup is None else args.warmup,
+            profile=Path(args.profile) if args.profile else None,
+            peaks=parse_peaks(args.peaks),
+        )
+        is_main = main_rank()
+    finally:
+        shutdown()
+    if is_main:
+        print(format_result(result))
+        if args.json:
+            write_json(result, Path(args.json))
+    return 0
+
+
+def _synthetic_data(cfg):
+    import dataclasses
+
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="synthetic", root=""))
 
 
 def _bench_loader(args: argparse.Namespace) -> int:

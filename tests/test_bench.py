@@ -1,0 +1,178 @@
+"""`vitrain bench`: the real training step timed phase by phase, and the ablation ladder's table, JSON and chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import run_cli, tiny_overrides
+from vitrain.bench import ladder
+from vitrain.bench.step import bench_step, dtype_key, gemm_flops, parse_peaks
+from vitrain.cli import main
+from vitrain.config import load_config
+
+
+def test_bench_times_the_trainers_own_step(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256"))
+    result = bench_step(cfg, steps=3, warmup=1, peaks={"fp32": (1e11, "given")})
+    assert result["steps"] == 3 and result["global_batch"] == 64
+    assert result["images_per_s"] == pytest.approx(64 / result["step_s"])
+    phases = result["breakdown_s"]
+    assert set(phases) == {"data", "forward", "backward", "optimizer"}
+    assert all(value >= 0 for value in phases.values())
+    assert sum(phases.values()) <= result["step_s"] * 1.01  # the phases are parts of the step
+    assert phases["backward"] > 0 and phases["forward"] > 0
+    assert result["precision"] == "fp32" and result["compute_dtype"] == "fp32"
+    assert result["peak_memory_bytes"] > 50 * 2**20 and result["peak_memory_kind"] == "process peak RSS"
+    # MFU is the model's FLOP/s over the given peak: 3 x forward FLOPs per image.
+    flops = result["train_gflops_per_image"] * 1e9 * result["images_per_s"]
+    assert result["mfu"] == pytest.approx(flops / 1e11)
+    assert result["peak_source"] == "given"
+
+
+def test_bench_command_writes_json_and_a_profile(tmp_path):
+    out = tmp_path / "bench.json"
+    profile = tmp_path / "profile"
+    done = run_cli(
+        "bench",
+        *tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256"),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+        "--profile",
+        str(profile),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "images/s" in done.stdout and "MFU" in done.stdout and "step breakdown" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["steps"] == 2 and result["images_per_s"] > 0
+    assert "fp32 matmul measured on this CPU" in result["peak_source"]
+    trace = json.loads((profile / "trace.json").read_text())
+    assert trace["traceEvents"]
+    assert "aten::" in (profile / "ops.txt").read_text()
+
+
+def test_bench_subcommands_keep_their_names():
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "optim", "--help"])
+    assert done.value.code == 0
+
+
+def test_a_bad_override_is_one_line_and_exit_code_2(tmp_path, capsys):
+    assert main(["bench", *tiny_overrides(tmp_path, "model.width=33")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.width" in err[0]
+
+
+def test_dtype_from_precision_labels():
+    assert dtype_key("fp32") == "fp32"
+    assert dtype_key("amp_o1 bfloat16") == "bf16"
+    assert dtype_key("pure float16") == "fp16"
+    assert parse_peaks("fp32=0.15,bf16=0.4") == {
+        "fp32": (0.15e12, "fp32 peak measured once by the ladder before its rows"),
+        "bf16": (0.4e12, "bf16 peak measured once by the ladder before its rows"),
+    }
+
+
+def test_gemm_peak_is_a_positive_rate():
+    assert gemm_flops("fp32", torch.device("cpu"), size=256, repeats=2) > 1e8
+
+
+# ------------------------------------------------------------------------------------------ ladder
+
+
+def _context(nproc=2, deepspeed=True, fast=False):
+    return ladder.Context(device="cpu", nproc=nproc, batch=16, deepspeed=deepspeed, fast_low_precision=fast)
+
+
+def test_ladder_rows_follow_the_sources_order_and_add_one_change_each():
+    rows = ladder.rows()
+    names = [row.name for row in rows]
+    assert names.index("+ multi-tensor optimizer") < names.index("+ pooled classifier") < names.index("+ AMP O2")
+    ctx = _context()
+    baseline = next(row for row in rows if row.name.startswith("baseline")).overrides(ctx)
+    assert "precision.mode=amp_o1" in baseline and "optim.impl=loop" in baseline and "model.pool=cls" in baseline
+    pooled = next(row for row in rows if row.name == "+ pooled classifier").overrides(ctx)
+    assert "optim.impl=auto" in pooled and pooled[-1] == "model.pool=gap"
+    # Later overrides win: the last pool value given is the one a row runs with.
+    assert [o for o in pooled if o.startswith("model.pool")][-1] == "model.pool=gap"
+    groups = {row.group for row in rows}
+    assert len(groups) == 3
+
+
+def test_ladder_rows_that_cannot_run_here_say_why():
+    rows = {row.name: row for row in ladder.rows()}
+    assert rows["zero3 + AMP O2"].needs(_context(nproc=1)) == "needs 2 or more processes (--nproc 1)"
+    assert "DeepSpeed is not installed" in rows["DeepSpeed stage 3"].needs(_context(deepspeed=False))
+    assert rows["+ AMP O2"].needs(_context(nproc=1)) is None
+    # The DeepSpeed group computes in bf16 only where bf16 is fast.
+    assert "precision.mode=fp32" in rows["DeepSpeed stage 2"].overrides(_context(fast=False))
+    assert "precision.mode=amp_o2" in rows["DeepSpeed stage 2"].overrides(_context(fast=True))
+    assert "parallel.offload=params" in rows["DeepSpeed stage 3 + offload"].overrides(_context())
+
+
+def _summary():
+    return {
+        "model": "ViT-Ti/16 @ 224px",
+        "device": "CPU: test",
+        "torch": "2.13",
+        "processes": 2,
+        "threads_per_process": 1,
+        "batch_per_rank": 16,
+        "steps": 3,
+        "warmup": 1,
+        "comparison_precision": "fp32",
+        "peaks_tflops_per_process": {"fp32": 0.09, "bf16": 0.2},
+        "wall_s": 1.0,
+        "command": "vitrain bench --ladder",
+        "rows": [
+            {
+                "name": "baseline",
+                "group": "g1",
+                "status": "ok",
+                "images_per_s": 10.0,
+                "vs_baseline": 1.0,
+                "step_ms": 3200.0,
+                "breakdown_ms": {"data": 0.1, "forward": 1000.0, "backward": 2000.0, "optimizer": 200.0},
+                "peak_memory_gib": 1.5,
+                "mfu": 0.4,
+                "precision": "amp_o1 bfloat16",
+                "optimizer": "adamw[loop]",
+            },
+            {"name": "DeepSpeed stage 3", "group": "g2", "status": "skipped: DeepSpeed is not installed"},
+        ],
+    }
+
+
+def test_ladder_table_keeps_skipped_rows_with_their_reason(tmp_path):
+    markdown = ladder.to_markdown(_summary())
+    assert "| baseline | 10.00 | 1.00x | 3200 | 1000 / 2000 / 200 | 1.50 | 0.400 |" in markdown
+    assert "| DeepSpeed stage 3 | skipped: DeepSpeed is not installed |" in markdown
+    ladder.draw_bars(_summary(), tmp_path / "ladder.png")
+    with Image.open(tmp_path / "ladder.png") as image:
+        assert image.format == "PNG" and image.width > 600 and image.height > 80
+
+
+def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(ladder, "default_nproc", lambda device: 1)
+    args = argparse.Namespace(
+        steps=1, warmup=1, out=str(tmp_path / "out"), nproc=1, rows="fp32 reference,baseline,multi-tensor"
+    )
+    overrides = tiny_overrides(tmp_path, "train.batch_size=8", "data.mean=[0.5]", "data.std=[0.5]")
+    assert ladder.main(None, overrides, args) == 0
+    summary = json.loads((tmp_path / "out" / "ladder.json").read_text())
+    rows = {row["name"]: row for row in summary["rows"]}
+    base = rows["baseline: DDP + AMP O1 bf16, per-tensor AdamW, class token"]
+    assert base["vs_baseline"] == 1.0 and base["precision"] == "amp_o1 bfloat16" and base["optimizer"] == "adamw[loop]"
+    assert rows["fp32 reference"]["precision"] == "fp32"
+    assert rows["+ multi-tensor optimizer"]["optimizer"] != "adamw[loop]"
+    assert rows["zero3 + AMP O2"]["status"] == "skipped: needs 2 or more processes (--nproc 1)"
+    assert rows["+ pooled classifier"]["status"].startswith("skipped: not asked for")
+    assert (tmp_path / "out" / "ladder.md").exists() and (tmp_path / "out" / "ladder.png").exists()

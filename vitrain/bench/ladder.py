@@ -1,0 +1,403 @@
+"""The ablation ladder: the sources' rows in order, each timed in its own processes, ratios to one baseline.
+
+    vitrain bench --ladder                       # ViT-Ti/16 at 224 px, synthetic images, this device
+    vitrain bench --ladder model.preset=vit_base_patch16 --out results/ladder-b16
+
+Each row is `vitrain bench CONFIG overrides` run under torchrun with the same number of processes, so its peak
+memory is its own and a row that fails cannot take the others down; the GEMM peaks are measured once first and
+handed to every row, and every ratio is to the baseline row of the same run. A row that cannot run here (too few
+processes, DeepSpeed not installed) or that fails is kept in the table with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitrain.bench.step import gemm_flops
+from vitrain.precision import cpu_description
+
+# The ladder's model when no config is given: ViT-Ti/16 at 224 px on synthetic ImageNet-shaped data.
+DEFAULT_BASE = [
+    "name=ladder",
+    "model.preset=vit_tiny_patch16",
+    "model.image_size=224",
+    "model.in_chans=3",
+    "model.num_classes=1000",
+    "data.source=synthetic",
+    "data.mean=[0.5,0.5,0.5]",
+    "data.std=[0.5,0.5,0.5]",
+    "data.prefetch=0",
+    "train.epochs=1",
+]
+
+
+ROW_TIMEOUT_S = 600
+
+
+@dataclass
+class Context:
+    """What decides which rows run here and with what."""
+
+    device: str  # cpu | cuda
+    nproc: int
+    batch: int  # per rank
+    deepspeed: bool
+    fast_low_precision: bool  # a GPU, or a CPU whose bf16 GEMM outruns fp32: the comparison groups compute in bf16
+
+
+@dataclass
+class Row:
+    name: str
+    group: str
+    overrides: Callable[[Context], list[str]]
+    needs: Callable[[Context], str | None] = lambda ctx: None  # a reason it cannot run here, or None
+    result: dict[str, Any] | None = None
+    status: str = "ok"
+    command: str = ""
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _multi(ctx: Context) -> str | None:
+    return None if ctx.nproc >= 2 else f"needs 2 or more processes (--nproc {ctx.nproc})"
+
+
+def _ds(ctx: Context) -> str | None:
+    if not ctx.deepspeed:
+        return "DeepSpeed is not installed (pip install 'vitrain[deepspeed]')"
+    return None
+
+
+def _ds_multi(ctx: Context) -> str | None:
+    return _ds(ctx) or _multi(ctx)
+
+
+def _compare_precision(ctx: Context) -> list[str]:
+    """The comparison groups' precision: bf16 O2 where bf16 is measured faster, fp32 where bf16 matmuls are slow."""
+    return ["precision.mode=amp_o2", "precision.dtype=bf16"] if ctx.fast_low_precision else ["precision.mode=fp32"]
+
+
+BASELINE = ["parallel.strategy=ddp", "precision.mode=amp_o1", "precision.dtype=bf16", "optim.impl=loop"]
+BASELINE += ["model.pool=cls", "model.layout=batch_first", "model.attention=sdpa"]
+MULTI_TENSOR = ["optim.impl=auto"]
+POOLED = ["model.pool=gap"]
+SEQ_FIRST = ["model.layout=seq_first"]
+
+
+def _ladder(*steps: list[str]) -> Callable[[Context], list[str]]:
+    """The baseline plus each of `steps`, in order (the sources' ladder is cumulative)."""
+    return lambda ctx: BASELINE + [o for s in steps for o in s]
+
+
+def rows() -> list[Row]:
+    ladder = "the sources' ladder (cumulative)"
+    sharded = "large-model recipe (vs the baseline)"
+    engines = "DeepSpeed vs native (same precision)"
+
+    def compare(strategy: str, *extra: str) -> Callable[[Context], list[str]]:
+        base = [o for o in BASELINE if not o.startswith(("parallel.strategy", "precision."))]
+        return lambda ctx: (
+            base + MULTI_TENSOR + POOLED + [f"parallel.strategy={strategy}", *extra] + (_compare_precision(ctx))
+        )
+
+    def deepspeed(strategy: str, offload: str) -> Callable[[Context], list[str]]:
+        return compare(strategy, "train.engine=deepspeed", f"parallel.offload={offload}")
+
+    return [
+        Row("fp32 reference", ladder, lambda ctx: [*BASELINE, "precision.mode=fp32"]),
+        Row("baseline: DDP + AMP O1 bf16, per-tensor AdamW, class token", ladder, _ladder()),
+        Row("+ multi-tensor optimizer", ladder, _ladder(MULTI_TENSOR)),
+        Row("+ pooled classifier", ladder, _ladder(MULTI_TENSOR, POOLED)),
+        Row("+ batch-second layout", ladder, _ladder(MULTI_TENSOR, POOLED, SEQ_FIRST)),
+        Row("+ AMP O2", ladder, _ladder(MULTI_TENSOR, POOLED, SEQ_FIRST, ["precision.mode=amp_o2"])),
+        Row("+ pure bf16", ladder, _ladder(MULTI_TENSOR, POOLED, SEQ_FIRST, ["precision.mode=pure"])),
+        Row(
+            "+ 2x batch",
+            ladder,
+            lambda ctx: (
+                _ladder(MULTI_TENSOR, POOLED, SEQ_FIRST, ["precision.mode=pure"])(ctx)
+                + [f"train.batch_size={2 * ctx.batch}"]
+            ),
+        ),
+        Row(
+            "vitrain auto (precision, attention by measurement)",
+            ladder,
+            lambda ctx: (
+                ["parallel.strategy=ddp", "precision.mode=auto", "model.attention=auto", *MULTI_TENSOR] + POOLED
+            ),
+        ),
+        Row("zero2 + AMP O2", sharded, lambda ctx: _sharded(ctx, "zero2"), _multi),
+        Row("zero3 + AMP O2", sharded, lambda ctx: _sharded(ctx, "zero3"), _multi),
+        Row(
+            "zero3 + AMP O2 + activation checkpointing",
+            sharded,
+            lambda ctx: _sharded(ctx, "zero3", "parallel.activation_checkpointing=block"),
+            _multi,
+        ),
+        Row(
+            "2 pipeline stages (1F1B) + AMP O1",
+            sharded,
+            lambda ctx: _ladder(MULTI_TENSOR, POOLED)(ctx) + ["parallel.pipeline_stages=2"],
+            _multi,
+        ),
+        Row("native DDP", engines, compare("ddp")),
+        Row("native zero2", engines, compare("zero2"), _multi),
+        Row("native zero3", engines, compare("zero3"), _multi),
+        Row("DeepSpeed stage 2", engines, deepspeed("zero2", "none"), _ds_multi),
+        Row("DeepSpeed stage 2 + optimizer offload", engines, deepspeed("zero2", "optimizer"), _ds_multi),
+        Row("DeepSpeed stage 3 + offload", engines, deepspeed("zero3", "params"), _ds_multi),
+        Row("DeepSpeed stage 3", engines, deepspeed("zero3", "none"), _ds_multi),
+    ]
+
+
+def _sharded(ctx: Context, strategy: str, *extra: str) -> list[str]:
+    base = _ladder(MULTI_TENSOR, POOLED)(ctx)
+    base = [o for o in base if not o.startswith(("parallel.strategy", "precision.mode"))]
+    return base + [f"parallel.strategy={strategy}", "precision.mode=amp_o2", *extra]
+
+
+def default_nproc(device: str) -> int:
+    return max(1, torch.cuda.device_count()) if device == "cuda" else 2
+
+
+def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    from vitrain.config import load_config, resolve_config_path, to_yaml
+
+    cfg = load_config(resolve_config_path(name) if name else None, (DEFAULT_BASE if name is None else []) + overrides)
+    device = "cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu"
+    nproc = args.nproc or default_nproc(device)
+    steps = args.steps or 3
+    warmup = 1 if args.warmup is None else args.warmup
+    batch = (
+        cfg.train.batch_size
+        if any(o.startswith("train.batch_size=") for o in overrides)
+        else (16 if device == "cpu" else 128)
+    )
+    threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else torch.get_num_threads()
+    peaks = {}
+    if device == "cpu":
+        torch.set_num_threads(threads)
+        for dtype in ("fp32", "bf16"):
+            peaks[dtype] = gemm_flops(dtype, torch.device("cpu"))
+    ctx = Context(
+        device=device,
+        nproc=nproc,
+        batch=batch,
+        deepspeed=importlib.util.find_spec("deepspeed") is not None,
+        # Measured, not assumed: some CPUs without AMX (avx512_bf16) run bf16 GEMMs faster than fp32, others slower.
+        fast_low_precision=device == "cuda" or peaks["bf16"] > 1.2 * peaks["fp32"],
+    )
+    # Enough synthetic images for every step of the largest row (2x batch) without a second epoch's shuffle.
+    samples = 2 * batch * nproc * (steps + warmup + 1)
+    common = [f"train.batch_size={batch}", f"data.synthetic_samples={samples}", "log.progress=false"]
+    if ctx.device == "cpu":
+        common.append(f"train.threads={threads}")
+
+    peaks_arg = ",".join(f"{k}={v / 1e12:.6f}" for k, v in peaks.items())
+
+    out = Path(args.out or Path(cfg.log.out_dir) / "bench-ladder")
+    out.mkdir(parents=True, exist_ok=True)
+    # Every row starts from this resolved config (the recipe and the overrides given), then its own overrides.
+    config = out / "ladder-config.yaml"
+    config.write_text(to_yaml(cfg))
+    table_rows = rows()
+    started = time.perf_counter()
+    print(
+        f"ladder: {len(table_rows)} rows, {nproc} process(es) x {threads} thread(s), batch {batch}/rank, "
+        f"{warmup} warm-up + {steps} timed steps each -> {out}",
+        file=sys.stderr,
+    )
+    wanted = [w.strip() for w in (args.rows or "").split(",") if w.strip()]
+    for row in table_rows:
+        reason = row.needs(ctx)
+        if not reason and wanted and not any(w in row.name for w in wanted):
+            reason = f"not asked for (--rows {args.rows})"
+        if reason:
+            row.status = f"skipped: {reason}"
+            print(f"  {row.name}: {row.status}", file=sys.stderr)
+            continue
+        row_overrides = common + row.overrides(ctx)
+        _run_row(row, config, row_overrides, nproc, steps, warmup, peaks_arg, threads)
+        got = f"{row.result['images_per_s']:.2f} img/s" if row.result else row.status
+        print(f"  {row.name}: {got} ({row.wall_s:.0f} s)", file=sys.stderr)
+    total_s = time.perf_counter() - started
+
+    summary = _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, sys.argv)
+    (out / "ladder.json").write_text(json.dumps(summary, indent=2) + "\n")
+    markdown = to_markdown(summary)
+    (out / "ladder.md").write_text(markdown)
+    draw_bars(summary, out / "ladder.png")
+    print(markdown)
+    print(f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {out / 'ladder.png'} in {total_s:.0f} s")
+    return 0
+
+
+def _run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threads) -> None:
+    with tempfile.TemporaryDirectory(prefix="vitrain-ladder-") as scratch:
+        result_path = Path(scratch) / "row.json"
+        vitrain = ["-m", "vitrain", "bench", "run", str(config), *overrides]
+        vitrain += ["--steps", str(steps), "--warmup", str(warmup), "--json", str(result_path)]
+        if peaks_arg:
+            vitrain += ["--peaks", peaks_arg]
+        launch = [sys.executable]
+        if nproc > 1:
+            launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        command = launch + vitrain
+        row.command = shlex.join(["vitrain" if c == sys.executable else c for c in command])
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+        start = time.perf_counter()
+        # Its own session: a row over its time is stopped with every process torchrun started.
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        try:
+            _, stderr = proc.communicate(timeout=ROW_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            row.status = f"failed: over {ROW_TIMEOUT_S} s"
+            return
+        finally:
+            row.wall_s = time.perf_counter() - start
+        if proc.returncode == 0 and result_path.exists():
+            row.result = json.loads(result_path.read_text())
+            return
+        row.status = f"failed: {_error_line(stderr)}"
+
+
+def _error_line(stderr: str) -> str:
+    """The line that says why a row failed: vitrain's one-line error, else the last exception line."""
+    lines = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
+    for marker in ("vitrain: error:", "Error: ", "Exception: "):
+        found = [line for line in lines if marker in line and "elastic/errors" not in line]
+        if found:
+            return found[-1][:300]
+    return (lines[-1] if lines else "no output")[:300]
+
+
+def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv) -> dict[str, Any]:
+    baseline = next((r.result for r in table_rows if r.name.startswith("baseline") and r.result), None)
+    reference = baseline["images_per_s"] if baseline else None
+    out_rows = []
+    for row in table_rows:
+        entry: dict[str, Any] = {"name": row.name, "group": row.group, "status": row.status, "command": row.command}
+        if row.result:
+            r = row.result
+            entry.update(
+                images_per_s=r["images_per_s"],
+                vs_baseline=r["images_per_s"] / reference if reference else None,
+                step_ms=r["step_s"] * 1e3,
+                breakdown_ms={k: v * 1e3 for k, v in r["breakdown_s"].items()},
+                peak_memory_gib=r["peak_memory_bytes"] / 2**30,
+                mfu=r["mfu"],
+                precision=r["precision"],
+                optimizer=r["optimizer"],
+                engine=r["engine"],
+                strategy=r["strategy"],
+                global_batch=r["global_batch"],
+                attention=r["attention"],
+                pool=r["pool"],
+                layout=r["layout"],
+            )
+        out_rows.append(entry)
+    first = next((r.result for r in table_rows if r.result), None) or {}
+    return {
+        "model": first.get("model", f"{cfg.model.preset}"),
+        "device": first.get("device") or (cpu_description() if ctx.device == "cpu" else torch.cuda.get_device_name()),
+        "torch": torch.__version__,
+        "processes": ctx.nproc,
+        "threads_per_process": threads,
+        "batch_per_rank": ctx.batch,
+        "steps": steps,
+        "warmup": warmup,
+        "peaks_tflops_per_process": {k: v / 1e12 for k, v in peaks.items()},
+        "comparison_precision": "amp_o2 bf16" if ctx.fast_low_precision else "fp32",
+        "wall_s": total_s,
+        "command": shlex.join(["vitrain", *argv[1:]]),
+        "rows": out_rows,
+    }
+
+
+def to_markdown(summary: dict[str, Any]) -> str:
+    lines = [
+        f"# Ablation ladder: {summary['model']}",
+        "",
+        f"- Device: {summary['device']}",
+        f"- torch {summary['torch']}; {summary['processes']} process(es) x {summary['threads_per_process']} "
+        f"thread(s); batch {summary['batch_per_rank']} per process; {summary['warmup']} warm-up + "
+        f"{summary['steps']} timed steps per row, each row in its own processes",
+        f"- Command: `{summary['command']}` ({summary['wall_s']:.0f} s)",
+        f"- Ratios are to the baseline row of this run; the DeepSpeed group and the native rows beside it compute in "
+        f"{summary['comparison_precision']} (bf16 where its GEMM peak measured above 1.2x fp32's). Peak memory: the "
+        "largest process's (CPU: peak RSS). MFU: model FLOPs over the computing dtype's peak, "
+        + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in summary["peaks_tflops_per_process"].items())
+        + " GFLOP/s per process measured before the rows.",
+        "",
+        "| row | images/s | x baseline | step ms | fwd / bwd / opt ms | peak GiB/process | MFU | precision | "
+        "optimizer |",
+        "|---|---:|---:|---:|---|---:|---:|---|---|",
+    ]
+    group = None
+    for row in summary["rows"]:
+        if row["group"] != group:
+            group = row["group"]
+            lines.append(f"| **{group}** | | | | | | | | |")
+        if "images_per_s" not in row:
+            lines.append(f"| {row['name']} | {row['status']} | | | | | | | |")
+            continue
+        b = row["breakdown_ms"]
+        ratio = f"{row['vs_baseline']:.2f}x" if row["vs_baseline"] else "-"
+        lines.append(
+            f"| {row['name']} | {row['images_per_s']:.2f} | {ratio} | {row['step_ms']:.0f} | "
+            f"{b['forward']:.0f} / {b['backward']:.0f} / {b['optimizer']:.0f} | {row['peak_memory_gib']:.2f} | "
+            f"{row['mfu']:.3f} | {row['precision']} | {row['optimizer']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def draw_bars(summary: dict[str, Any], path: Path) -> None:
+    """A horizontal bar per row (images/s x baseline), skipped and failed rows named; drawn with Pillow."""
+    from PIL import Image, ImageDraw
+
+    rows_ = summary["rows"]
+    ratios = [r.get("vs_baseline") or 0.0 for r in rows_]
+    top = max(ratios + [1.0])
+    label_w, bar_w, row_h, pad = 430, 420, 24, 12
+    height = pad * 3 + 40 + row_h * len(rows_)
+    image = Image.new("RGB", (label_w + bar_w + 160, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((pad, pad), f"{summary['model']}: images/s relative to the baseline", fill="black")
+    draw.text((pad, pad + 16), summary["device"][:150], fill="dimgray")
+    y0 = pad * 2 + 40
+    one = label_w + int(bar_w / top)
+    draw.line([(one, y0 - 4), (one, height - pad)], fill="gray")
+    colors = {}
+    palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
+    for i, row in enumerate(rows_):
+        y = y0 + i * row_h
+        color = colors.setdefault(row["group"], palette[len(colors) % len(palette)])
+        draw.text((pad, y + 5), row["name"][:68], fill="black")
+        if row.get("vs_baseline"):
+            width = int(bar_w * row["vs_baseline"] / top)
+            draw.rectangle([label_w, y + 3, label_w + width, y + row_h - 3], fill=color)
+            draw.text(
+                (label_w + width + 6, y + 5), f"{row['vs_baseline']:.2f}x  {row['images_per_s']:.1f}/s", fill="black"
+            )
+        else:
+            draw.text((label_w, y + 5), row["status"][:70], fill="firebrick")
+    image.save(path)

@@ -1,0 +1,323 @@
+"""Training-step benchmark: images/s, where a step's time goes, peak memory and MFU of a recipe's real step.
+
+    result = bench_step(cfg, steps=5, warmup=2)   # the trainer's own model, engine and data, timed phase by phase
+
+The step is the trainer's (vitrain/engine/trainer.py): the same model, precision policy, parallel strategy, engine
+and loader a `vitrain train` of the config would build. MFU is model FLOPs (`complexity().train_flops`, a
+multiply-add counted as 2, backward as twice the forward) per second over the peak of the dtype the step computes
+in: on a CPU that peak is a large GEMM measured on the spot with this process's threads (times the processes), on
+a known GPU the datasheet's dense figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitrain.config import Config
+from vitrain.precision import cpu_description
+
+# Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets, by a substring of the device name.
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def dtype_key(precision_label: str) -> str:
+    """The dtype the step's matmuls compute in, from an engine's precision label (`fp32`, `amp_o1 bfloat16`)."""
+    if "bfloat16" in precision_label or "bf16" in precision_label:
+        return "bf16"
+    if "float16" in precision_label or "fp16" in precision_label:
+        return "fp16"
+    return "fp32"
+
+
+def gemm_flops(dtype: str, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a size x size x size matmul in `dtype` (best of `repeats` after a warm-up), with this
+    process's threads: the practical peak that a model's FLOP/s is compared with on a CPU."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    draw = torch.Generator(device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
+    b = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        if i:  # the first call is the warm-up
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of one device in `dtype`, where the figure comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = dtype
+        if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+            key = "tf32"
+        for known, peaks in GPU_PEAKS.items():
+            if known in name and key in peaks:
+                return peaks[key], f"{name} datasheet dense {key}"
+        measured = gemm_flops(dtype, device, size=8192)
+        return measured, f"{name}: 8192^3 {dtype} matmul measured (not in the datasheet table)"
+    threads = torch.get_num_threads()
+    return gemm_flops(dtype, device), f"2048^3 {dtype} matmul measured on this CPU with {threads} thread(s)"
+
+
+def parse_peaks(text: str | None) -> dict[str, tuple[float, str]]:
+    """`fp32=0.17,bf16=0.05` (TFLOP/s per device, as the ladder measured them) -> {dtype: (FLOP/s, source)}."""
+    peaks = {}
+    for item in (text or "").split(","):
+        if item:
+            dtype, _, tflops = item.partition("=")
+            peaks[dtype] = (float(tflops) * 1e12, f"{dtype} peak measured once by the ladder before its rows")
+    return peaks
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """(peak bytes so far, what they are): the CUDA allocator's peak on a GPU, the process's peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA allocator peak"
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+@contextlib.contextmanager
+def _profiler(out: Path | None):
+    if out is None:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        yield prof
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / "trace.json"))
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    (out / "ops.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+
+
+def bench_step(
+    cfg: Config,
+    steps: int = 5,
+    warmup: int = 2,
+    profile: Path | None = None,
+    peaks: dict[str, tuple[float, str]] | None = None,
+) -> dict[str, Any]:
+    """Time `steps` optimizer steps of the trainer `cfg` builds, after `warmup` untimed ones; one dict of figures.
+
+    Collective under torchrun: every rank steps; rank 0's phase times are reported, images/s counts every rank's
+    images, peak memory is the largest rank's. `peaks` ({dtype: (FLOP/s of one device, source)}) skips measuring
+    the computing dtype's peak here.
+    """
+    from vitrain.engine.trainer import Trainer
+    from vitrain.parallel import unwrap
+
+    with tempfile.TemporaryDirectory(prefix="vitrain-bench-") as scratch:
+        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=scratch, progress=False))
+        trainer = Trainer(cfg)
+        try:
+            return _time_steps(trainer, trainer.cfg, steps, warmup, profile, peaks or {}, unwrap)
+        finally:
+            trainer.close()
+
+
+def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks, unwrap) -> dict[str, Any]:
+    device, dist, engine = trainer.device, trainer.dist, trainer.engine
+    accum = cfg.train.accum_steps
+    batches = _endless(trainer.train_loader)
+    pipelined = trainer.pipeline is not None
+    seconds = {phase: 0.0 for phase in PHASES}
+    step_seconds: list[float] = []
+    trainer.set_lr(cfg.optim.lr)
+    if profile is not None and dist.world_size > 1:  # one trace per rank
+        profile = profile / f"rank{dist.rank}"
+    for i in range(warmup + steps):
+        timing = i >= warmup
+        recorder = _profiler(profile if timing and i == warmup else None)
+        with recorder:
+            phase = dict.fromkeys(PHASES, 0.0)
+            start = time.perf_counter()
+            for _ in range(accum):
+                t0 = time.perf_counter()
+                images, labels = next(batches)
+                t1 = time.perf_counter()
+                if pipelined:  # the schedule interleaves its stages' forward and backward
+                    trainer.forward_backward(images, labels)
+                    _sync(device)
+                    t2 = t3 = time.perf_counter()
+                    phase["forward"] += t2 - t1
+                else:
+                    loss = trainer.loss(images, labels)
+                    _sync(device)
+                    t2 = time.perf_counter()
+                    engine.backward(loss)
+                    _sync(device)
+                    t3 = time.perf_counter()
+                    phase["forward"] += t2 - t1
+                    phase["backward"] += t3 - t2
+                phase["data"] += t1 - t0
+            t4 = time.perf_counter()
+            trainer.optimizer_step()
+            _sync(device)
+            end = time.perf_counter()
+            phase["optimizer"] += end - t4
+        if timing:
+            step_seconds.append(end - start)
+            for key in PHASES:
+                seconds[key] += phase[key]
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
+
+    images_per_step = cfg.train.batch_size * accum * dist.data_size
+    timed_s = sum(step_seconds)
+    images_per_s = steps * images_per_step / timed_s
+    peak_bytes, memory_kind = peak_memory_bytes(device)
+    peak_bytes = _max_over_ranks(peak_bytes, device)
+    cost = unwrap(trainer.model).complexity()
+    precision = engine.precision_label
+    dtype = dtype_key(precision)
+    device_peak, peak_source = peaks[dtype] if dtype in peaks else peak_flops(device, dtype)
+    devices = dist.world_size
+    model_flops_per_s = cost.train_flops * images_per_s
+    result = {
+        "config": cfg.name,
+        "model": _model_label(cfg),
+        "params": trainer.parameters,
+        "image_size": cfg.model.image_size,
+        "batch_per_rank": cfg.train.batch_size,
+        "accum_steps": accum,
+        "global_batch": images_per_step,
+        "world_size": devices,
+        "strategy": cfg.parallel.strategy,
+        "pipeline_stages": cfg.parallel.pipeline_stages,
+        "engine": engine.name,
+        "precision": precision,
+        "attention": cfg.model.attention,
+        "pool": cfg.model.pool,
+        "layout": cfg.model.layout,
+        "compile": cfg.train.compile,
+        "optimizer": f"{cfg.optim.name}[{_optimizer_impl(cfg, device)}]",
+        "device": _device_name(device),
+        "threads": torch.get_num_threads(),
+        "data": cfg.data.source,
+        "steps": steps,
+        "warmup": warmup,
+        "images_per_s": images_per_s,
+        "step_s": timed_s / steps,
+        "step_s_min": min(step_seconds),
+        "step_s_max": max(step_seconds),
+        "breakdown_s": {key: value / steps for key, value in seconds.items()},
+        "breakdown_note": (
+            "forward and backward together (the pipeline schedule interleaves them)"
+            if pipelined
+            else "backward includes the gradient communication that overlaps it"
+            if devices > 1
+            else ""
+        ),
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_kind": memory_kind,
+        "train_gflops_per_image": cost.train_flops / 1e9,
+        "model_tflops_per_s": model_flops_per_s / 1e12,
+        "compute_dtype": dtype,
+        "peak_tflops_per_device": device_peak / 1e12,
+        "peak_source": peak_source,
+        "mfu": model_flops_per_s / (device_peak * devices),
+        "torch": torch.__version__,
+    }
+    if profile is not None:
+        result["profile"] = str(profile)
+    return result
+
+
+def _endless(loader):
+    """The loader's batches, epoch after epoch."""
+    epoch = 0
+    while True:
+        yield from loader.epoch(epoch)
+        epoch += 1
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    import torch.distributed as torch_dist
+
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def _model_label(cfg: Config) -> str:
+    m = cfg.model
+    name = m.preset or f"ViT w{m.width} d{m.depth} h{m.heads}"
+    return f"{name}/{m.patch_size} @ {m.image_size}px"
+
+
+def _optimizer_impl(cfg: Config, device: torch.device) -> str:
+    from vitrain.optim import resolve_impl
+
+    if cfg.train.engine == "deepspeed":
+        return "deepspeed"
+    return resolve_impl(cfg.optim.impl, device, cfg.optim.name, cfg.parallel.strategy)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name(device)}"
+    return cpu_description()
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """A few human lines for one benchmark result."""
+    gib = result["peak_memory_bytes"] / 2**30
+    parts = "  ".join(f"{key} {value * 1e3:.1f} ms" for key, value in result["breakdown_s"].items())
+    note = f" ({result['breakdown_note']})" if result["breakdown_note"] else ""
+    return "\n".join(
+        [
+            f"{result['model']}, {result['params'] / 1e6:.2f}M params, {result['precision']}, "
+            f"{result['strategy']} x {result['world_size']} ({result['engine']}), attention={result['attention']}, "
+            f"optimizer={result['optimizer']}, batch {result['global_batch']} ({result['batch_per_rank']}/rank)",
+            f"{result['device']}; {result['threads']} thread(s) per process",
+            f"images/s {result['images_per_s']:.2f}   step {result['step_s'] * 1e3:.1f} ms "
+            f"(min {result['step_s_min'] * 1e3:.1f}, max {result['step_s_max'] * 1e3:.1f}; "
+            f"{result['steps']} timed after {result['warmup']} warm-up)",
+            f"step breakdown: {parts}{note}",
+            f"peak memory {gib:.3f} GiB ({result['peak_memory_kind']}, largest rank)",
+            f"model {result['model_tflops_per_s'] * 1e3:.1f} GFLOP/s ({result['train_gflops_per_image']:.2f} "
+            f"GFLOP/image) = MFU {result['mfu']:.3f} of {result['peak_tflops_per_device'] * 1e3:.1f} GFLOP/s "
+            f"x {result['world_size']} ({result['peak_source']})",
+        ]
+    )
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main_rank() -> bool:
+    import torch.distributed as torch_dist
+
+    return not (torch_dist.is_available() and torch_dist.is_initialized()) or torch_dist.get_rank() == 0
