@@ -5,11 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from vitrain.config import Config, load_config
+
+# Runs compared value for value must not depend on timings: auto values follow their fixed rules in the suite
+# (tests/test_tune.py turns autotune on where it is the subject), and nothing reads or fills the user's cache.
+os.environ.setdefault("VITRAIN_AUTOTUNE", "0")
+os.environ["VITRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitrain-test-cache-")
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -37,7 +37,9 @@ class ModelConfig:
     # of a face-recognition embedding neck, as insightface's ViT does)
     pool: Literal["cls", "gap", "flatten"] = "cls"
     layout: Literal["batch_first", "seq_first"] = "batch_first"
-    attention: Literal["sdpa", "manual"] = "sdpa"
+    # auto: the faster of sdpa and manual for this model, batch, precision and device, timed before training
+    # (vitrain/bench/tune.py, cached per device and shape); the weights are the same either way.
+    attention: Literal["auto", "sdpa", "manual"] = "auto"
     pos_embed: Literal["learned", "sincos"] = "learned"
     drop_path: float = 0.0
     dropout: float = 0.0

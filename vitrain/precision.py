@@ -90,17 +90,22 @@ def resolve(
     strategy: str = "single",
     time_modes: Callable[[], dict[str, float]] | None = None,
     pipelined: bool = False,
+    decided: Resolved | None = None,
 ) -> Resolved:
     """Turn `precision.mode=auto` into a concrete policy for `device`; explicit modes pass through.
 
     Pipeline stages hold no low-dtype working copy, so `pipelined` outside zero2/zero3 keeps fp32 weights (amp_o1).
 
-    On a CPU with bf16 matrix units under zero2/zero3, `time_modes` (seconds of one block's forward and backward
-    under amp_o1 and amp_o2, see `time_block_modes`) decides between autocast and low-precision sharded compute.
+    `decided`: autotune's measured choice, which auto becomes where it is given (vitrain/bench/tune.py); without
+    it the rules below apply. On a CPU with bf16 matrix units under zero2/zero3, `time_modes` (seconds of one
+    block's forward and backward under amp_o1 and amp_o2, see `time_block_modes`) decides between autocast and
+    low-precision sharded compute.
     """
     if cfg.mode != "auto":
         dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
         return Resolved(cfg.mode, dtype, f"precision.mode={cfg.mode} set in the config")
+    if decided is not None:  # autotune timed the candidates (vitrain/bench/tune.py)
+        return decided
     if device.type == "cuda":
         # CUDA branches are not exercised on the CPU-only machine this was developed on.
         if torch.cuda.is_bf16_supported() and pipelined and strategy not in SHARDED:
@@ -297,8 +302,9 @@ class PrecisionPolicy:
         strategy: str = "single",
         time_modes: Callable[[], dict[str, float]] | None = None,
         pipelined: bool = False,
+        decided: Resolved | None = None,
     ):
-        self.resolved = resolve(cfg, device, strategy, time_modes, pipelined)
+        self.resolved = resolve(cfg, device, strategy, time_modes, pipelined, decided)
         self.mode, self.dtype, self.device = self.resolved.mode, self.resolved.dtype, device
         self.strategy = strategy
         self.reduce_dtype = DTYPES[cfg.reduce_dtype]
@@ -390,7 +396,7 @@ class PrecisionPolicy:
             loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.scaler is not None:
             grads = [p.grad for p in params + head_params if p.grad is not None]
-            overflow = any_rank(self.scaler.unscale_and_check(grads) | loss_nonfinite)
+            overflow = self._any_rank(self.scaler.unscale_and_check(grads) | loss_nonfinite)
             self.scaler.update(overflow)
             if overflow:
                 for each in optimizers:  # the weights are not touched: the whole step is skipped
@@ -409,7 +415,7 @@ class PrecisionPolicy:
             head_grads = [p.grad for p in head_params if p.grad is not None]
             if head_grads:
                 bad |= ~torch.isfinite(torch.nn.utils.get_total_norm(head_grads))
-            if any_rank(bad):
+            if self._any_rank(bad):
                 for each in optimizers:
                     each.zero_grad(set_to_none=True)
                 self._skip_nonfinite()
@@ -423,6 +429,10 @@ class PrecisionPolicy:
             each.zero_grad(set_to_none=True)
         self.sync_working_copy()
         return float(full_norm), False
+
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        # A single-device policy decides alone, also inside a launched job (autotune's steps on rank 0).
+        return bool(flag.item()) if self.strategy == "single" else any_rank(flag)
 
     def _skip_nonfinite(self) -> None:
         self.nonfinite_in_a_row += 1

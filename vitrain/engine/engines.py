@@ -30,7 +30,7 @@ from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
 from vitrain.parallel.distributed import DistInfo, all_or_none
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.precision import PrecisionPolicy, check_finite
+from vitrain.precision import PrecisionPolicy, Resolved, check_finite
 
 COMPENSATION = "compensation"  # pure mode's Kahan terms, saved beside the model and optimizer
 HEAD = "head"  # a task's parameters outside the model (the identity head), saved by identity row
@@ -98,13 +98,17 @@ def build_engine(
     head: nn.Module | None = None,
     pipeline: Pipeline | None = None,
     time_modes: Callable[[], dict[str, float]] | None = None,
+    precision: Resolved | None = None,
 ) -> Engine:
-    """The engine `train.engine` names, set up over `model` (on its device, the same weights on every rank)."""
+    """The engine `train.engine` names, set up over `model` (on its device, the same weights on every rank).
+
+    `precision`: what autotune decided `precision.mode=auto` is (native engine only).
+    """
     if cfg.train.engine == "deepspeed":
         from vitrain.engine.deepspeed_engine import DeepSpeedEngine  # optional: vitrain[deepspeed]
 
         return DeepSpeedEngine(cfg, model, dist, head=head, pipeline=pipeline)
-    return NativeEngine(cfg, model, dist, head=head, pipeline=pipeline, time_modes=time_modes)
+    return NativeEngine(cfg, model, dist, head=head, pipeline=pipeline, time_modes=time_modes, precision=precision)
 
 
 class NativeEngine:
@@ -126,11 +130,17 @@ class NativeEngine:
         head: nn.Module | None = None,
         pipeline: Pipeline | None = None,
         time_modes: Callable[[], dict[str, float]] | None = None,
+        precision: Resolved | None = None,
     ):
         self.cfg, self.dist, self.pipeline = cfg, dist, pipeline
         device = dist.device
         self.precision = PrecisionPolicy(
-            cfg.precision, device, cfg.parallel.strategy, time_modes=time_modes, pipelined=pipeline is not None
+            cfg.precision,
+            device,
+            cfg.parallel.strategy,
+            time_modes=time_modes,
+            pipelined=pipeline is not None,
+            decided=precision,
         )
         strategy = pipeline.parallelize if pipeline is not None else parallelize
         working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))

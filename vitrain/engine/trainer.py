@@ -87,6 +87,11 @@ class Trainer:
         self.resume_path = self._choose_run(resume)
 
         t = cfg.train
+        # auto values (precision, attention) decided by timing this run's own step on rank 0 (vitrain/bench/tune.py).
+        self.tuned = self._autotune(cfg)
+        if self.tuned is not None and "model.attention" in self.tuned.values:
+            attention = self.tuned.values["model.attention"]
+            cfg = self.cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=attention))
         # The task owns data, head, loss, evaluation and the best metric (vitrain/tasks).
         self.task = build_task(cfg)
         # Pipelining: a (pipeline x data) mesh whose stages of one replica read the same batches.
@@ -128,6 +133,7 @@ class Trainer:
             head=self.head,
             pipeline=self.pipeline,
             time_modes=lambda: self._time_modes(model),
+            precision=self.tuned.precision(cfg.precision) if self.tuned is not None else None,
         )
         self.model = self.engine.model  # the single-device model: parameter names, complexity
         self.forward = self.engine.forward  # what computes the loss and the evaluation
@@ -142,6 +148,17 @@ class Trainer:
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.best_metric: float | None = None  # the task's best_metric at the best evaluation so far
         self.last_eval: dict[str, Any] = {}
+
+    def _autotune(self, cfg: Config):
+        """Rank 0 times the candidates of the config's auto values (or reads them cached); every rank follows."""
+        from vitrain.bench.tune import autotune
+
+        decision = None
+        with all_or_none("autotuning the auto config values"):
+            if self.is_main:
+                pipelined = cfg.parallel.pipeline_stages > 1
+                decision = autotune(cfg, self.device, build_task(cfg).build_model, pipelined=pipelined)
+        return broadcast_object(decision)
 
     def _time_modes(self, model: torch.nn.Module) -> dict[str, float]:
         """auto precision's probe: one block's forward and backward per mode, timed on rank 0 for every rank."""
@@ -179,8 +196,10 @@ class Trainer:
 
     def _check_same_model(self, path: Path, meta: dict[str, Any]) -> None:
         saved = config_from_dict(meta["config"])
-        # init_from only chose the starting weights; the checkpoint's weights replace them either way.
-        if dataclasses.replace(saved.model, init_from="") != dataclasses.replace(self.cfg.model, init_from=""):
+        # init_from only chose the starting weights; the checkpoint's weights replace them either way. The attention
+        # kernel computes the same function of the same weights (auto may pick another one on another machine).
+        same = {"init_from": "", "attention": "auto"}
+        if dataclasses.replace(saved.model, **same) != dataclasses.replace(self.cfg.model, **same):
             raise CheckpointError(
                 f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
             )
@@ -272,6 +291,8 @@ class Trainer:
             if self.is_main:
                 mark_run(self.run_dir, self.is_new_run, self.resume_path)
                 (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+                if self.tuned is not None:
+                    (self.run_dir / "autotune.json").write_text(json.dumps(self.tuned.to_json(), indent=2) + "\n")
             log = RunLog(self.run_dir, enabled=self.is_main)
         try:
             return self._fit(log)
@@ -451,6 +472,11 @@ class Trainer:
             log.info(f"head: {self.head.extra_repr()}")
         if self.pipeline is not None:
             log.info(self.pipeline.describe())
+        if self.tuned is not None:
+            cached = f" (cached decision: {self.tuned.cached_at})" if self.tuned.from_cache else ""
+            log.info(f"autotune: {', '.join(f'{k}={v}' for k, v in self.tuned.values.items())}{cached}")
+            if "precision.mode" not in self.tuned.values:  # else the precision line gives the reason
+                log.info(self.tuned.reason)
         for line in self.engine.describe():
             log.info(line)
 

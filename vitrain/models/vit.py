@@ -45,11 +45,11 @@ class Attention(nn.Module):
             b, n, d = x.shape
             qkv = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        if self.impl == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v)
-        else:
+        if self.impl == "manual":
             scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
             out = scores.softmax(dim=-1) @ v
+        else:  # sdpa (and auto where no tuner decided: the trainer resolves it before building)
+            out = F.scaled_dot_product_attention(q, k, v)
         if self.seq_first:
             out = out.permute(2, 0, 1, 3).reshape(n, b, d)
         else:

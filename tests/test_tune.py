@@ -1,0 +1,156 @@
+"""Autotune: auto values become the fastest measured candidate, the decision is logged, saved and cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from vitrain.bench import tune
+from vitrain.config import load_config
+from vitrain.engine import Trainer
+from vitrain.tasks import build_task
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def autotune_on(monkeypatch, tmp_path):
+    monkeypatch.setenv(tune.TUNE_ENV, "1")
+    monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path / "cache"))
+
+
+def auto_cfg(tmp_path, *extra):
+    return load_config(None, tiny_overrides(tmp_path, "precision.mode=auto", "model.attention=auto", *extra))
+
+
+def fake_steps(monkeypatch, seconds):
+    """Candidates whose steps take the given seconds: (mode, attention) -> s; records what ran."""
+    ran = []
+
+    def candidate_step(template, cfg, device, mode, attention):
+        ran.append((mode, attention))
+        return lambda: seconds[(mode, attention)]
+
+    monkeypatch.setattr(tune, "_candidate_step", candidate_step)
+    return ran
+
+
+def test_only_auto_values_are_tuned(tmp_path):
+    cfg = auto_cfg(tmp_path)
+    assert tune.candidates(cfg, CPU, pipelined=False) == {
+        "precision.mode": ["fp32", "amp_o1", "amp_o2"],
+        "model.attention": ["sdpa", "manual"],
+    }
+    fixed = load_config(None, tiny_overrides(tmp_path, "model.attention=sdpa"))  # precision.mode=fp32
+    assert tune.candidates(fixed, CPU, pipelined=False) == {}
+    # Under zero2/zero3, pipelines and DeepSpeed, auto precision keeps its rules (vitrain/precision.py).
+    for extra in (["parallel.strategy=zero3"], ["train.engine=deepspeed", "parallel.strategy=ddp"]):
+        assert "precision.mode" not in tune.candidates(auto_cfg(tmp_path, *extra), CPU, pipelined=False)
+    assert "precision.mode" not in tune.candidates(auto_cfg(tmp_path), CPU, pipelined=True)
+
+
+def test_the_fastest_candidate_wins_one_key_at_a_time(tmp_path, autotune_on, monkeypatch):
+    seconds = {
+        ("fp32", "sdpa"): 0.030,
+        ("amp_o1", "sdpa"): 0.020,
+        ("amp_o2", "sdpa"): 0.025,
+        ("amp_o1", "manual"): 0.015,
+    }
+    ran = fake_steps(monkeypatch, seconds)
+    cfg = auto_cfg(tmp_path)
+    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    assert decision.values == {"precision.mode": "amp_o1", "model.attention": "manual"}
+    # Precision first (with sdpa), then attention under the chosen precision: 3 + 2 candidates, not 6.
+    assert ran == [("fp32", "sdpa"), ("amp_o1", "sdpa"), ("amp_o2", "sdpa"), ("amp_o1", "sdpa"), ("amp_o1", "manual")]
+    assert decision.images_per_s["amp_o1 bf16 + manual"] == pytest.approx(64 / 0.015)
+    assert "the fastest: precision.mode=amp_o1, model.attention=manual" in decision.reason
+    assert decision.precision(cfg.precision).dtype == torch.bfloat16
+
+
+def test_a_candidate_far_behind_is_dropped_after_one_round(tmp_path, autotune_on, monkeypatch):
+    seconds = {("fp32", None): 0.010, ("amp_o1", None): 0.030, ("amp_o2", None): 0.012}  # attention fixed
+    fake_steps(monkeypatch, seconds)
+    cfg = auto_cfg(tmp_path, "model.attention=sdpa")
+    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    assert decision.values == {"precision.mode": "fp32"}
+    assert decision.notes == {"amp_o1 bf16": "dropped after one timed step: over 1.5x the best"}
+    assert "(dropped)" in decision.reason
+
+
+def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypatch):
+    fake_steps(
+        monkeypatch,
+        {("fp32", "sdpa"): 0.01, ("amp_o1", "sdpa"): 0.02, ("amp_o2", "sdpa"): 0.03, ("fp32", "manual"): 0.02},
+    )
+    cfg = auto_cfg(tmp_path)
+    first = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    assert not first.from_cache
+
+    def no_timing(*args):
+        raise AssertionError("a cached decision is not measured again")
+
+    monkeypatch.setattr(tune, "_candidate_step", no_timing)
+    second = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    assert second.from_cache and second.values == first.values == {"precision.mode": "fp32", "model.attention": "sdpa"}
+    # Another batch is another shape: measured again.
+    other = auto_cfg(tmp_path, "train.batch_size=32")
+    assert tune.cache_path(other, CPU, tune.candidates(other, CPU, False)) != tune.cache_path(
+        cfg, CPU, tune.candidates(cfg, CPU, False)
+    )
+
+
+def test_autotune_off_leaves_auto_to_its_rules(tmp_path, monkeypatch):
+    monkeypatch.setenv(tune.TUNE_ENV, "0")
+    cfg = auto_cfg(tmp_path)
+    assert tune.autotune(cfg, CPU, build_task(cfg).build_model) is None
+
+
+def test_real_candidates_are_timed_and_the_run_uses_the_decision(tmp_path, autotune_on):
+    cfg = auto_cfg(tmp_path, "train.max_steps=2")
+    trainer = Trainer(cfg)
+    try:
+        decision = trainer.tuned
+        assert set(decision.values) == {"precision.mode", "model.attention"}
+        mode, attention = decision.values["precision.mode"], decision.values["model.attention"]
+        # Three precisions with sdpa, then the winner with manual attention.
+        assert len(decision.images_per_s) == 4 and all(v > 0 for v in decision.images_per_s.values())
+        assert any(label.endswith("manual") and label.startswith(mode) for label in decision.images_per_s)
+        assert trainer.precision.resolved.mode == mode and trainer.precision.resolved.reason == decision.reason
+        assert {block.attn.impl for block in trainer.model.blocks} == {attention}
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    saved = json.loads((trainer.run_dir / "autotune.json").read_text())
+    assert saved["values"] == decision.values
+    log = (trainer.run_dir / "log.txt").read_text()
+    assert f"autotune: precision.mode={mode}, model.attention={attention}" in log
+    assert summary["steps"] == 2
+
+
+def test_tuning_leaves_the_runs_random_stream_alone(tmp_path, autotune_on):
+    tuned = Trainer(auto_cfg(tmp_path, "log.out_dir=" + str(tmp_path / "a")))
+    plain = Trainer(load_config(None, tiny_overrides(tmp_path, "log.out_dir=" + str(tmp_path / "b"))))
+    try:
+        for a, b in zip(tuned.model.parameters(), plain.model.parameters(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        tuned.close()
+        plain.close()
+
+
+def test_a_checkpoint_resumes_whichever_attention_auto_picks(tmp_path, monkeypatch):
+    first = Trainer(load_config(None, tiny_overrides(tmp_path, "model.attention=sdpa", "train.max_steps=1")))
+    try:
+        first.fit()
+    finally:
+        first.close()
+    again = Trainer(
+        load_config(None, tiny_overrides(tmp_path, "model.attention=manual", "train.max_steps=2")), resume=True
+    )
+    try:
+        assert again.fit()["steps"] == 2
+    finally:
+        again.close()

@@ -1,0 +1,305 @@
+"""Autotune: `auto` config values decided by timing a few real training steps of each candidate on this device.
+
+    decision = autotune(cfg, device)   # None when nothing is auto (or VITRAIN_AUTOTUNE=0)
+    decision.values                    # {"precision.mode": "fp32", "model.attention": "sdpa"}
+
+What is tuned, and among what:
+- `precision.mode=auto` (native engine, strategy single/ddp/zero1, no pipeline stages): fp32, bf16 amp_o1 and bf16
+  amp_o2, where the device computes bf16. Pure and fp16 are never candidates: they are picked only when asked for.
+  Under zero2/zero3 and pipelines auto keeps its rules in vitrain/precision.py.
+- `model.attention=auto`: sdpa and manual (the same weights and function; different kernels).
+
+Each candidate is the run's model (built by its task, same shape) stepped at the run's batch per process with its
+precision policy and optimizer, on random images: two warm-up steps, then up to `steps` timed ones, the candidates
+taking turns; one 1.5x slower than the best in the first timed round is dropped, and one that the memory estimate
+says cannot fit on the device is not run. The best step of each counts; the fastest wins. Keys are decided one
+after the other: precision (with sdpa attention), then attention under that precision. The decision, its
+figures and its reason are cached per device, torch, threads and shape (`$VITRAIN_CACHE_DIR`, default
+~/.cache/vitrain/autotune), so a second run does not pay.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitrain.config import Config, PrecisionConfig, to_dict
+from vitrain.precision import LOW_DTYPES, PrecisionPolicy, Resolved, cpu_description
+
+TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
+CACHE_ENV = "VITRAIN_CACHE_DIR"
+PRECISION_STRATEGIES = ("single", "ddp", "zero1")
+PRUNE_RATIO = 1.5
+SLOW_STEP_S = 5.0  # a warm-up step longer than this: one timed step per candidate instead of `steps`
+
+
+@dataclass
+class Decision:
+    values: dict[str, str]  # config key -> the value auto became
+    images_per_s: dict[str, float]  # candidate label -> measured images/s (0.0: not run or dropped)
+    notes: dict[str, str]  # candidate label -> why it was dropped or not run
+    reason: str
+    cached_at: str = ""  # where the decision is cached (a hit: read from there)
+    from_cache: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def precision(self, cfg: PrecisionConfig) -> Resolved | None:
+        mode = self.values.get("precision.mode")
+        if mode is None:
+            return None
+        dtype = torch.float32 if mode == "fp32" else LOW_DTYPES[cfg.dtype]
+        return Resolved(mode, dtype, self.reason)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def enabled() -> bool:
+    return os.environ.get(TUNE_ENV, "1") != "0"
+
+
+def candidates(cfg: Config, device: torch.device, pipelined: bool) -> dict[str, list[str]]:
+    """The values each auto key may take on this device and run; empty when nothing is tuned."""
+    tuned: dict[str, list[str]] = {}
+    p = cfg.parallel
+    if (
+        cfg.precision.mode == "auto"
+        and cfg.train.engine == "native"
+        and p.strategy in PRECISION_STRATEGIES
+        and not pipelined
+        and _computes_bf16(device)
+    ):
+        tuned["precision.mode"] = ["fp32", "amp_o1", "amp_o2"]
+    if cfg.model.attention == "auto":
+        tuned["model.attention"] = ["sdpa", "manual"]
+    return tuned
+
+
+def _computes_bf16(device: torch.device) -> bool:
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+
+
+def autotune(
+    cfg: Config,
+    device: torch.device,
+    build_model: Callable[[], nn.Module],
+    pipelined: bool = False,
+    steps: int = 3,
+) -> Decision | None:
+    """Time the candidates of every auto key (or read the cached decision); None when there is nothing to tune."""
+    options = candidates(cfg, device, pipelined)
+    if not options or not enabled():
+        return None
+    path = cache_path(cfg, device, options)
+    if path.exists():
+        try:
+            decision = Decision(**json.loads(path.read_text()))
+            decision.from_cache, decision.cached_at = True, str(path)
+            return decision
+        except (ValueError, TypeError):
+            pass  # a damaged cache entry is measured again and rewritten
+    template = _build(build_model)
+    fits = _memory_check(cfg, device)
+    seconds: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    rounds: list[str] = []
+    # One key at a time (precision with the first attention kernel, then attention under the chosen precision):
+    # 3 + 2 candidates instead of their 6 combinations, which matters where one step takes seconds.
+    mode = attention = None
+    attentions = options.get("model.attention", [None])
+    if "precision.mode" in options:
+        labels = {}
+        for candidate in options["precision.mode"]:
+            label = _label(candidate, attentions[0])
+            if reason := fits(candidate):
+                notes[label] = reason
+            else:
+                labels[label] = (candidate, attentions[0])
+        mode = _race(template, cfg, device, labels, steps, seconds, notes, rounds)[0]
+    if "model.attention" in options:
+        labels = {_label(mode, candidate): (mode, candidate) for candidate in attentions}
+        attention = _race(template, cfg, device, labels, steps, seconds, notes, rounds)[1]
+    del template
+    batch = cfg.train.batch_size
+    images_per_s = {label: batch / s for label, s in seconds.items()}
+    values = {}
+    if mode is not None:
+        values["precision.mode"] = mode
+    if attention is not None:
+        values["model.attention"] = attention
+    measured = "; ".join(rounds)
+    skipped = "".join(f"; {label}: {note}" for label, note in notes.items() if label not in seconds)
+    where = "GPU " + torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description().split(";")[0]
+    chosen = ", ".join(f"{k}={v}" for k, v in values.items())
+    reason = (
+        f"autotune ({where}, {torch.get_num_threads()} thread(s), batch {batch}, candidates taking turns, best "
+        f"step each): {measured}{skipped} -> the fastest: {chosen}"
+    )
+    decision = Decision(values, images_per_s, notes, reason, cached_at=str(path))
+    _write_atomically(path, decision.to_json())
+    return decision
+
+
+def _race(
+    template: nn.Module,
+    cfg: Config,
+    device: torch.device,
+    labels: dict[str, tuple[str | None, str | None]],
+    steps: int,
+    seconds: dict[str, float],
+    notes: dict[str, str],
+    rounds: list[str],
+) -> tuple[str | None, str | None]:
+    """Time the candidates round-robin (a passing load slows each alike); returns the fastest (mode, attention).
+
+    Warm-up: two steps each (allocator and kernel caches settle after the first), one where a step is slow; then
+    `steps` timed rounds (one where slow), dropping after the first round any candidate over PRUNE_RATIO x the best.
+    """
+    runs = {label: _candidate_step(template, cfg, device, *labels[label]) for label in labels}
+    first = {label: run() for label, run in runs.items()}
+    slow = max(first.values()) > SLOW_STEP_S
+    if not slow:
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for round_ in range(1 if slow else steps):
+        for label, run in runs.items():
+            times[label].append(run())
+        if round_ == 0:
+            best = min(t[0] for t in times.values())
+            for label in list(runs):
+                if times[label][0] > PRUNE_RATIO * best:
+                    notes[label] = f"dropped after one timed step: over {PRUNE_RATIO}x the best"
+                    del runs[label]
+    measured = {label: min(t) for label, t in times.items()}
+    seconds.update(measured)
+    warmups = 1 if slow else 2
+    timed = 1 if slow else steps
+    batch = cfg.train.batch_size
+    rounds.append(
+        f"{warmups} warm-up + {timed} timed step(s): "
+        + ", ".join(
+            f"{label} {batch / t:.1f} img/s" + (" (dropped)" if label in notes else "") for label, t in measured.items()
+        )
+    )
+    winner = min((label for label in measured if label not in notes), key=measured.get)
+    return labels[winner]
+
+
+def _label(mode: str | None, attention: str | None) -> str:
+    return " + ".join(part for part in (mode and f"{mode}{'' if mode == 'fp32' else ' bf16'}", attention) if part)
+
+
+def _build(build_model: Callable[[], nn.Module]) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
+        return build_model()
+
+
+def _candidate_step(
+    template: nn.Module, cfg: Config, device: torch.device, mode: str | None, attention: str | None
+) -> Callable[[], float]:
+    """A closure running one timed training step of a fresh copy of the model under `mode` and `attention`."""
+    from vitrain.models.vit import Attention
+    from vitrain.optim import build_optimizer
+
+    model = copy.deepcopy(template).to(device)
+    if attention is not None:
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.impl = attention
+    policy = PrecisionPolicy(dataclasses.replace(cfg.precision, mode=mode or cfg.precision.mode), device)
+    working = policy.prepare(model)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    draw = torch.Generator(device).manual_seed(0)
+    m = cfg.model
+    images = torch.randn(cfg.train.batch_size, m.in_chans, m.image_size, m.image_size, device=device, generator=draw)
+    labels = torch.randint(0, m.num_classes, (cfg.train.batch_size,), device=device, generator=draw)
+
+    def step() -> float:
+        start = time.perf_counter()
+        with policy.autocast():
+            out = working(images)
+        out = out.float()
+        loss = F.cross_entropy(out, labels) if out.shape[-1] == m.num_classes else out.square().mean()
+        policy.backward(loss)
+        policy.step(optimizer, cfg.optim.clip_grad_norm)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    return step
+
+
+def _memory_check(cfg: Config, device: torch.device) -> Callable[[str], str | None]:
+    """mode -> why it cannot fit on this device by the memory estimate (None: it fits)."""
+    from vitrain.bench.memory import estimate
+
+    available = _available_bytes(device)
+
+    def fits(mode: str) -> str | None:
+        if available is None:
+            return None
+        precision = "bf16" if mode == "amp_o2" else "fp32"
+        need = estimate(cfg.model, 1, "single", batch=cfg.train.batch_size, precision=precision).total
+        if need > available:
+            return f"not run: the memory estimate {need / 2**30:.1f} GiB exceeds {available / 2**30:.1f} GiB available"
+        return None
+
+    return fits
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]]) -> Path:
+    """Where the decision for this device, torch, thread count and run shape is kept."""
+    model = to_dict(cfg)["model"]
+    for key in ("attention", "init_from", "preset"):
+        model.pop(key, None)
+    key = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": model,
+        "task": cfg.task.name,
+        "embed_dim": cfg.task.embed_dim if cfg.task.name == "face" else 0,
+        "batch": cfg.train.batch_size,
+        "optim": [cfg.optim.name, cfg.optim.impl],
+        "dtype": cfg.precision.dtype,
+        "options": options,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"
+    return root / f"{digest}.json"
+
+
+def _write_atomically(path: Path, data: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # no writable cache: the next run measures again
