@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from tests.distributed_helpers import tiny_config
 from vitrain import checkpoint as ckpt
+from vitrain.bench.peers import PeerMissing, import_timm
 from vitrain.cli import main
 from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError
@@ -76,10 +77,10 @@ def test_init_from_a_missing_file_names_the_field(tmp_path):
 
 @pytest.mark.parametrize("variant", [{}, {"pool": "gap", "pos_embed": "sincos", "qkv_bias": False}])
 def test_timm_export_loads_strictly_into_timm_with_the_same_logits(tmp_path, variant):
-    timm_vit = pytest.importorskip(
-        "timm.models.vision_transformer",
-        reason="timm is not installed (it needs torchvision, which does not import beside the CPU torch wheel)",
-    )
+    try:
+        timm_vit = import_timm().models.vision_transformer
+    except PeerMissing as missing:
+        pytest.skip(str(missing))
     cfg = tiny_config(tmp_path, "timm", model=variant, train={"max_steps": 2})
     trainer = Trainer(cfg)
     trainer.fit()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from vitrain.bench.peers import import_timm
 from vitrain.config import ModelConfig, load_config
 from vitrain.models import PRESETS, complexity, count_parameters, create_model
 
@@ -55,10 +56,10 @@ def test_giant_presets_match_timm_architecture(name):
 @pytest.mark.skipif(importlib.util.find_spec("timm") is None, reason="timm is not installed (optional peer)")
 @pytest.mark.parametrize("name", [p.name for p in PRESETS.values() if p.timm_name])
 def test_presets_match_timm_models_built_on_meta_device(name):
-    import timm
-
+    timm = import_timm()  # beside the CPU torch wheel timm's torchvision needs vitrain/bench/peers.py's declarations
     with torch.device("meta"):
-        reference = timm.create_model(PRESETS[name].timm_name, pretrained=False)
+        # Some timm configs (vit_huge_patch14_224) default to no classifier; the presets count a 1000-class head.
+        reference = timm.create_model(PRESETS[name].timm_name, pretrained=False, num_classes=1000)
     assert complexity(preset_cfg(name)).params == count_parameters(reference)
 
 

@@ -1,0 +1,402 @@
+"""Peers side by side: one ViT and batch trained by vitrain, timm and Hugging Face transformers, steps interleaved.
+
+    vitrain bench --peers                          # ViT-S/16, 224 px, batch 64 on this device
+    vitrain bench --peers model.preset=vit_base_patch16 train.batch_size=128
+
+Every contender trains the same architecture (class token, 1000 classes) on the same random images with AdamW:
+- vitrain: its default recipe (`precision.mode=auto`, `model.attention=auto`, `optim.impl=auto`), i.e. the trainer's
+  own step with what its autotune picks;
+- timm: `VisionTransformer` (fused attention) with `create_optimizer_v2(..., "adamw")`, its faster of foreach and
+  fused kernels, in fp32 or under bf16 autocast, whichever is faster here (as `train.py --amp` would be used);
+- transformers: `ViTForImageClassification` with `attn_implementation="sdpa"`, torch's fused AdamW, fp32 or bf16
+  autocast, whichever is faster here.
+Each peer's choice is timed first; then the three take turns, one step each per round, and the median step counts.
+
+The peers are an extra: `pip install 'vitrain[peers]'`. timm imports torchvision, and the only torchvision built for
+torch 2.13 on the registry (0.28.0) is a CUDA build whose C++ operators cannot load beside the CPU wheel
+(`operator torchvision::nms does not exist`); `allow_torchvision_import()` declares those operators' signatures
+(without kernels) before torchvision looks for them, so `import timm` works and ViTs never call them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vitrain.bench.step import dtype_key, gemm_flops, peak_flops
+from vitrain.config import Config
+from vitrain.precision import cpu_description
+
+PEERS_EXTRA = "pip install 'vitrain[peers]'"
+DEFAULT_BASE = [
+    "name=peers",
+    "model.preset=vit_small_patch16",
+    "model.image_size=224",
+    "model.in_chans=3",
+    "model.num_classes=1000",
+    "data.source=synthetic",
+    "data.synthetic_samples=64",
+    "data.mean=[0.5,0.5,0.5]",
+    "data.std=[0.5,0.5,0.5]",
+    "data.prefetch=0",
+    "train.batch_size=64",
+    "train.epochs=1",
+    "log.progress=false",
+]
+
+# The signatures of torchvision 0.28's C++ operators (torchvision/csrc/ops/*.cpp), declared without kernels.
+TORCHVISION_OPS = """
+_cuda_version() -> int
+nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor
+qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor
+box_iou_rotated(Tensor boxes1, Tensor boxes2) -> Tensor
+deform_conv2d(Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, SymInt stride_h, SymInt stride_w, \
+SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, SymInt offset_groups, bool use_mask) \
+-> Tensor
+_deform_conv2d_backward(Tensor grad, Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, \
+SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, \
+SymInt offset_groups, bool use_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+ps_roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, \
+int sampling_ratio) -> (Tensor, Tensor)
+_ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, SymInt pooled_height, \
+SymInt pooled_width, int sampling_ratio, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor
+ps_roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) \
+-> (Tensor, Tensor)
+_ps_roi_pool_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, SymInt pooled_height, \
+SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor
+qroi_align(Tensor input, Tensor rois, float input_scale, int input_zero_point, float rois_scale, \
+int rois_zero_point, float spatial_scale, SymInt pooled_height, SymInt pooled_width, int sampling_ratio, \
+bool aligned) -> Tensor
+roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, \
+int sampling_ratio, bool aligned) -> Tensor
+_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, \
+SymInt batch_size, SymInt channels, SymInt height, SymInt width, int sampling_ratio, bool aligned) -> Tensor
+roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) \
+-> (Tensor, Tensor)
+_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, SymInt pooled_height, \
+SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor
+"""
+_declared: list[torch.library.Library] = []  # a Library's definitions live as long as the object
+
+
+class PeerMissing(Exception):
+    """A peer library is not installed (or cannot import here); the message says why and how to get it."""
+
+
+def allow_torchvision_import() -> bool:
+    """Let a torchvision whose C++ operators cannot load import anyway; True when the signatures were declared.
+
+    Nothing is done where torchvision is absent, where its operators are registered already, or where its own
+    library loads (a torchvision built for this torch).
+    """
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or _declared or "torchvision::nms" in torch._C._dispatch_get_all_op_names():
+        return False
+    for folder in spec.submodule_search_locations or []:
+        for library in glob.glob(os.path.join(folder, "_C*.so")):
+            with contextlib.suppress(OSError, ImportError, RuntimeError):
+                torch.ops.load_library(library)
+                return False
+    declared = torch.library.Library("torchvision", "DEF")
+    for signature in TORCHVISION_OPS.strip().split("\n"):
+        declared.define(signature)
+    _declared.append(declared)
+    return True
+
+
+def import_timm():
+    if importlib.util.find_spec("timm") is None:
+        raise PeerMissing(f"timm is not installed ({PEERS_EXTRA})")
+    allow_torchvision_import()
+    import timm
+
+    return timm
+
+
+def import_transformers():
+    if importlib.util.find_spec("transformers") is None:
+        raise PeerMissing(f"transformers is not installed ({PEERS_EXTRA})")
+    allow_torchvision_import()  # transformers imports torchvision too where it is installed
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    return transformers
+
+
+@dataclasses.dataclass
+class Contender:
+    name: str
+    setting: str  # what it runs as (precision, optimizer kernel, attention)
+    step: Callable[[], float]  # one training step; returns its seconds
+    dtype: str  # what its matmuls compute in: fp32 | bf16
+
+
+def _timed(device: torch.device, body: Callable[[], None]) -> Callable[[], float]:
+    def step() -> float:
+        start = time.perf_counter()
+        body()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    return step
+
+
+def _plain_loop(model, optimizer, images, labels, device, bf16: bool, logits: Callable) -> Callable[[], float]:
+    """A peer's fair training step: forward (bf16 autocast or fp32), cross-entropy, backward, step, zero."""
+
+    def body() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = logits(model, images)
+        loss = F.cross_entropy(out.float(), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _timed(device, body)
+
+
+def _best_of(options: dict[str, Callable[[], Callable[[], float]]], warmup: int) -> tuple[str, Callable[[], float]]:
+    """Build each option, time `warmup` + 1 steps, keep the fastest (by its last step)."""
+    best = None
+    for label, build in options.items():
+        step = build()
+        for _ in range(warmup):
+            step()
+        seconds = step()
+        print(f"    {label}: {seconds:.2f} s/step", file=sys.stderr)
+        if best is None or seconds < best[0]:
+            best = (seconds, label, step)
+        del step
+    _, label, _ = best
+    return label, options[label]()
+
+
+def timm_contender(cfg: Config, images, labels, device, warmup: int) -> Contender:
+    timm = import_timm()
+    m = cfg.model
+    from timm.optim import create_optimizer_v2
+
+    def build(bf16: bool, kernel: str) -> Callable[[], Callable[[], float]]:
+        def make() -> Callable[[], float]:
+            with torch.random.fork_rng(devices=[]):
+                model = timm.models.VisionTransformer(
+                    img_size=m.image_size,
+                    patch_size=m.patch_size,
+                    in_chans=m.in_chans,
+                    num_classes=m.num_classes,
+                    embed_dim=m.width,
+                    depth=m.depth,
+                    num_heads=m.heads,
+                    mlp_ratio=m.hidden_dim / m.width,
+                    qkv_bias=m.qkv_bias,
+                ).to(device)
+            kwargs = {"fused": True} if kernel == "fused" else {"foreach": True}
+            optimizer = create_optimizer_v2(
+                model, "adamw", lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, **kwargs
+            )
+            return _plain_loop(model, optimizer, images, labels, device, bf16, lambda net, x: net(x))
+
+        return make
+
+    options = {
+        f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW {kernel}": build(bf16, kernel)
+        for bf16 in (False, True)
+        for kernel in ("foreach", "fused")
+    }
+    label, step = _best_of(options, warmup)
+    return Contender(f"timm {timm.__version__}", f"{label}, fused attention (F.sdpa)", step, _dtype(label))
+
+
+def transformers_contender(cfg: Config, images, labels, device, warmup: int) -> Contender:
+    transformers = import_transformers()
+    m = cfg.model
+
+    def build(bf16: bool) -> Callable[[], Callable[[], float]]:
+        def make() -> Callable[[], float]:
+            config = transformers.ViTConfig(
+                hidden_size=m.width,
+                num_hidden_layers=m.depth,
+                num_attention_heads=m.heads,
+                intermediate_size=m.hidden_dim,
+                image_size=m.image_size,
+                patch_size=m.patch_size,
+                num_channels=m.in_chans,
+                num_labels=m.num_classes,
+                qkv_bias=m.qkv_bias,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                attn_implementation="sdpa",
+            )
+            with torch.random.fork_rng(devices=[]):
+                model = transformers.ViTForImageClassification(config).to(device)
+            model.train()
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, fused=True
+            )
+            return _plain_loop(
+                model, optimizer, images, labels, device, bf16, lambda net, x: net(pixel_values=x).logits
+            )
+
+        return make
+
+    options = {f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW fused": build(bf16) for bf16 in (False, True)}
+    label, step = _best_of(options, warmup)
+    return Contender(f"transformers {transformers.__version__}", f"{label}, sdpa attention", step, _dtype(label))
+
+
+def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
+    from vitrain.engine.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    engine = trainer.engine
+
+    def body() -> None:
+        loss = trainer.loss(images, labels)
+        engine.backward(loss)
+        trainer.optimizer_step()
+
+    trainer.set_lr(cfg.optim.lr)
+    c = trainer.cfg
+    from vitrain.bench.step import _optimizer_impl
+
+    setting = (
+        f"{engine.precision_label}, AdamW {_optimizer_impl(c, trainer.device)}, attention {c.model.attention} "
+        f"(default recipe: auto values by autotune)"
+    )
+    return Contender("vitrain", setting, _timed(trainer.device, body), dtype_key(engine.precision_label)), trainer
+
+
+def _dtype(label: str) -> str:
+    return "bf16" if "bf16" in label else "fp32"
+
+
+def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    from vitrain.config import load_config, resolve_config_path
+
+    cfg = load_config(resolve_config_path(name) if name else None, (DEFAULT_BASE if name is None else []) + overrides)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    steps = args.steps or 3
+    warmup = 1 if args.warmup is None else args.warmup
+    out = Path(args.out or Path(cfg.log.out_dir) / "bench-peers")
+    out.mkdir(parents=True, exist_ok=True)
+    result = compare(cfg, steps, warmup)
+    result["command"] = " ".join(["vitrain", *sys.argv[1:]])
+    (out / "peers.json").write_text(json.dumps(result, indent=2) + "\n")
+    markdown = to_markdown(result)
+    (out / "peers.md").write_text(markdown)
+    print(markdown)
+    print(f"wrote {out / 'peers.md'} and {out / 'peers.json'}")
+    return 0
+
+
+def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
+    """Build the contenders (each peer at its measured best), then time them in turns; one dict of figures."""
+    from vitrain.engine.trainer import resolve_device
+    from vitrain.models.vit import complexity
+
+    device = resolve_device(cfg.train.device)
+    m, batch = cfg.model, cfg.train.batch_size
+    draw = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, m.in_chans, m.image_size, m.image_size, generator=draw).to(device)
+    labels = torch.randint(0, m.num_classes, (batch,), generator=draw).to(device)
+    started = time.perf_counter()
+    contenders: list[Contender] = []
+    missing: dict[str, str] = {}
+    print("peers: vitrain (its autotune decides its auto values)", file=sys.stderr)
+    vitrain, trainer = vitrain_contender(cfg, images, labels)
+    contenders.append(vitrain)
+    for peer, build in (("timm", timm_contender), ("transformers", transformers_contender)):
+        print(f"peers: {peer}: timing its options", file=sys.stderr)
+        try:
+            contenders.append(build(cfg, images, labels, device, warmup))
+        except PeerMissing as exc:
+            missing[peer] = str(exc)
+    for contender in contenders:  # warm-up of the final set, in the order they will take turns
+        for _ in range(warmup):
+            contender.step()
+    times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for round_ in range(steps):
+        for contender in contenders:
+            times[contender.name].append(contender.step())
+        print(
+            f"peers: round {round_ + 1}/{steps}: " + ", ".join(f"{name} {t[-1]:.2f} s" for name, t in times.items()),
+            file=sys.stderr,
+        )
+    trainer.close()
+    cost = complexity(cfg.model)
+    peaks = {
+        dtype: peak_flops(device, dtype) if device.type == "cuda" else (gemm_flops(dtype, device), "")
+        for dtype in {c.dtype for c in contenders}
+    }
+    rows = []
+    vitrain_ips = batch / statistics.median(times["vitrain"])
+    for contender in contenders:
+        images_per_s = batch / statistics.median(times[contender.name])
+        flops = cost.train_flops * images_per_s
+        peak, source = peaks[contender.dtype]
+        rows.append(
+            {
+                "name": contender.name,
+                "setting": contender.setting,
+                "images_per_s": images_per_s,
+                "step_s": [round(t, 4) for t in times[contender.name]],
+                "vitrain_speedup": vitrain_ips / images_per_s,
+                "model_gflops_per_s": flops / 1e9,
+                "compute_dtype": contender.dtype,
+                "mfu": flops / peak,
+            }
+        )
+    where = f"GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else cpu_description()
+    return {
+        "model": f"{m.preset or 'ViT'}/{m.patch_size} @ {m.image_size}px, {cost.params / 1e6:.1f}M params",
+        "batch": batch,
+        "device": where,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "steps": steps,
+        "warmup": warmup,
+        "train_gflops_per_image": cost.train_flops / 1e9,
+        "peaks_gflops_per_s": {dtype: peak / 1e9 for dtype, (peak, _) in peaks.items()},
+        "rows": rows,
+        "missing": missing,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    peaks = ", ".join(f"{dtype} {value:.0f}" for dtype, value in result["peaks_gflops_per_s"].items())
+    lines = [
+        f"# vitrain vs peers: {result['model']}, batch {result['batch']}",
+        "",
+        f"- Device: {result['device']}; {result['threads']} thread(s); torch {result['torch']}",
+        f"- {result['warmup']} warm-up + {result['steps']} timed steps each, taking turns; median step. "
+        f"Peak GEMM GFLOP/s measured here: {peaks}.",
+        f"- Command: `{result.get('command', '')}` ({result['wall_s']:.0f} s)",
+        "",
+        "| contender | runs as | images/s | vitrain x | model GFLOP/s | MFU (its dtype) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['name']} | {row['setting']} | {row['images_per_s']:.2f} | {row['vitrain_speedup']:.2f}x | "
+            f"{row['model_gflops_per_s']:.0f} | {row['mfu']:.3f} ({row['compute_dtype']}) |"
+        )
+    for peer, why in result["missing"].items():
+        lines.append(f"| {peer} | not run: {why} | | | | |")
+    return "\n".join(lines) + "\n"
