@@ -49,7 +49,6 @@ DEFAULT_BASE = [
     "model.in_chans=3",
     "model.num_classes=1000",
     "data.source=synthetic",
-    "data.synthetic_samples=64",
     "data.mean=[0.5,0.5,0.5]",
     "data.std=[0.5,0.5,0.5]",
     "data.prefetch=0",
@@ -312,6 +311,9 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
 
     device = resolve_device(cfg.train.device)
     m, batch = cfg.model, cfg.train.batch_size
+    # vitrain's trainer builds its loader (unused here: every contender steps on the same tensors); one batch to hold.
+    samples = max(cfg.data.synthetic_samples, 2 * batch)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, synthetic_samples=samples))
     draw = torch.Generator().manual_seed(0)
     images = torch.randn(batch, m.in_chans, m.image_size, m.image_size, generator=draw).to(device)
     labels = torch.randint(0, m.num_classes, (batch,), generator=draw).to(device)
