@@ -52,22 +52,35 @@ def test_only_auto_values_are_tuned(tmp_path):
     assert "precision.mode" not in tune.candidates(auto_cfg(tmp_path), CPU, pipelined=True)
 
 
-def test_the_fastest_candidate_wins_one_key_at_a_time(tmp_path, autotune_on, monkeypatch):
+def test_the_fastest_combination_wins_where_the_keys_interact(tmp_path, autotune_on, monkeypatch):
+    # fp32 is the faster precision under sdpa, but bf16 with manual attention beats both: judged one key at a time
+    # (precision under sdpa, then attention) the search would stop at fp32.
     seconds = {
-        ("fp32", "sdpa"): 0.030,
-        ("amp_o1", "sdpa"): 0.020,
-        ("amp_o2", "sdpa"): 0.025,
+        ("fp32", "sdpa"): 0.020,
+        ("fp32", "manual"): 0.024,
+        ("amp_o1", "sdpa"): 0.028,
         ("amp_o1", "manual"): 0.015,
+        ("amp_o2", "sdpa"): 0.029,
+        ("amp_o2", "manual"): 0.017,
     }
     ran = fake_steps(monkeypatch, seconds)
     cfg = auto_cfg(tmp_path)
     decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
     assert decision.values == {"precision.mode": "amp_o1", "model.attention": "manual"}
-    # Precision first (with sdpa), then attention under the chosen precision: 3 + 2 candidates, not 6.
-    assert ran == [("fp32", "sdpa"), ("amp_o1", "sdpa"), ("amp_o2", "sdpa"), ("amp_o1", "sdpa"), ("amp_o1", "manual")]
+    assert sorted(ran) == sorted(seconds)
     assert decision.images_per_s["amp_o1 bf16 + manual"] == pytest.approx(64 / 0.015)
     assert "the fastest: precision.mode=amp_o1, model.attention=manual" in decision.reason
     assert decision.precision(cfg.precision).dtype == torch.bfloat16
+
+
+def test_slow_steps_drop_a_candidate_after_its_warm_up(tmp_path, autotune_on, monkeypatch):
+    seconds = {("fp32", None): 15.0, ("amp_o1", None): 6.0, ("amp_o2", None): 7.0}  # seconds per step
+    ran = fake_steps(monkeypatch, seconds)
+    cfg = auto_cfg(tmp_path, "model.attention=sdpa")
+    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    assert decision.values == {"precision.mode": "amp_o1"}
+    assert decision.notes == {"fp32": "dropped after its warm-up step: over 2.0x the best"}
+    assert "1 warm-up + 1 timed step(s)" in decision.reason and len(ran) == 3
 
 
 def test_a_candidate_far_behind_is_dropped_after_one_round(tmp_path, autotune_on, monkeypatch):
@@ -81,10 +94,8 @@ def test_a_candidate_far_behind_is_dropped_after_one_round(tmp_path, autotune_on
 
 
 def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypatch):
-    fake_steps(
-        monkeypatch,
-        {("fp32", "sdpa"): 0.01, ("amp_o1", "sdpa"): 0.02, ("amp_o2", "sdpa"): 0.03, ("fp32", "manual"): 0.02},
-    )
+    seconds = {(m, a): 0.02 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
+    fake_steps(monkeypatch, {**seconds, ("fp32", "sdpa"): 0.01})
     cfg = auto_cfg(tmp_path)
     first = tune.autotune(cfg, CPU, build_task(cfg).build_model)
     assert not first.from_cache
@@ -115,9 +126,8 @@ def test_real_candidates_are_timed_and_the_run_uses_the_decision(tmp_path, autot
         decision = trainer.tuned
         assert set(decision.values) == {"precision.mode", "model.attention"}
         mode, attention = decision.values["precision.mode"], decision.values["model.attention"]
-        # Three precisions with sdpa, then the winner with manual attention.
-        assert len(decision.images_per_s) == 4 and all(v > 0 for v in decision.images_per_s.values())
-        assert any(label.endswith("manual") and label.startswith(mode) for label in decision.images_per_s)
+        # Every combination of three precisions and two attention kernels.
+        assert len(decision.images_per_s) == 6 and all(v > 0 for v in decision.images_per_s.values())
         assert trainer.precision.resolved.mode == mode and trainer.precision.resolved.reason == decision.reason
         assert {block.attn.impl for block in trainer.model.blocks} == {attention}
         summary = trainer.fit()

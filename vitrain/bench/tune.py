@@ -11,9 +11,10 @@ What is tuned, and among what:
 
 Each candidate is the run's model (built by its task, same shape) stepped at the run's batch per process with its
 precision policy and optimizer, on random images: two warm-up steps, then up to `steps` timed ones, the candidates
-taking turns; one 1.5x slower than the best in the first timed round is dropped, and one that the memory estimate
-says cannot fit on the device is not run. The best step of each counts; the fastest wins. Keys are decided one
-after the other: precision (with sdpa attention), then attention under that precision. The decision, its
+taking turns; one 1.5x slower than the best in the first timed round is dropped (where steps take seconds, one
+whose warm-up step takes 2x the best one's already), and one that the memory estimate says cannot fit on the
+device is not run. The best step of each counts; the fastest wins. Every combination of the keys' values is a
+candidate: they interact. The decision, its
 figures and its reason are cached per device, torch, threads and shape (`$VITRAIN_CACHE_DIR`, default
 ~/.cache/vitrain/autotune), so a second run does not pay.
 """
@@ -42,6 +43,7 @@ TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precisio
 CACHE_ENV = "VITRAIN_CACHE_DIR"
 PRECISION_STRATEGIES = ("single", "ddp", "zero1")
 PRUNE_RATIO = 1.5
+WARMUP_DROP_RATIO = 2.0
 SLOW_STEP_S = 5.0  # a warm-up step longer than this: one timed step per candidate instead of `steps`
 
 
@@ -115,22 +117,17 @@ def autotune(
     seconds: dict[str, float] = {}
     notes: dict[str, str] = {}
     rounds: list[str] = []
-    # One key at a time (precision with the first attention kernel, then attention under the chosen precision):
-    # 3 + 2 candidates instead of their 6 combinations, which matters where one step takes seconds.
-    mode = attention = None
-    attentions = options.get("model.attention", [None])
-    if "precision.mode" in options:
-        labels = {}
-        for candidate in options["precision.mode"]:
-            label = _label(candidate, attentions[0])
-            if reason := fits(candidate):
+    # Every combination: the keys interact (on a CPU sdpa's bf16 backward is slow while manual attention gains from
+    # bf16, so precision judged under one kernel can pick the wrong pair). Slow candidates leave the race early.
+    labels = {}
+    for mode in options.get("precision.mode", [None]):
+        for attention in options.get("model.attention", [None]):
+            label = _label(mode, attention)
+            if mode is not None and (reason := fits(mode)):
                 notes[label] = reason
             else:
-                labels[label] = (candidate, attentions[0])
-        mode = _race(template, cfg, device, labels, steps, seconds, notes, rounds)[0]
-    if "model.attention" in options:
-        labels = {_label(mode, candidate): (mode, candidate) for candidate in attentions}
-        attention = _race(template, cfg, device, labels, steps, seconds, notes, rounds)[1]
+                labels[label] = (mode, attention)
+    mode, attention = _race(template, cfg, device, labels, steps, seconds, notes, rounds)
     del template
     batch = cfg.train.batch_size
     images_per_s = {label: batch / s for label, s in seconds.items()}
@@ -164,12 +161,17 @@ def _race(
 ) -> tuple[str | None, str | None]:
     """Time the candidates round-robin (a passing load slows each alike); returns the fastest (mode, attention).
 
-    Warm-up: two steps each (allocator and kernel caches settle after the first), one where a step is slow; then
-    `steps` timed rounds (one where slow), dropping after the first round any candidate over PRUNE_RATIO x the best.
+    Warm-up: two steps each (allocator and kernel caches settle after the first); where a step is slow (over
+    SLOW_STEP_S), one, after which a candidate over WARMUP_DROP_RATIO x the best is dropped. Then `steps` timed
+    rounds (one where slow), dropping after the first round any candidate over PRUNE_RATIO x the best.
     """
     runs = {label: _candidate_step(template, cfg, device, *labels[label]) for label in labels}
     first = {label: run() for label, run in runs.items()}
     slow = max(first.values()) > SLOW_STEP_S
+    for label in list(runs):  # slow steps: a first step twice the best one's is not worth timing further
+        if slow and first[label] > WARMUP_DROP_RATIO * min(first.values()):
+            notes[label] = f"dropped after its warm-up step: over {WARMUP_DROP_RATIO}x the best"
+            del runs[label]
     if not slow:
         for run in runs.values():
             run()
@@ -183,7 +185,8 @@ def _race(
                 if times[label][0] > PRUNE_RATIO * best:
                     notes[label] = f"dropped after one timed step: over {PRUNE_RATIO}x the best"
                     del runs[label]
-    measured = {label: min(t) for label, t in times.items()}
+    measured = {label: first[label] for label in notes if label in first}  # dropped at warm-up: that step
+    measured.update({label: min(t) for label, t in times.items()})
     seconds.update(measured)
     warmups = 1 if slow else 2
     timed = 1 if slow else steps
