@@ -106,6 +106,10 @@ def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypat
     monkeypatch.setattr(tune, "_candidate_step", no_timing)
     second = tune.autotune(cfg, CPU, build_task(cfg).build_model)
     assert second.from_cache and second.values == first.values == {"precision.mode": "fp32", "model.attention": "sdpa"}
+    # Attention decided under a fixed precision is that precision's own decision.
+    fixed = [auto_cfg(tmp_path, f"precision.mode={mode}") for mode in ("fp32", "amp_o2")]
+    paths = {tune.cache_path(c, CPU, tune.candidates(c, CPU, False)) for c in fixed}
+    assert len(paths) == 2
     # Another batch is another shape: measured again.
     other = auto_cfg(tmp_path, "train.batch_size=32")
     assert tune.cache_path(other, CPU, tune.candidates(other, CPU, False)) != tune.cache_path(

@@ -290,7 +290,8 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
         "embed_dim": cfg.task.embed_dim if cfg.task.name == "face" else 0,
         "batch": cfg.train.batch_size,
         "optim": [cfg.optim.name, cfg.optim.impl],
-        "dtype": cfg.precision.dtype,
+        # A fixed precision times attention under that precision: each its own decision.
+        "precision": [cfg.precision.mode, cfg.precision.dtype],
         "options": options,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
