@@ -50,6 +50,7 @@ def test_short_run_writes_summary_logs_and_checkpoints(tmp_path):
     assert [r["epoch"] for r in evals] == [1, 2]
 
 
+@pytest.mark.slow  # the whole 30-epoch recipe, 60-90 s: pytest -m slow (the README's first command runs it too)
 def test_digits_recipe_reaches_95_percent_on_held_out_digits(tmp_path):
     """README command 1: the default recipe on scikit-learn's real digits, held-out 20% split."""
     from vitrain.config import CONFIG_DIR

@@ -28,22 +28,11 @@ from typing import Any
 
 import torch
 
-from vitrain.bench.step import gemm_flops
+from vitrain.bench.step import IMAGENET_SHAPED, gemm_flops
 from vitrain.precision import cpu_description
 
 # The ladder's model when no config is given: ViT-Ti/16 at 224 px on synthetic ImageNet-shaped data.
-DEFAULT_BASE = [
-    "name=ladder",
-    "model.preset=vit_tiny_patch16",
-    "model.image_size=224",
-    "model.in_chans=3",
-    "model.num_classes=1000",
-    "data.source=synthetic",
-    "data.mean=[0.5,0.5,0.5]",
-    "data.std=[0.5,0.5,0.5]",
-    "data.prefetch=0",
-    "train.epochs=1",
-]
+DEFAULT_BASE = ["name=ladder", "model.preset=vit_tiny_patch16", *IMAGENET_SHAPED]
 
 
 ROW_TIMEOUT_S = 600

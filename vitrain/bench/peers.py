@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vitrain.bench.step import dtype_key, gemm_flops, peak_flops
+from vitrain.bench.step import IMAGENET_SHAPED, dtype_key, gemm_flops, peak_flops
 from vitrain.config import Config
 from vitrain.precision import cpu_description
 
@@ -45,15 +45,8 @@ PEERS_EXTRA = "pip install 'vitrain[peers]'"
 DEFAULT_BASE = [
     "name=peers",
     "model.preset=vit_small_patch16",
-    "model.image_size=224",
-    "model.in_chans=3",
-    "model.num_classes=1000",
-    "data.source=synthetic",
-    "data.mean=[0.5,0.5,0.5]",
-    "data.std=[0.5,0.5,0.5]",
-    "data.prefetch=0",
+    *IMAGENET_SHAPED,
     "train.batch_size=64",
-    "train.epochs=1",
     "log.progress=false",
 ]
 

@@ -34,6 +34,17 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
     "V100": {"fp16": 125e12, "fp32": 15.7e12},
 }
 PHASES = ("data", "forward", "backward", "optimizer")
+# Random ImageNet-shaped images at 224 px: the data of the ladder and the peers when no recipe is given.
+IMAGENET_SHAPED = [
+    "model.image_size=224",
+    "model.in_chans=3",
+    "model.num_classes=1000",
+    "data.source=synthetic",
+    "data.mean=[0.5,0.5,0.5]",
+    "data.std=[0.5,0.5,0.5]",
+    "data.prefetch=0",
+    "train.epochs=1",
+]
 
 
 def dtype_key(precision_label: str) -> str:
