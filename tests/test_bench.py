@@ -162,9 +162,7 @@ def test_ladder_table_keeps_skipped_rows_with_their_reason(tmp_path):
 
 def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(ladder, "default_nproc", lambda device: 1)
-    args = argparse.Namespace(
-        steps=1, warmup=1, out=str(tmp_path / "out"), nproc=1, rows="fp32 reference,baseline"
-    )
+    args = argparse.Namespace(steps=1, warmup=1, out=str(tmp_path / "out"), nproc=1, rows="fp32 reference,baseline")
     overrides = tiny_overrides(tmp_path, "train.batch_size=8", "data.mean=[0.5]", "data.std=[0.5]")
     assert ladder.main(None, overrides, args) == 0
     summary = json.loads((tmp_path / "out" / "ladder.json").read_text())
