@@ -46,10 +46,12 @@ def test_only_auto_values_are_tuned(tmp_path):
     }
     fixed = load_config(None, tiny_overrides(tmp_path, "model.attention=sdpa"))  # precision.mode=fp32
     assert tune.candidates(fixed, CPU, pipelined=False) == {}
-    # Under zero2/zero3, pipelines and DeepSpeed, auto precision keeps its rules (vitrain/precision.py).
-    for extra in (["parallel.strategy=zero3"], ["train.engine=deepspeed", "parallel.strategy=ddp"]):
-        assert "precision.mode" not in tune.candidates(auto_cfg(tmp_path, *extra), CPU, pipelined=False)
-    assert "precision.mode" not in tune.candidates(auto_cfg(tmp_path), CPU, pipelined=True)
+    # DeepSpeed: auto precision keeps its rules (vitrain/precision.py); attention is still timed.
+    deepspeed = auto_cfg(tmp_path, "train.engine=deepspeed", "parallel.strategy=ddp")
+    assert tune.candidates(deepspeed, CPU, pipelined=False) == {"model.attention": ["sdpa", "manual"]}
+    # Under zero2/zero3 and pipeline stages one device may not hold the whole model: nothing is timed.
+    assert tune.candidates(auto_cfg(tmp_path, "parallel.strategy=zero3"), CPU, pipelined=False) == {}
+    assert tune.candidates(auto_cfg(tmp_path), CPU, pipelined=True) == {}
 
 
 def test_the_fastest_combination_wins_where_the_keys_interact(tmp_path, autotune_on, monkeypatch):
@@ -115,6 +117,17 @@ def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypat
     assert tune.cache_path(other, CPU, tune.candidates(other, CPU, False)) != tune.cache_path(
         cfg, CPU, tune.candidates(cfg, CPU, False)
     )
+
+
+def test_candidates_that_would_not_fit_together_run_one_at_a_time(tmp_path, autotune_on, monkeypatch):
+    cfg = auto_cfg(tmp_path)
+    one = tune._memory_check(cfg, CPU)[1]("amp_o2")
+    monkeypatch.setattr(tune, "_available_bytes", lambda device: 2 * one)  # each fits, six together do not
+    seconds = {(m, a): 0.02 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
+    ran = fake_steps(monkeypatch, {**seconds, ("amp_o2", "manual"): 0.01})
+    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    assert decision.values == {"precision.mode": "amp_o2", "model.attention": "manual"}
+    assert "one candidate at a time" in decision.reason and len(ran) == 6
 
 
 def test_autotune_off_leaves_auto_to_its_rules(tmp_path, monkeypatch):

@@ -7,7 +7,8 @@ What is tuned, and among what:
 - `precision.mode=auto` (native engine, strategy single/ddp/zero1, no pipeline stages): fp32, bf16 amp_o1 and bf16
   amp_o2, where the device computes bf16. Pure and fp16 are never candidates: they are picked only when asked for.
   Under zero2/zero3 and pipelines auto keeps its rules in vitrain/precision.py.
-- `model.attention=auto`: sdpa and manual (the same weights and function; different kernels).
+- `model.attention=auto`: sdpa and manual (the same weights and function; different kernels), where each device
+  holds the whole model (single/ddp/zero1, no pipeline stages; elsewhere auto attention is sdpa).
 
 Each candidate is the run's model (built by its task, same shape) stepped at the run's batch per process with its
 precision policy and optimizer, on random images: two warm-up steps, then up to `steps` timed ones, the candidates
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -75,16 +77,12 @@ def enabled() -> bool:
 def candidates(cfg: Config, device: torch.device, pipelined: bool) -> dict[str, list[str]]:
     """The values each auto key may take on this device and run; empty when nothing is tuned."""
     tuned: dict[str, list[str]] = {}
-    p = cfg.parallel
-    if (
-        cfg.precision.mode == "auto"
-        and cfg.train.engine == "native"
-        and p.strategy in PRECISION_STRATEGIES
-        and not pipelined
-        and _computes_bf16(device)
-    ):
+    # Candidates are whole models on one device: only where the run itself holds a whole replica per device (under
+    # zero2/zero3 and pipeline stages it may not fit one; there auto keeps its rules and attention is sdpa).
+    replicated = cfg.parallel.strategy in PRECISION_STRATEGIES and not pipelined
+    if replicated and cfg.precision.mode == "auto" and cfg.train.engine == "native" and _computes_bf16(device):
         tuned["precision.mode"] = ["fp32", "amp_o1", "amp_o2"]
-    if cfg.model.attention == "auto":
+    if replicated and cfg.model.attention == "auto":
         tuned["model.attention"] = ["sdpa", "manual"]
     return tuned
 
@@ -113,7 +111,7 @@ def autotune(
         except (ValueError, TypeError):
             pass  # a damaged cache entry is measured again and rewritten
     template = _build(build_model)
-    fits = _memory_check(cfg, device)
+    fits, need = _memory_check(cfg, device)
     seconds: dict[str, float] = {}
     notes: dict[str, str] = {}
     rounds: list[str] = []
@@ -127,7 +125,12 @@ def autotune(
                 notes[label] = reason
             else:
                 labels[label] = (mode, attention)
-    mode, attention = _race(template, cfg, device, labels, steps, seconds, notes, rounds)
+    # Taking turns keeps every candidate in memory at once: where they would not all fit (or on a GPU, where a
+    # run fills the memory and timings are steadier), one at a time instead.
+    available = _available_bytes(device)
+    together = sum(need(labels[label][0]) for label in labels)
+    interleave = device.type == "cpu" and (available is None or together < available)
+    mode, attention = _race(template, cfg, device, labels, steps, seconds, notes, rounds, interleave)
     del template
     batch = cfg.train.batch_size
     images_per_s = {label: batch / s for label, s in seconds.items()}
@@ -158,13 +161,17 @@ def _race(
     seconds: dict[str, float],
     notes: dict[str, str],
     rounds: list[str],
+    interleave: bool = True,
 ) -> tuple[str | None, str | None]:
     """Time the candidates round-robin (a passing load slows each alike); returns the fastest (mode, attention).
 
     Warm-up: two steps each (allocator and kernel caches settle after the first); where a step is slow (over
     SLOW_STEP_S), one, after which a candidate over WARMUP_DROP_RATIO x the best is dropped. Then `steps` timed
     rounds (one where slow), dropping after the first round any candidate over PRUNE_RATIO x the best.
+    Without `interleave`, each candidate's steps run before the next one is built, and none is dropped.
     """
+    if not interleave:
+        return _one_at_a_time(template, cfg, device, labels, steps, seconds, rounds)
     runs = {label: _candidate_step(template, cfg, device, *labels[label]) for label in labels}
     first = {label: run() for label, run in runs.items()}
     slow = max(first.values()) > SLOW_STEP_S
@@ -199,6 +206,35 @@ def _race(
     )
     winner = min((label for label in measured if label not in notes), key=measured.get)
     return labels[winner]
+
+
+def _one_at_a_time(
+    template: nn.Module,
+    cfg: Config,
+    device: torch.device,
+    labels: dict[str, tuple[str | None, str | None]],
+    steps: int,
+    seconds: dict[str, float],
+    rounds: list[str],
+) -> tuple[str | None, str | None]:
+    measured = {}
+    for label, (mode, attention) in labels.items():
+        run = _candidate_step(template, cfg, device, mode, attention)
+        slow = run() > SLOW_STEP_S
+        if not slow:
+            run()
+        measured[label] = min(run() for _ in range(1 if slow else steps))
+        del run
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    seconds.update(measured)
+    batch = cfg.train.batch_size
+    rounds.append(
+        "one candidate at a time (they would not all fit at once): "
+        + ", ".join(f"{label} {batch / t:.1f} img/s" for label, t in measured.items())
+    )
+    return labels[min(measured, key=measured.get)]
 
 
 def _label(mode: str | None, attention: str | None) -> str:
@@ -245,22 +281,25 @@ def _candidate_step(
     return step
 
 
-def _memory_check(cfg: Config, device: torch.device) -> Callable[[str], str | None]:
-    """mode -> why it cannot fit on this device by the memory estimate (None: it fits)."""
+def _memory_check(cfg: Config, device: torch.device) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
+    """(mode -> why it cannot fit on this device by the memory estimate or None, mode -> its estimated bytes)."""
     from vitrain.bench.memory import estimate
 
     available = _available_bytes(device)
 
-    def fits(mode: str) -> str | None:
-        if available is None:
-            return None
+    def need(mode: str | None) -> int:
         precision = "bf16" if mode == "amp_o2" else "fp32"
-        need = estimate(cfg.model, 1, "single", batch=cfg.train.batch_size, precision=precision).total
-        if need > available:
-            return f"not run: the memory estimate {need / 2**30:.1f} GiB exceeds {available / 2**30:.1f} GiB available"
+        return estimate(cfg.model, 1, "single", batch=cfg.train.batch_size, precision=precision).total
+
+    def fits(mode: str) -> str | None:
+        if available is not None and need(mode) > available:
+            return (
+                f"not run: the memory estimate {need(mode) / 2**30:.1f} GiB exceeds {available / 2**30:.1f} GiB "
+                "available"
+            )
         return None
 
-    return fits
+    return fits, need
 
 
 def _available_bytes(device: torch.device) -> int | None:
