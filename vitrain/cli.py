@@ -408,8 +408,9 @@ def _bench_run(args: argparse.Namespace) -> int:
         name, overrides = (args.args[0], args.args[1:]) if has_recipe else (None, list(args.args))
         return module.main(name, overrides, args)
 
-    from vitrain.bench.step import bench_step, format_result, main_rank, parse_peaks, write_json
+    from vitrain.bench.step import bench_step, format_result, parse_peaks, write_json
     from vitrain.parallel import shutdown
+    from vitrain.parallel.distributed import rank
 
     cfg = _load(args.args)
     if args.synthetic:
@@ -422,7 +423,7 @@ def _bench_run(args: argparse.Namespace) -> int:
             profile=Path(args.profile) if args.profile else None,
             peaks=parse_peaks(args.peaks),
         )
-        is_main = main_rank()
+        is_main = rank() == 0
     finally:
         shutdown()
     if is_main:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,6 @@ class Row:
     status: str = "ok"
     command: str = ""
     wall_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _multi(ctx: Context) -> str | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vitrain.bench.step import synchronize
 from vitrain.config import ModelConfig, OptimConfig, load_config
 from vitrain.models import count_parameters, create_model
 from vitrain.optim import build_optimizer, resolve_impl
@@ -56,10 +57,10 @@ def bench_optimizer_step(
     samples: list[list[float]] = [[] for _ in impls]
     for i in range(warmup + steps):
         for optimizer, times in zip(optimizers, samples, strict=True):
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             optimizer.step()
-            _sync(device)
+            synchronize(device)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     timings = [
@@ -70,8 +71,3 @@ def bench_optimizer_step(
     for t in timings:
         t.speedup_vs_loop = loop / t.ms_per_step if loop else None
     return params, timings
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()

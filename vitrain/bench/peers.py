@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vitrain.bench.step import IMAGENET_SHAPED, dtype_key, gemm_flops, peak_flops
+from vitrain.bench.step import IMAGENET_SHAPED, dtype_key, peak_flops, synchronize
 from vitrain.config import Config
 from vitrain.precision import cpu_description
 
@@ -141,8 +141,7 @@ def _timed(device: torch.device, body: Callable[[], None]) -> Callable[[], float
     def step() -> float:
         start = time.perf_counter()
         body()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     return step
@@ -211,7 +210,7 @@ def timm_contender(cfg: Config, images, labels, device, warmup: int) -> Contende
         for kernel in ("foreach", "fused")
     }
     label, step = _best_of(options, warmup)
-    return Contender(f"timm {timm.__version__}", f"{label}, fused attention (F.sdpa)", step, _dtype(label))
+    return Contender(f"timm {timm.__version__}", f"{label}, fused attention (F.sdpa)", step, dtype_key(label))
 
 
 def transformers_contender(cfg: Config, images, labels, device, warmup: int) -> Contender:
@@ -248,7 +247,7 @@ def transformers_contender(cfg: Config, images, labels, device, warmup: int) -> 
 
     options = {f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW fused": build(bf16) for bf16 in (False, True)}
     label, step = _best_of(options, warmup)
-    return Contender(f"transformers {transformers.__version__}", f"{label}, sdpa attention", step, _dtype(label))
+    return Contender(f"transformers {transformers.__version__}", f"{label}, sdpa attention", step, dtype_key(label))
 
 
 def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
@@ -271,10 +270,6 @@ def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
         f"(default recipe: auto values by autotune)"
     )
     return Contender("vitrain", setting, _timed(trainer.device, body), dtype_key(engine.precision_label)), trainer
-
-
-def _dtype(label: str) -> str:
-    return "bf16" if "bf16" in label else "fp32"
 
 
 def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> int:
@@ -335,10 +330,7 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         )
     trainer.close()
     cost = complexity(cfg.model)
-    peaks = {
-        dtype: peak_flops(device, dtype) if device.type == "cuda" else (gemm_flops(dtype, device), "")
-        for dtype in {c.dtype for c in contenders}
-    }
+    peaks = {dtype: peak_flops(device, dtype) for dtype in {c.dtype for c in contenders}}
     rows = []
     vitrain_ips = batch / statistics.median(times["vitrain"])
     for contender in contenders:

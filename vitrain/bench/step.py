@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from vitrain.config import Config
+from vitrain.parallel import unwrap
+from vitrain.parallel.distributed import is_distributed
 from vitrain.precision import cpu_description
 
 # Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets, by a substring of the device name.
@@ -67,7 +69,7 @@ def gemm_flops(dtype: str, device: torch.device, size: int = 2048, repeats: int 
     for i in range(repeats + 1):
         start = time.perf_counter()
         torch.mm(a, b)
-        _sync(device)
+        synchronize(device)
         if i:  # the first call is the warm-up
             best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
@@ -99,7 +101,8 @@ def parse_peaks(text: str | None) -> dict[str, tuple[float, str]]:
     return peaks
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer read after it measures the work (no-op on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -142,18 +145,17 @@ def bench_step(
     the computing dtype's peak here.
     """
     from vitrain.engine.trainer import Trainer
-    from vitrain.parallel import unwrap
 
     with tempfile.TemporaryDirectory(prefix="vitrain-bench-") as scratch:
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=scratch, progress=False))
         trainer = Trainer(cfg)
         try:
-            return _time_steps(trainer, trainer.cfg, steps, warmup, profile, peaks or {}, unwrap)
+            return _time_steps(trainer, trainer.cfg, steps, warmup, profile, peaks or {})
         finally:
             trainer.close()
 
 
-def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks, unwrap) -> dict[str, Any]:
+def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -> dict[str, Any]:
     device, dist, engine = trainer.device, trainer.dist, trainer.engine
     accum = cfg.train.accum_steps
     batches = _endless(trainer.train_loader)
@@ -175,22 +177,22 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks, u
                 t1 = time.perf_counter()
                 if pipelined:  # the schedule interleaves its stages' forward and backward
                     trainer.forward_backward(images, labels)
-                    _sync(device)
+                    synchronize(device)
                     t2 = t3 = time.perf_counter()
                     phase["forward"] += t2 - t1
                 else:
                     loss = trainer.loss(images, labels)
-                    _sync(device)
+                    synchronize(device)
                     t2 = time.perf_counter()
                     engine.backward(loss)
-                    _sync(device)
+                    synchronize(device)
                     t3 = time.perf_counter()
                     phase["forward"] += t2 - t1
                     phase["backward"] += t3 - t2
                 phase["data"] += t1 - t0
             t4 = time.perf_counter()
             trainer.optimizer_step()
-            _sync(device)
+            synchronize(device)
             end = time.perf_counter()
             phase["optimizer"] += end - t4
         if timing:
@@ -271,12 +273,10 @@ def _endless(loader):
 
 
 def _max_over_ranks(value: int, device: torch.device) -> int:
-    import torch.distributed as torch_dist
-
-    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+    if not is_distributed():
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return int(tensor.item())
 
 
@@ -326,9 +326,3 @@ def format_result(result: dict[str, Any]) -> str:
 def write_json(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def main_rank() -> bool:
-    import torch.distributed as torch_dist
-
-    return not (torch_dist.is_available() and torch_dist.is_initialized()) or torch_dist.get_rank() == 0

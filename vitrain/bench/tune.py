@@ -30,7 +30,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitrain.bench.step import synchronize
 from vitrain.config import Config, PrecisionConfig, to_dict
 from vitrain.precision import LOW_DTYPES, PrecisionPolicy, Resolved, cpu_description
 
@@ -57,7 +58,6 @@ class Decision:
     reason: str
     cached_at: str = ""  # where the decision is cached (a hit: read from there)
     from_cache: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def precision(self, cfg: PrecisionConfig) -> Resolved | None:
         mode = self.values.get("precision.mode")
@@ -274,8 +274,7 @@ def _candidate_step(
         loss = F.cross_entropy(out, labels) if out.shape[-1] == m.num_classes else out.square().mean()
         policy.backward(loss)
         policy.step(optimizer, cfg.optim.clip_grad_norm)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     return step
@@ -292,9 +291,10 @@ def _memory_check(cfg: Config, device: torch.device) -> tuple[Callable[[str], st
         return estimate(cfg.model, 1, "single", batch=cfg.train.batch_size, precision=precision).total
 
     def fits(mode: str) -> str | None:
-        if available is not None and need(mode) > available:
+        bytes_needed = need(mode)
+        if available is not None and bytes_needed > available:
             return (
-                f"not run: the memory estimate {need(mode) / 2**30:.1f} GiB exceeds {available / 2**30:.1f} GiB "
+                f"not run: the memory estimate {bytes_needed / 2**30:.1f} GiB exceeds {available / 2**30:.1f} GiB "
                 "available"
             )
         return None
