@@ -182,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
     bench_optim.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench_optim.set_defaults(func=_bench_optim)
 
+    plot = sub.add_parser("plot", help="loss, lr and top-1 vs steps and wall-clock of one or more runs, one PNG")
+    plot.add_argument("runs", nargs="+", metavar="RUN", help="run folders (each holds metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="the PNG (default: RUN/curves.png for one run, curves.png for more)")
+    plot.add_argument("--names", default=None, metavar="A,B,...", help="legend names, one per run (default: folders)")
+    plot.add_argument("--metric", default="val_top1", help="the evaluation field to draw (default val_top1)")
+    plot.set_defaults(func=_plot)
+
     config = sub.add_parser("config", help="inspect configs")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config")
@@ -254,7 +261,8 @@ def _eval(args: argparse.Namespace) -> int:
         )
     else:
         _, loader = build_loaders(cfg, device)
-        result = {"checkpoint": str(path), "step": meta.get("step"), **evaluate(model, loader)}
+        metrics = evaluate(model, loader, flip=cfg.train.eval_flip)
+        result = {"checkpoint": str(path), "step": meta.get("step"), **metrics}
     print(json.dumps(result, indent=2))
     return 0
 
@@ -448,6 +456,22 @@ def _bench_loader(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitrain.errors import ConfigError
+    from vitrain.plot import plot_runs, read_curves
+
+    names = args.names.split(",") if args.names else [None] * len(args.runs)
+    if len(names) != len(args.runs):
+        raise ConfigError(f"--names has {len(names)} names for {len(args.runs)} runs; give one per run")
+    curves = [read_curves(run, name) for run, name in zip(args.runs, names, strict=True)]
+    out = Path(args.out) if args.out else (Path(args.runs[0]) / "curves.png" if len(args.runs) == 1 else None)
+    out = plot_runs(curves, out or Path("curves.png"), metric=args.metric)
+    print(out)
+    return 0
 
 
 def _lr_find(args: argparse.Namespace) -> int:

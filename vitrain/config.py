@@ -41,6 +41,13 @@ class ModelConfig:
     # (vitrain/bench/tune.py, cached per device and shape); the weights are the same either way.
     attention: Literal["auto", "sdpa", "manual"] = "auto"
     pos_embed: Literal["learned", "sincos"] = "learned"
+    # linear: one strided conv cuts non-overlapping patches (ViT). conv: a small convolutional stem (3x3 convs, each
+    # with BatchNorm and ReLU, then a 1x1 projection to width; Xiao et al. 2021, "Early convolutions help
+    # transformers see better"), which learns faster from few images; the same token grid either way.
+    patch_embed: Literal["linear", "conv"] = "linear"
+    # conv: output channels of each 3x3 conv; the last log2(patch_size) have stride 2, any before them stride 1.
+    # Empty: log2(patch_size) convs widening to width (e.g. patch 4, width 192: [96, 192]).
+    stem_channels: tuple[int, ...] = ()
     drop_path: float = 0.0
     dropout: float = 0.0
     init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
@@ -48,6 +55,15 @@ class ModelConfig:
     @property
     def hidden_dim(self) -> int:
         return self.mlp_dim if self.mlp_dim is not None else 4 * self.width
+
+    @property
+    def stem(self) -> tuple[tuple[int, int], ...]:
+        """patch_embed=conv: (out channels, stride) of each 3x3 conv of the stem; empty for the linear embedding."""
+        if self.patch_embed != "conv":
+            return ()
+        halvings = self.patch_size.bit_length() - 1
+        channels = self.stem_channels or tuple(self.width >> (halvings - i) for i in range(1, halvings + 1))
+        return tuple((c, 2 if i >= len(channels) - halvings else 1) for i, c in enumerate(channels))
 
 
 @dataclass
@@ -64,6 +80,11 @@ class DataConfig:
     hflip: float = 0.0  # probability of a horizontal flip
     decode_workers: int = 2
     synthetic_samples: int = 1024
+    # Progressive resizing (FFCV's): > 0 trains at this smaller size first (a multiple of model.patch_size; fewer
+    # tokens, a faster step), growing in patch-size steps to model.image_size between the two fractions of the
+    # schedule in size_ramp; evaluation is always at model.image_size. 0 turns it off.
+    min_size: int = 0
+    size_ramp: tuple[float, float] = (0.25, 0.75)
     random_resized_crop: bool = False  # replaces crop_padding: a random box of rrc_scale area, resized back
     rrc_scale: tuple[float, float] = (0.08, 1.0)  # fraction of the image area
     rrc_ratio: tuple[float, float] = (0.75, 1.3333333333333333)  # aspect ratio w/h of the box
@@ -106,6 +127,10 @@ class ScheduleConfig:
     cycle_decay: float = 1.0  # cyclic: the peak is multiplied by this after each cycle (0.5: "triangular2")
     milestones: tuple[float, ...] = ()  # step: epochs at which the lr is multiplied by gamma
     gamma: float = 0.1  # step
+    # steps: the schedule runs over train.epochs. time: over train.time_limit_s instead (also capped by epochs): the
+    # lr at a step is the schedule's value at the share of the time budget spent on training so far (setup and the
+    # last evaluation left out), so the decay ends as the budget does on a fast or a slow machine alike.
+    horizon: Literal["steps", "time"] = "steps"
     scale_lr: Literal["none", "linear"] = "none"  # linear: lr x global_batch / base_batch_size (Goyal et al.)
     base_batch_size: int = 256
 
@@ -121,9 +146,20 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
     compile: bool = False
     eval_every_epochs: int = 1
+    eval_at_s: tuple[float, ...] = ()  # also evaluate at the first step past each of these wall-clock seconds
     checkpoint_every_steps: int = 0  # 0: checkpoint at the end of each epoch only
     max_steps: int = 0  # 0: no limit; otherwise stop after this many optimizer steps
     keep_checkpoints: int = 3  # the newest K step checkpoints are kept (plus the best one)
+    # > 0: stop training once this many seconds of wall time (counted from the start of the run's setup, data
+    # decoding included) plus the last evaluation's duration are spent, then evaluate once more: a time budget.
+    time_limit_s: float = 0.0
+    # > 0: keep an exponential moving average of the weights with this decay (e.g. 0.999), evaluated beside the
+    # weights (ema_val_* fields) and checkpointed. Native engine, strategies single/ddp/zero1.
+    ema: float = 0.0
+    ema_warmup: bool = True  # decay min(ema, (1 + t) / (10 + t)) at step t: short runs forget the random start
+    # Also evaluate each image averaged with its mirror image (logits of both added): *_flip fields, reported beside
+    # the plain ones, never in their place.
+    eval_flip: bool = False
     # What sets up, steps and checkpoints the model (vitrain/engine/engines.py): native (vitrain's precision policy,
     # parallel strategy and DCP checkpoints) or deepspeed (DeepSpeed ZeRO; pip install 'vitrain[deepspeed]').
     engine: Literal["native", "deepspeed"] = "native"
@@ -190,6 +226,9 @@ class LogConfig:
     out_dir: str = "runs"
     every_steps: int = 10
     progress: bool = True
+    # Also write every metrics.jsonl record as TensorBoard scalars under RUN/tensorboard (pip install
+    # 'vitrain[tensorboard]'); `vitrain plot RUN` draws the same curves without it.
+    tensorboard: bool = False
 
 
 @dataclass
@@ -480,6 +519,20 @@ def validate(cfg: Config) -> None:
             f"model.patch_size={m.patch_size} does not divide model.image_size={m.image_size}; "
             f"pick an image size that is a multiple of {m.patch_size}"
         )
+    if m.patch_embed == "conv":
+        strides = m.patch_size.bit_length() - 1
+        if m.patch_size != 1 << strides:
+            raise ConfigError(
+                f"model.patch_embed=conv halves the image with each stride-2 conv: model.patch_size={m.patch_size} "
+                "must be a power of two (2, 4, 8, 16)"
+            )
+        if m.stem_channels and len(m.stem_channels) < strides:
+            raise ConfigError(
+                f"model.stem_channels={list(m.stem_channels)} has {len(m.stem_channels)} convs but patch_size="
+                f"{m.patch_size} needs at least {strides} (one per halving); add channels or use a smaller patch"
+            )
+        if any(c <= 0 for c in m.stem_channels):
+            raise ConfigError(f"model.stem_channels={list(m.stem_channels)} must be positive channel counts")
     if m.mlp_dim is not None and m.mlp_dim <= 0:
         raise ConfigError(f"model.mlp_dim={m.mlp_dim} must be positive (or null for 4 x width)")
     if m.width % 8 or m.hidden_dim % 8:
@@ -512,6 +565,15 @@ def validate(cfg: Config) -> None:
         )
     if not 0.0 < d.rrc_scale[0] <= d.rrc_scale[1] <= 1.0:
         raise ConfigError(f"data.rrc_scale={list(d.rrc_scale)} must be area fractions with 0 < low <= high <= 1")
+    if d.min_size and not (0 < d.min_size <= m.image_size and d.min_size % m.patch_size == 0):
+        raise ConfigError(
+            f"data.min_size={d.min_size} must be a multiple of model.patch_size={m.patch_size} and at most "
+            f"model.image_size={m.image_size} (0 turns progressive resizing off)"
+        )
+    if not 0.0 <= d.size_ramp[0] <= d.size_ramp[1] <= 1.0:
+        raise ConfigError(
+            f"data.size_ramp={list(d.size_ramp)} must be fractions of the run with 0 <= start <= end <= 1"
+        )
     if not 0.0 < d.rrc_ratio[0] <= d.rrc_ratio[1]:
         raise ConfigError(f"data.rrc_ratio={list(d.rrc_ratio)} must be aspect ratios with 0 < low <= high")
     for name in ("mixup_alpha", "cutmix_alpha", "prefetch", "loader_workers"):
@@ -525,6 +587,23 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
+    if t.time_limit_s < 0:
+        raise ConfigError(f"train.time_limit_s={t.time_limit_s} must be >= 0 (0: no limit)")
+    if any(s <= 0 for s in t.eval_at_s):
+        raise ConfigError(f"train.eval_at_s={list(t.eval_at_s)} must be positive seconds, e.g. [300,600]")
+    if cfg.schedule.horizon == "time" and not t.time_limit_s:
+        raise ConfigError(
+            "schedule.horizon=time runs the schedule over the time budget: set train.time_limit_s=SECONDS"
+        )
+    if not 0.0 <= t.ema < 1.0:
+        raise ConfigError(f"train.ema={t.ema} is a decay and must be in [0, 1), e.g. 0.999 (0 turns it off)")
+    if t.ema and (t.engine != "native" or cfg.parallel.strategy not in ("single", "ddp", "zero1")):
+        raise ConfigError(
+            f"train.ema averages whole weights on every rank: it needs train.engine=native and parallel.strategy "
+            f"single, ddp or zero1 (got {t.engine}, {cfg.parallel.strategy}); set train.ema=0 for this run"
+        )
+    if t.ema and cfg.parallel.pipeline_stages > 1:
+        raise ConfigError("train.ema averages whole weights: set parallel.pipeline_stages=1 or train.ema=0")
     _validate_parallel(cfg)
     _validate_engine(cfg)
     _validate_task(cfg)

@@ -151,5 +151,21 @@ def _interpolation_matrix(start: torch.Tensor, length: torch.Tensor, extent: int
     return (1 - (source[:, :, None] - pixels).abs()).clamp_(min=0)
 
 
+def progressive_size(progress: float, min_size: int, max_size: int, ramp: tuple[float, float], step: int) -> int:
+    """data.min_size: the training image size at `progress` (0..1) of the schedule: min_size until ramp[0], then
+    growing linearly in multiples of `step` (the patch size), max_size from ramp[1] on."""
+    if not min_size or progress >= ramp[1]:
+        return max_size
+    share = max(0.0, progress - ramp[0]) / max(ramp[1] - ramp[0], 1e-9)
+    return min_size + int(share * (max_size - min_size)) // step * step
+
+
+def resize_batch(images: torch.Tensor, size: int) -> torch.Tensor:
+    """A normalized (B, C, H, W) batch at size x size (antialiased bilinear; unchanged when already that size)."""
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+
+
 def _per_channel(values: tuple[float, ...], channels: int) -> list[float]:
     return list(values) * channels if len(values) == 1 else list(values)

@@ -24,6 +24,7 @@ from torch import nn
 
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config
+from vitrain.engine.ema import WeightAverage
 from vitrain.models import count_parameters
 from vitrain.optim import build_head_optimizer, set_lr
 from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
@@ -34,6 +35,7 @@ from vitrain.precision import PrecisionPolicy, Resolved, check_finite
 
 COMPENSATION = "compensation"  # pure mode's Kahan terms, saved beside the model and optimizer
 HEAD = "head"  # a task's parameters outside the model (the identity head), saved by identity row
+EMA = "ema"  # train.ema: the moving average of the weights
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, labels) -> the loss through `forward`
 
@@ -151,6 +153,7 @@ class NativeEngine:
             self.forward = pipeline
         self.head = head
         self.head_optimizer = build_head_optimizer(head, cfg.optim, device) if head is not None else None
+        self.ema = WeightAverage(model, cfg.train.ema, cfg.train.ema_warmup) if cfg.train.ema else None
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -173,7 +176,12 @@ class NativeEngine:
             return self.pipeline.step(self.precision, self.optimizer, clip, loss_nonfinite)
         if self.head is not None:
             average_replicated_gradients(self.head)
-        return self.precision.step(self.optimizer, clip, loss_nonfinite, head_optimizer=self.head_optimizer)
+        grad_norm, skipped = self.precision.step(
+            self.optimizer, clip, loss_nonfinite, head_optimizer=self.head_optimizer
+        )
+        if self.ema is not None and not skipped:
+            self.ema.update()
+        return grad_norm, skipped
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -195,6 +203,8 @@ class NativeEngine:
             extra[COMPENSATION] = self.precision.compensation_state(self.model, self.optimizer)
         if self.head is not None:
             extra[HEAD] = self.head.checkpoint_state(self.head_optimizer)
+        if self.ema is not None:
+            extra[EMA] = self.ema.state()
         with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
             # A diverged run keeps its last good checkpoint instead of saving inf/NaN (each rank checks its shard).
             with all_or_none("checking the weights before a checkpoint"):
@@ -213,6 +223,13 @@ class NativeEngine:
             ckpt.load_extra(path, {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)})
         if self.head is not None:
             self.head.load_checkpoint(path, self.head_optimizer)
+        if self.ema is not None:
+            if meta["config"]["train"].get("ema"):
+                state = self.ema.state()
+                ckpt.load_extra(path, {EMA: state})
+                self.ema.loaded(state)
+            else:  # turned on at resume: the average starts from the checkpoint's weights
+                self.ema = WeightAverage(self.model, self.cfg.train.ema, self.cfg.train.ema_warmup)
         self.precision.load_state_dict(meta.get("precision"))
         return ckpt.load_rng(path)
 

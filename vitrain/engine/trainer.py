@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, to_dict, to_yaml
+from vitrain.data.augment import progressive_size, resize_batch
 from vitrain.data.loader import WaitTimer
 from vitrain.engine.engines import build_engine
 from vitrain.engine.runs import choose_run, mark_run
@@ -45,11 +46,14 @@ def resolve_device(name: str) -> torch.device:
 class RunLog:
     """Human lines to stderr and log.txt; machine records to metrics.jsonl. Silent on ranks other than 0."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = False):
         self.enabled = enabled
+        self.events = None
         if enabled:
             self.text = open(run_dir / "log.txt", "a")
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
+            if tensorboard:
+                self.events = tensorboard_writer(run_dir / "tensorboard")
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -63,18 +67,42 @@ class RunLog:
             return
         self.jsonl.write(json.dumps(fields) + "\n")
         self.jsonl.flush()
+        if self.events is not None:  # the step is the x axis; each other number a scalar (eval ones under val/)
+            step = fields.get("step", 0)
+            for name, value in fields.items():
+                if name not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
+                    group = "val" if name.startswith(("val_", "ema_val_")) else "train"
+                    self.events.add_scalar(f"{group}/{name}", value, step)
+            self.events.flush()
 
     def close(self) -> None:
         if self.enabled:
             self.text.close()
             self.jsonl.close()
+            if self.events is not None:
+                self.events.close()
             self.enabled = False
+
+
+def tensorboard_writer(folder: Path):
+    """torch's SummaryWriter (it needs the tensorboard package; log.tensorboard=true says how to get it)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "log.tensorboard=true needs the tensorboard package: pip install 'vitrain[tensorboard]' "
+            "(or set log.tensorboard=false; `vitrain plot RUN` draws the curves without it)"
+        ) from None
+    return SummaryWriter(log_dir=str(folder))
 
 
 class Trainer:
     """Builds everything from one config, then `fit()` trains, evaluates, checkpoints and summarizes."""
 
     def __init__(self, cfg: Config, resume: bool | str = False):
+        self.started = (
+            time.perf_counter()
+        )  # the run's wall clock (train.time_limit_s, wall_s): setup and decoding count
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         torch.manual_seed(cfg.train.seed)
@@ -148,6 +176,8 @@ class Trainer:
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.best_metric: float | None = None  # the task's best_metric at the best evaluation so far
         self.last_eval: dict[str, Any] = {}
+        self.last_eval_s = 0.0  # how long the last evaluation took: train.time_limit_s leaves room for one more
+        self.setup_s: float | None = None  # wall_s when training began (the first step of the run, across resumes)
 
     def _autotune(self, cfg: Config):
         """Rank 0 times the candidates of the config's auto values (or reads them cached); every rank follows."""
@@ -232,6 +262,8 @@ class Trainer:
             "world_size": self.dist.world_size,
             "strategy": self.cfg.parallel.strategy,
             "is_best": is_best,
+            "wall_s": self.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
+            "setup_s": self.setup_s,
         }
 
     def load(self, path: Path) -> None:
@@ -260,6 +292,8 @@ class Trainer:
         else:  # best_top1 = -1.0 meant "no evaluation yet"
             self.best_metric = meta["best_top1"] if meta.get("best_top1", -1.0) >= 0 else None
         self.last_eval = meta["last_eval"]
+        self.started -= meta.get("wall_s", 0.0)
+        self.setup_s = meta.get("setup_s")
         saved_ranks, ranks = meta.get("world_size", 1), self.dist.world_size
         if saved_ranks != ranks:
             kept = min(saved_ranks, ranks)
@@ -293,7 +327,7 @@ class Trainer:
                 (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
                 if self.tuned is not None:
                     (self.run_dir / "autotune.json").write_text(json.dumps(self.tuned.to_json(), indent=2) + "\n")
-            log = RunLog(self.run_dir, enabled=self.is_main)
+            log = RunLog(self.run_dir, enabled=self.is_main, tensorboard=self.cfg.log.tensorboard)
         try:
             return self._fit(log)
         finally:
@@ -317,6 +351,7 @@ class Trainer:
         wall_start = time.perf_counter()
         train_seconds, train_images, compile_s = 0.0, 0, None
         data_wait_s = 0.0  # time the steps spent blocked on the loader (same steps as train_seconds)
+        marks = sorted(m for m in t.eval_at_s if m > self.wall_s())  # train.eval_at_s still ahead
         stop = False
         while self.epoch < t.epochs and not stop:
             bar = tqdm(
@@ -337,9 +372,15 @@ class Trainer:
             batches = WaitTimer(itertools.islice(self.epoch_batches, remaining))
             for images, labels in batches:
                 if micro == 0:
-                    lr = self.schedule(self.step)
+                    if self.setup_s is None:
+                        self.setup_s = self.wall_s()
+                    position = self.schedule_position()
+                    lr = self.schedule(position)
                     self.set_lr(lr)
+                    size = self.image_size(position)
                     loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+                if size != cfg.model.image_size:  # data.min_size: a smaller image early in the run
+                    images = resize_batch(images, size)
                 loss = self.forward_backward(images, labels)
                 loss_nonfinite |= ~torch.isfinite(loss)  # checked at the step, without a sync here
                 micro += 1
@@ -382,12 +423,23 @@ class Trainer:
                         images_per_s=images_per_s,
                         data_wait_s=window_wait_s / window_steps,  # mean per step over the logged window
                         data_wait_frac=wait_frac,  # share of the window's step time spent waiting for data
+                        wall_s=self.wall_s(),
                         **self._scaler_fields(),
                     )
                     window_images, window_start, window_wait_s, window_steps = 0, time.perf_counter(), 0.0, 0
-                if t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
+                if marks and self.wall_s() >= marks[0]:  # train.eval_at_s: a point on the time-to-accuracy curve
+                    marks = [m for m in marks if m > self.wall_s()]
+                    self._evaluate_and_save(log, final=False)
+                elif t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
                     self.save()
                 if t.max_steps and self.step >= t.max_steps:
+                    stop = True
+                    break
+                if t.time_limit_s and self.wall_s() + self.last_eval_s >= t.time_limit_s:
+                    log.info(
+                        f"train.time_limit_s={t.time_limit_s:g}: stopping at step {self.step} after "
+                        f"{self.wall_s():.0f} s, leaving {self.last_eval_s:.0f} s for the last evaluation"
+                    )
                     stop = True
                     break
                 step_start = time.perf_counter()
@@ -442,15 +494,45 @@ class Trainer:
     def _scaler_fields(self) -> dict[str, Any]:
         return self.engine.scaler_fields()
 
+    def schedule_position(self) -> float:
+        """The step the lr schedule is read at: the step, or under schedule.horizon=time the share of the training
+        time budget spent so far, in steps (whichever is further)."""
+        if self.cfg.schedule.horizon != "time":
+            return self.step
+        budget = self.cfg.train.time_limit_s - self.setup_s - self.last_eval_s
+        spent = (self.wall_s() - self.setup_s) / max(budget, 1e-9)
+        return max(float(self.step), min(spent, 1.0) * self.total_steps)
+
+    def image_size(self, position: float) -> int:
+        """The training image size at schedule position `position` (data.min_size; else model.image_size)."""
+        d, m = self.cfg.data, self.cfg.model
+        return progressive_size(position / self.total_steps, d.min_size, m.image_size, d.size_ramp, m.patch_size)
+
+    def wall_s(self) -> float:
+        """Seconds since this run's setup began (data decoding, autotune and evaluations included)."""
+        return time.perf_counter() - self.started
+
     def _evaluate_and_save(self, log: RunLog, final: bool) -> None:
+        begin = time.perf_counter()
         with self.engine.autocast():
-            self.last_eval = self.task.evaluate(self.forward, final, self.run_dir)
+            metrics = self.task.evaluate(self.forward, final, self.run_dir)
+        ema = getattr(self.engine, "ema", None)
+        if ema is not None:  # the average of the weights, evaluated in the run's compute dtype
+            with ema.autocast(self.precision.dtype):
+                averaged = self.task.evaluate(ema.module, final, self.run_dir / "ema")
+            metrics |= {f"ema_{name}": value for name, value in averaged.items()}
+        self.last_eval_s = time.perf_counter() - begin
+        # When (in the run's wall clock) this evaluation's weights existed: the time-to-accuracy curve.
+        self.last_eval = metrics | {"wall_s": begin - self.started, "eval_s": self.last_eval_s}
         value = self.last_eval[self.task.best_metric]
         is_best = is_better(self.task, value, self.best_metric)
         if is_best:
             self.best_metric = value
         log.record(step=self.step, epoch=self.epoch, **self.last_eval)
-        log.info(f"epoch {self.epoch} step {self.step}: {self.task.eval_line(self.last_eval)}")
+        line = self.task.eval_line(self.last_eval)
+        if ema is not None:
+            line += f" | ema: {self.task.eval_line(averaged)}"
+        log.info(f"epoch {self.epoch} step {self.step} ({begin - self.started:.0f} s): {line}")
         self.save(is_best)
 
     def _log_header(self, log: RunLog) -> None:

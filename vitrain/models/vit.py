@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,28 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
+
+
+class ConvStem(nn.Module):
+    """A convolutional patch embedding: 3x3 convs (BatchNorm, ReLU), then a 1x1 conv to `width`; same grid as
+    PatchEmbed. `stem` is ModelConfig.stem: (out channels, stride) per 3x3 conv."""
+
+    def __init__(self, image_size: int, patch_size: int, in_chans: int, width: int, stem: tuple[tuple[int, int], ...]):
+        super().__init__()
+        self.num_patches = (image_size // patch_size) ** 2
+        layers: list[nn.Module] = []
+        for channels, stride in stem:
+            layers += [
+                nn.Conv2d(in_chans, channels, 3, stride=stride, padding=1, bias=False),
+                nn.BatchNorm2d(channels),
+                nn.ReLU(inplace=True),
+            ]
+            in_chans = channels
+        self.stem = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(in_chans, width, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.stem(x)).flatten(2).transpose(1, 2)  # (B, N, D)
 
 
 class Attention(nn.Module):
@@ -127,7 +150,10 @@ class VisionTransformer(nn.Module):
         rng_state = torch.get_rng_state()  # what the layers' own default inits, then ours, draw from
         self.cfg = cfg
         self.embed_dim = embed_dim
-        self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
+        if cfg.patch_embed == "conv":
+            self.patch_embed = ConvStem(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width, cfg.stem)
+        else:
+            self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
         self.num_prefix_tokens = 1 if cfg.pool == "cls" else 0
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width)) if cfg.pool == "cls" else None
         seq_len = self.patch_embed.num_patches + self.num_prefix_tokens
@@ -198,7 +224,10 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(images)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
+        pos = self.pos_embed
+        if x.shape[1] != pos.shape[1]:  # smaller images than model.image_size (data.min_size): fewer tokens
+            pos = resized_positions(pos, self.num_prefix_tokens, images.shape[-1] // self.cfg.patch_size)
+        x = self.pos_drop(x + pos)
         return x.transpose(0, 1) if self.cfg.layout == "seq_first" else x
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,6 +262,16 @@ def features_dim(cfg: ModelConfig) -> int:
     if cfg.pool == "flatten":
         return (cfg.image_size // cfg.patch_size) ** 2 * cfg.width
     return cfg.width
+
+
+def resized_positions(pos: torch.Tensor, prefix: int, grid: int) -> torch.Tensor:
+    """A (1, prefix + G*G, D) position table for a grid x grid token grid: the patch part resampled (bicubic, as
+    timm does for other image sizes), the class token's row kept. Differentiable: the table still learns."""
+    table = pos[:, prefix:]
+    side = math.isqrt(table.shape[1])
+    table = table.reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    table = F.interpolate(table.float(), size=(grid, grid), mode="bicubic", align_corners=False).to(pos.dtype)
+    return torch.cat([pos[:, :prefix], table.permute(0, 2, 3, 1).reshape(1, grid * grid, -1)], dim=1)
 
 
 def sincos_2d(grid: int, width: int, temperature: float = 10000.0) -> torch.Tensor:
@@ -281,14 +320,15 @@ def complexity(cfg: ModelConfig, batch_size: int = 1, embed_dim: int = 0) -> Com
     else:
         head_params, head_macs = features * cfg.num_classes + cfg.num_classes, features * cfg.num_classes
         head_out = cfg.num_classes
-    params = (cfg.in_chans * p * p * d + d) + depth * block_params + 2 * d + head_params
+    stem_params, stem_macs, stem_acts = _stem_cost(cfg)
+    params = stem_params + depth * block_params + 2 * d + head_params
     if cfg.pool == "cls":
         params += d
     if cfg.pos_embed == "learned":
         params += n * d
 
     # Multiply-adds of the matmuls (including attention's QK^T and AV), per image.
-    embed_macs = n_patches * cfg.in_chans * p * p * d
+    embed_macs = stem_macs
     block_macs = n * 3 * d * d + 2 * n * n * d + n * d * d + 2 * n * d * h
     macs = embed_macs + depth * block_macs + head_macs
 
@@ -303,13 +343,32 @@ def complexity(cfg: ModelConfig, batch_size: int = 1, embed_dim: int = 0) -> Com
         + 2 * n * h  # fc1, gelu
         + n * d  # fc2
     )
-    acts = n_patches * d + depth * block_acts + n * d + head_out
+    acts = stem_acts + depth * block_acts + n * d + head_out
     return Complexity(
         params=params,
         macs=macs * batch_size,
         flops=2 * macs * batch_size,
         activations=acts * batch_size,
     )
+
+
+def _stem_cost(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(params, multiply-adds, activations) per image of the patch embedding, up to its projection to width."""
+    d, p = cfg.width, cfg.patch_size
+    n_patches = (cfg.image_size // p) ** 2
+    if cfg.patch_embed != "conv":
+        return cfg.in_chans * p * p * d + d, n_patches * cfg.in_chans * p * p * d, n_patches * d
+    params = macs = acts = 0
+    size, in_chans = cfg.image_size, cfg.in_chans
+    for channels, stride in cfg.stem:
+        size = (size - 1) // stride + 1  # 3x3, padding 1
+        params += 9 * in_chans * channels + 2 * channels  # conv (no bias) + BatchNorm's weight and bias
+        macs += size * size * 9 * in_chans * channels
+        acts += 3 * size * size * channels  # conv, norm, relu
+        in_chans = channels
+    params += in_chans * d + d
+    macs += n_patches * in_chans * d
+    return params, macs, acts + n_patches * d
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -39,11 +39,12 @@ class ClassificationTask:
         return F.cross_entropy(output.float(), labels, label_smoothing=self.cfg.train.label_smoothing)
 
     def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]:
-        return evaluate(forward, self.val_loader)
+        return evaluate(forward, self.val_loader, flip=self.cfg.train.eval_flip)
 
     def eval_line(self, metrics: dict[str, Any]) -> str:
         top1, top5, loss = metrics["val_top1"], metrics["val_top5"], metrics["val_loss"]
-        return f"val_top1={top1:.4f} val_top5={top5:.4f} val_loss={loss:.4f}"
+        line = f"val_top1={top1:.4f} val_top5={top5:.4f} val_loss={loss:.4f}"
+        return line + (f" val_top1_flip={metrics['val_top1_flip']:.4f}" if "val_top1_flip" in metrics else "")
 
     def describe_data(self) -> str:
         return f"{len(self.val_loader.data)} val images"

@@ -1,0 +1,186 @@
+"""CIFAR-10 time to accuracy: vitrain's recipe, the usual timm-style baseline and the recipe less one switch at a time,
+each under the same wall-clock budget on this machine, one after the other.
+
+    python benchmarks/cifar_time_to_accuracy.py                         # every row, 20 minutes each
+    python benchmarks/cifar_time_to_accuracy.py --rows recipe,baseline  # the two the plot compares
+    python benchmarks/cifar_time_to_accuracy.py --rows no-ema --out DIR # add a row to an earlier table
+
+Each row is one `vitrain train` command (its own process, timed whole: Python start, data decoding, autotune and
+evaluations included) with `train.time_limit_s` set to the budget less a margin for the process's start and exit,
+and evaluations at 5 and 10 minutes (`train.eval_at_s`) besides the recipe's own. Top-1 at 5 and 10 minutes is
+the evaluation made at the first step past the mark; at 20 minutes it is the run's last evaluation, and the
+command's whole wall time is in the table to show it fits. Plain test top-1 throughout (no test-time flip).
+
+Writes OUT/table.md, OUT/results.json (rows from an earlier run in OUT that were not rerun are kept) and
+OUT/curves.png (`vitrain plot` of the recipe and the baseline); the run folders are OUT/runs/ROW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO.parent / "shared" / "data" / "cifar10-jpg.zip"
+MARKS_MIN = (5, 10, 20)
+START_MARGIN_S = 30  # the process's start (imports) and exit around the trainer's own clock
+
+# name -> (recipe, overrides, what the row shows). The ablations take one switch of the recipe back to the plain
+# choice; the baseline is the usual recipe of another library.
+ROWS: dict[str, tuple[str, list[str], str]] = {
+    "recipe": ("cifar10-fast", [], "vitrain's recipe: vitrain train cifar10-fast"),
+    "baseline": ("cifar10-baseline", [], "timm-style ViT-Ti/4, AdamW 1e-3, cosine, batch 128, flip + crop, fp32"),
+    "no-conv-stem": ("cifar10-fast", ["model.patch_embed=linear"], "recipe with the plain linear patch embedding"),
+    "no-time-horizon": (
+        "cifar10-fast",
+        ["schedule.horizon=steps", "train.epochs=5"],
+        "recipe with its 1cycle over a fixed 5 epochs instead of the time budget",
+    ),
+    "no-label-smoothing": ("cifar10-fast", ["train.label_smoothing=0"], "recipe without label smoothing"),
+    "no-augmentation": ("cifar10-fast", ["data.crop_padding=0", "data.hflip=0"], "recipe without crop and flip"),
+    "no-ema": ("cifar10-fast", ["train.ema=0"], "recipe without the weight average (its cost: the EMA evaluations)"),
+    "fp32": (
+        "cifar10-fast",
+        ["precision.mode=fp32", "model.attention=sdpa"],
+        "recipe in fp32 with sdpa instead of what autotune picks",
+    ),
+}
+
+
+def cpu_line() -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", "from vitrain.precision import cpu_description; print(cpu_description())"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    return done.stdout.strip() or "CPU: unknown"
+
+
+def run_row(name: str, budget_s: float, data: Path, out: Path) -> dict:
+    recipe, overrides, what = ROWS[name]
+    run_dir = out / "runs"
+    marks = [m * 60 for m in MARKS_MIN if m * 60 < budget_s]
+    command = [
+        sys.executable,
+        "-m",
+        "vitrain",
+        "train",
+        recipe,
+        f"data.root={data}",
+        f"log.out_dir={run_dir}",
+        f"name={name}",
+        "log.progress=false",
+        f"train.time_limit_s={budget_s - START_MARGIN_S:g}",
+        f"train.eval_at_s=[{','.join(str(m) for m in marks)}]",
+        *overrides,
+    ]
+    shutil.rmtree(run_dir / name, ignore_errors=True)  # the row starts fresh (a rerun replaces it)
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(command[2:])}", flush=True)
+    begin = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - begin
+    folder = run_dir / name
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "logs" / f"{name}.txt").write_text(done.stderr)
+    row = {"row": name, "what": what, "command": "vitrain " + " ".join(command[3:]), "command_wall_s": wall}
+    if done.returncode != 0:
+        row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        return row
+    evals = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if "val_top1" in line]
+    summary = json.loads(done.stdout[done.stdout.index("{") :])
+    for minutes in MARKS_MIN:
+        mark = minutes * 60
+        if mark >= budget_s:  # the budget's end: the run's last evaluation
+            point = evals[-1] if evals and wall <= budget_s else None
+        else:  # the evaluation made at the first step past the mark
+            point = next((e for e in evals if e["wall_s"] >= mark), None)
+        row[f"top1_{minutes}min"] = point["val_top1"] if point else None
+        row[f"ema_top1_{minutes}min"] = point.get("ema_val_top1") if point else None
+    row |= {
+        "final_top1": summary["val_top1"],
+        "final_ema_top1": summary.get("ema_val_top1"),
+        "images_per_s": summary["images_per_s"],
+        "epochs": evals[-1]["step"] / summary["steps"] * summary["epochs"] if evals else 0,
+        "steps": summary["steps"],
+        "precision": summary["precision"],
+        "curve": [(e["wall_s"], e["val_top1"]) for e in evals],
+        "run_dir": str(folder.relative_to(out)),
+    }
+    return row
+
+
+def pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f}"
+
+
+def table(rows: list[dict], budget_s: float, cpu: str) -> str:
+    lines = [
+        f"# CIFAR-10 time to accuracy ({budget_s / 60:g}-minute budget per row)",
+        "",
+        f"{cpu}. torch threads: the machine's default. Plain test top-1 (%) of the 10,000 test images; in brackets the",
+        "weight average (EMA) where the row keeps one. Command wall: the whole `vitrain train` process.",
+        "",
+        "| row | 5 min | 10 min | 20 min | command wall | images/s | precision | what |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['row']} | failed: {row['error']} | | | | | | {row['what']} |")
+            continue
+        cells = []
+        for minutes in MARKS_MIN:
+            plain, ema = row.get(f"top1_{minutes}min"), row.get(f"ema_top1_{minutes}min")
+            cells.append(pct(plain) + (f" ({pct(ema)})" if ema is not None else ""))
+        lines.append(
+            f"| {row['row']} | {' | '.join(cells)} | {row['command_wall_s']:.0f} s | {row['images_per_s']:.0f} | "
+            f"{row['precision']} | {row['what']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
+    parser.add_argument("--budget-min", type=float, default=20.0, help="wall-clock budget per row (default 20)")
+    parser.add_argument("--data", type=Path, default=DATA, help="the CIFAR-10 JPEG tree or zip")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cifar_time_to_accuracy")
+    args = parser.parse_args()
+    names = [n for n in args.rows.split(",") if n]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        sys.exit(f"--rows: unknown row {unknown[0]}; choose from {', '.join(ROWS)}")
+    if not args.data.exists():
+        sys.exit(f"--data {args.data} not found: pass the CIFAR-10 JPEG zip (../shared/data/cifar10-jpg.zip)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    budget_s = args.budget_min * 60
+    results_file = args.out / "results.json"
+    earlier = json.loads(results_file.read_text()) if results_file.exists() else {"rows": []}
+    cpu = cpu_line()
+    rows = {row["row"]: row for row in earlier["rows"]}
+    for name in names:
+        row = run_row(name, budget_s, args.data, args.out)
+        row["cpu"] = cpu
+        rows[name] = row
+        ordered = [rows[n] for n in ROWS if n in rows]
+        results_file.write_text(json.dumps({"budget_s": budget_s, "rows": ordered}, indent=2) + "\n")
+        (args.out / "table.md").write_text(table(ordered, budget_s, cpu))
+        print(table([row], budget_s, cpu).splitlines()[-1], flush=True)
+    plotted = [n for n in ("recipe", "baseline") if n in rows and "error" not in rows[n]]
+    if plotted:
+        subprocess.run(
+            [sys.executable, "-m", "vitrain", "plot", *(str(args.out / rows[n]["run_dir"]) for n in plotted)]
+            + ["--names", ",".join(plotted), "--out", str(args.out / "curves.png")],
+            check=True,
+            cwd=REPO,
+        )
+    print((args.out / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
