@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli, shared_data
 from tests.distributed_helpers import losses, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.config import ModelConfig, load_config, resolve_config_path
@@ -311,3 +313,24 @@ def test_trainer_trains_at_the_small_size_first(tmp_path, monkeypatch):
     assert seen == [8] * 3 + [16] * 3  # 3 steps per epoch; the second half at model.image_size
     with pytest.raises(ConfigError, match="data.min_size"):
         tiny_config(tmp_path, "x", model={"image_size": 16}, data={"min_size": 6})
+
+
+@pytest.mark.slow
+def test_time_to_accuracy_benchmark_runs_both_recipes_and_writes_table_json_and_plot(tmp_path):
+    """The benchmark end to end on the real CIFAR-10 zip, at a 90-second budget per row (~4 minutes)."""
+    data = shared_data("cifar10-jpg.zip")
+    pytest.importorskip("matplotlib", reason="the benchmark's plot needs the plot extra")
+    script = REPO / "benchmarks" / "cifar_time_to_accuracy.py"
+    args = ["--rows", "recipe,baseline", "--budget-min", "1.5", "--data", str(data), "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["row"]: row for row in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert set(rows) == {"recipe", "baseline"}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["command_wall_s"] <= 90 + 15  # the budget, give or take the process's start and exit
+        assert row["top1_20min"] is not None and row["top1_20min"] > 0.1  # better than chance
+        assert [t for t, _ in row["curve"]] == sorted(t for t, _ in row["curve"]) and len(row["curve"]) >= 2
+    table = (tmp_path / "table.md").read_text()
+    assert "| recipe |" in table and "| baseline |" in table
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
