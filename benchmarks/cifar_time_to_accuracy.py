@@ -13,7 +13,8 @@ at 20 minutes it is the run's last evaluation, and the command's whole wall time
 Plain test top-1 throughout (no test-time flip). `--budget-min` other than 20 rescales the budget and the marks.
 
 Writes OUT/table.md, OUT/results.json (rows from an earlier run in OUT that were not rerun are kept) and
-OUT/curves.png (`vitrain plot` of the recipe and the baseline); the run folders are OUT/runs/ROW.
+OUT/curves.png (`vitrain plot` of the recipe and the baseline); the run folders are OUT/runs/ROW (ignored by git),
+their metrics, summary, config and logs are copied to OUT/metrics/ROW (`vitrain plot` reads those too).
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def run_row(name: str, budget_s: float, data: Path, out: Path) -> dict:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "logs" / f"{name}.txt").write_text(done.stderr)
     row = {"row": name, "what": what, "command": "vitrain " + " ".join(command[3:]), "command_wall_s": wall}
+    kept = out / "metrics" / name  # what git keeps of the run (runs/ holds checkpoints and is ignored)
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    for file in ("metrics.jsonl", "summary.json", "config.yaml", "autotune.json", "log.txt"):
+        if (folder / file).exists():
+            shutil.copy2(folder / file, kept / file)
     if done.returncode != 0:
         row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
         return row
@@ -114,7 +121,7 @@ def run_row(name: str, budget_s: float, data: Path, out: Path) -> dict:
         "steps": summary["steps"],
         "precision": summary["precision"],
         "curve": [(e["wall_s"], e["val_top1"]) for e in evals],
-        "run_dir": str(folder.relative_to(out)),
+        "run_dir": str(kept.relative_to(out)),
     }
     return row
 

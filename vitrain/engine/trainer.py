@@ -100,9 +100,8 @@ class Trainer:
     """Builds everything from one config, then `fit()` trains, evaluates, checkpoints and summarizes."""
 
     def __init__(self, cfg: Config, resume: bool | str = False):
-        self.started = (
-            time.perf_counter()
-        )  # the run's wall clock (train.time_limit_s, wall_s): setup and decoding count
+        # The run's wall clock (train.time_limit_s, wall_s): setup and data decoding count.
+        self.started = time.perf_counter()
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         torch.manual_seed(cfg.train.seed)
@@ -424,6 +423,7 @@ class Trainer:
                         data_wait_s=window_wait_s / window_steps,  # mean per step over the logged window
                         data_wait_frac=wait_frac,  # share of the window's step time spent waiting for data
                         wall_s=self.wall_s(),
+                        **({"image_size": size} if cfg.data.min_size else {}),  # progressive resizing's size
                         **self._scaler_fields(),
                     )
                     window_images, window_start, window_wait_s, window_steps = 0, time.perf_counter(), 0.0, 0
