@@ -22,15 +22,14 @@ class WeightAverage:
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
         self.decay, self.warmup = decay, warmup
         self.module = copy.deepcopy(model).float().eval().requires_grad_(False)
-        self._source = model
         self.updates = 0  # optimizer steps averaged so far (checkpointed: the warmup continues on resume)
-
-    def pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        # The (average, source) tensor pairs, matched by name once: floating-point ones are averaged, the rest copied.
         own = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
-        src = dict(self._source.named_parameters()) | dict(self._source.named_buffers())
+        src = dict(model.named_parameters()) | dict(model.named_buffers())
         floats = [n for n in own if own[n].is_floating_point()]
         ints = [n for n in own if not own[n].is_floating_point()]
-        return [own[n] for n in floats], [src[n] for n in floats], [own[n] for n in ints], [src[n] for n in ints]
+        self._floats = [own[n] for n in floats], [src[n] for n in floats]
+        self._ints = [own[n] for n in ints], [src[n] for n in ints]
 
     def current_decay(self) -> float:
         if not self.warmup:
@@ -40,10 +39,10 @@ class WeightAverage:
     @torch.no_grad()
     def update(self) -> None:
         """After an optimizer step that changed the weights."""
-        ema, src, ema_ints, src_ints = self.pairs()
+        ema, src = self._floats
         weight = 1.0 - self.current_decay()
         torch._foreach_lerp_(ema, [t.detach().float() for t in src], weight)
-        for own, other in zip(ema_ints, src_ints, strict=True):
+        for own, other in zip(*self._ints, strict=True):
             own.copy_(other)
         self.updates += 1
 
