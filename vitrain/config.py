@@ -99,10 +99,12 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"
+    # muon: Muon for the blocks' weight matrices (orthogonalized momentum, AdamW-matched RMS), AdamW for the rest
+    name: Literal["adamw", "sgd", "lamb", "lars", "muon"] = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.999)  # adamw, lamb
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw, lamb, muon's AdamW tensors
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the matrices' updates
     eps: float = 1e-8
     momentum: float = 0.9  # sgd, lars
     nesterov: bool = False  # sgd
@@ -809,6 +811,20 @@ def _validate_optim_schedule_precision(cfg: Config) -> None:
         raise ConfigError(
             f"optim.impl={o.impl} is not available for optim.name={o.name} (it needs per-tensor norms); "
             "use optim.impl=foreach, loop or auto"
+        )
+    if o.name == "muon" and o.impl not in ("auto", "foreach"):
+        raise ConfigError(f"optim.impl={o.impl} is not available for optim.name=muon (it has one kernel); use auto")
+    if o.name == "muon" and not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    if o.name == "muon" and (
+        cfg.parallel.strategy not in ("single", "ddp")
+        or cfg.parallel.pipeline_stages > 1
+        or cfg.train.engine != "native"
+    ):
+        raise ConfigError(
+            "optim.name=muon orthogonalizes whole weight matrices, which zero1/zero2/zero3, pipeline stages and "
+            "DeepSpeed split or own; use it with parallel.strategy=single or ddp and train.engine=native, "
+            "or optim.name=adamw"
         )
     if s.name == "step" and not s.milestones:
         raise ConfigError("schedule.name=step needs schedule.milestones=[EPOCH,...], e.g. [30,60]")

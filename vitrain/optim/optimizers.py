@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -9,6 +11,7 @@ from vitrain.config import OptimConfig
 from vitrain.errors import ConfigError
 from vitrain.optim.flat import flat_optimizer
 from vitrain.optim.lamb_lars import Lamb, Lars
+from vitrain.optim.muon import Muon
 
 NO_DECAY_NAMES = ("pos_embed", "cls_token")
 HEAD_PREFIX = "head."
@@ -18,6 +21,7 @@ KERNELS = {
     "sgd": ("fused", "foreach", "loop", "flat"),
     "lamb": ("foreach", "loop"),
     "lars": ("foreach", "loop"),
+    "muon": ("foreach",),  # Newton-Schulz per matrix, foreach AdamW for the rest
 }
 
 
@@ -30,8 +34,16 @@ def layer_id(name: str, num_layers: int) -> int:
     return num_layers + 1
 
 
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """optim.name=muon orthogonalizes the transformer blocks' weight matrices; embeddings, stem, norms, biases and
+    the head keep AdamW (as in Jordan et al.: Muon is for the hidden layers' matrices)."""
+    return param.ndim == 2 and name.startswith("blocks.")
+
+
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    """Groups keyed by (lr scale, weight decay): decay matrices only; optional head lr/wd and layer-wise lr decay."""
+    """Groups keyed by (lr scale, weight decay): decay matrices only; optional head lr/wd and layer-wise lr decay.
+
+    With optim.name=muon the key also says whether the group follows Muon's rule (`uses_muon`)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     num_layers = 1 + max((int(n.split(".")[1]) for n, _ in named if n.startswith("blocks.")), default=-1)
     head_wd = head_weight_decay(cfg)
@@ -43,9 +55,10 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         if is_head:
             lr_scale *= cfg.head_lr_scale
         weight_decay = 0.0 if no_decay else (head_wd if is_head else cfg.weight_decay)
+        muon = {"muon": uses_muon(name, param)} if cfg.name == "muon" else {}
         group = groups.setdefault(
-            (lr_scale, weight_decay),
-            {"params": [], "weight_decay": weight_decay, "lr_scale": lr_scale, "lr": cfg.lr * lr_scale},
+            (lr_scale, weight_decay, *muon.values()),
+            {"params": [], "weight_decay": weight_decay, "lr_scale": lr_scale, "lr": cfg.lr * lr_scale, **muon},
         )
         group["params"].append(param)
     return list(groups.values())
@@ -98,6 +111,8 @@ def build_head_optimizer(head: nn.Module, cfg: OptimConfig, device: torch.device
             f"optim.name={cfg.name} scales each tensor's step by its norm, which for a head sharded over ranks would "
             "depend on the number of ranks; use optim.name=adamw or sgd, or task.shard_head=false"
         )
+    if cfg.name == "muon":  # the head is an output layer: AdamW, as Muon leaves it
+        cfg = dataclasses.replace(cfg, name="adamw")
     if cfg.impl in ("fused", "foreach", "loop") and cfg.impl in KERNELS[cfg.name]:
         impl = cfg.impl
     else:  # auto (and flat, which the head's single tensor does not need): the fastest per-tensor kernel
@@ -114,6 +129,8 @@ def build_head_optimizer(head: nn.Module, cfg: OptimConfig, device: torch.device
 
 def optimizer_class_and_kwargs(cfg: OptimConfig, impl: str) -> tuple[type[torch.optim.Optimizer], dict]:
     """The optimizer class and its constructor arguments for a per-tensor kernel (fused, foreach or loop)."""
+    if cfg.name == "muon":  # one kernel of its own
+        return Muon, _kwargs(cfg)
     return _optimizer_class(cfg), {"fused": impl == "fused", "foreach": impl == "foreach", **_kwargs(cfg)}
 
 
@@ -129,12 +146,14 @@ def why_not_flat(groups: list[dict]) -> str | None:
 
 
 def _optimizer_class(cfg: OptimConfig) -> type[torch.optim.Optimizer]:
-    return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "lamb": Lamb, "lars": Lars}[cfg.name]
+    return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "lamb": Lamb, "lars": Lars, "muon": Muon}[cfg.name]
 
 
 def _kwargs(cfg: OptimConfig) -> dict:
     if cfg.name in ("adamw", "lamb"):
         return {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps}
+    if cfg.name == "muon":
+        return {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "momentum": cfg.muon_momentum}
     if cfg.name == "sgd":
         return {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.nesterov and cfg.momentum > 0}
     return {"lr": cfg.lr, "momentum": cfg.momentum, "trust_coefficient": cfg.trust_coefficient}

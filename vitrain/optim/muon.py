@@ -1,0 +1,119 @@
+"""Muon for the transformer blocks' weight matrices (orthogonalized momentum), AdamW for every other tensor.
+
+Muon (Jordan et al. 2024) replaces each matrix's update by the nearest semi-orthogonal matrix to its (Nesterov)
+momentum, computed with a few Newton-Schulz iterations. The update is rescaled to the RMS an AdamW update has
+(0.2 x sqrt(max(rows, cols)), Liu et al. 2025, "Muon is scalable"), so one `optim.lr` and `optim.weight_decay`
+serve both kinds of tensor and a recipe can switch between adamw and muon without retuning them.
+
+One optimizer with ordinary per-parameter state (`momentum_buffer`; `step`, `exp_avg`, `exp_avg_sq`), so
+checkpoints, resume and the lr schedule treat it like any torch optimizer. Each group says which rule it follows
+(`group["muon"]`); `param_groups` in optimizers.py decides it by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Quintic Newton-Schulz coefficients tuned to push all singular values into roughly [0.7, 1.2] in 5 steps.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+RMS_MATCH = 0.2  # the typical RMS of an AdamW update per unit lr
+
+
+def orthogonalize(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """An approximation of U V^T for matrix = U S V^T (singular values pushed towards 1), in the matrix's shape.
+
+    Works in bf16 on CUDA (where the iteration is cheap and stable in it) and in fp32 elsewhere (CPUs without bf16
+    matrix units run bf16 matmuls slowly).
+    """
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.to(torch.bfloat16 if matrix.is_cuda else torch.float32)
+    tall = x.size(0) > x.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.mT
+    x = x / (x.norm() + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if tall:
+        x = x.mT
+    return x.to(matrix.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the groups marked `muon=True` (2-D weights), AdamW on the others; decoupled weight decay on both."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+    ):
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "ns_steps": ns_steps,
+            "muon": False,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["muon"] and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError("Muon groups hold 2-D weight matrices only")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self._muon if group["muon"] else self._adamw)(group, params)
+        return loss
+
+    def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            direction = p.grad.lerp(buf, mu)  # Nesterov: look one momentum step ahead
+            update = orthogonalize(direction, group["ns_steps"])
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-lr * RMS_MATCH * max(p.shape) ** 0.5)
+
+    def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        for s in states:
+            s["step"] += 1
+        steps = [float(s["step"]) for s in states]
+        if wd:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, [(1 - beta2**t) ** 0.5 for t in steps])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**t) for t in steps])
