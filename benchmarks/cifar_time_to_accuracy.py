@@ -38,6 +38,8 @@ TRAIN_IMAGES = 50_000  # CIFAR-10's training split
 ROWS: dict[str, tuple[str, list[str], str]] = {
     "recipe": ("cifar10-fast", [], "vitrain's recipe: vitrain train cifar10-fast"),
     "baseline": ("cifar10-baseline", [], "timm-style ViT-Ti/4, AdamW 1e-3, cosine, batch 128, flip + crop, fp32"),
+    "adamw": ("cifar10-fast", ["optim.name=adamw"], "recipe with AdamW for every tensor instead of Muon for matrices"),
+    "mlp-512": ("cifar10-fast", ["model.mlp_dim=512"], "recipe with the usual 4 x width MLP (512) instead of 256"),
     "no-conv-stem": ("cifar10-fast", ["model.patch_embed=linear"], "recipe with the linear patch embedding"),
     "no-progressive-resizing": ("cifar10-fast", ["data.min_size=0"], "recipe at 32 px throughout"),
     "cosine": (

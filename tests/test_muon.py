@@ -120,3 +120,22 @@ def test_muon_trains_and_resumes_exactly(tmp_path):
 def test_muon_is_refused_where_it_cannot_run(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(resolve_config_path("digits"), ["optim.name=muon", *overrides])
+
+
+def test_bf16_newton_schulz_gives_the_fp32_direction():
+    torch.manual_seed(0)
+    stack = torch.randn(3, 64, 32)
+    fp32, bf16 = orthogonalize(stack), orthogonalize(stack, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.float32 and bf16.shape == stack.shape
+    cosine = torch.nn.functional.cosine_similarity(fp32.flatten(1), bf16.flatten(1))
+    assert cosine.min() > 0.99
+    # A stack is orthogonalized matrix by matrix.
+    assert torch.allclose(orthogonalize(stack[1]), fp32[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, expected", [("fp32", torch.float32), ("amp_o2", torch.bfloat16)])
+def test_newton_schulz_runs_in_the_runs_compute_dtype(tmp_path, mode, expected):
+    cfg = tiny_config(tmp_path, mode, optim={"name": "muon"}, precision={"mode": mode})
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.engine.optimizer, Muon)
+    assert trainer.engine.optimizer.ns_dtype == expected

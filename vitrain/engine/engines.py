@@ -27,6 +27,7 @@ from vitrain.config import Config
 from vitrain.engine.ema import WeightAverage
 from vitrain.models import count_parameters
 from vitrain.optim import build_head_optimizer, set_lr
+from vitrain.optim.muon import Muon
 from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
 from vitrain.parallel.distributed import DistInfo, all_or_none
 from vitrain.parallel.identity_head import average_replicated_gradients
@@ -148,6 +149,9 @@ class NativeEngine:
         working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))
         self.model = model
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)
+        if isinstance(self.optimizer, Muon):  # Newton-Schulz in bf16 where the run computes in it (autotune: fast)
+            low = self.precision.mode != "fp32" and self.precision.dtype == torch.bfloat16
+            self.optimizer.ns_dtype = torch.bfloat16 if low else torch.float32
         self.forward = torch.compile(working) if cfg.train.compile else working
         if pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
             self.forward = pipeline
