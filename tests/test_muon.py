@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed_helpers import losses, tiny_config
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from tests.test_checkpoint import TEN_STEPS
 from vitrain.config import load_config, resolve_config_path
 from vitrain.engine import Trainer
@@ -139,3 +139,18 @@ def test_newton_schulz_runs_in_the_runs_compute_dtype(tmp_path, mode, expected):
     trainer = Trainer(cfg)
     assert isinstance(trainer.engine.optimizer, Muon)
     assert trainer.engine.optimizer.ns_dtype == expected
+
+
+def _muon_ddp(out_dir):
+    # 8 per rank x 2 ranks: the same global batch of 16 as the one-process run.
+    Trainer(tiny_config(out_dir, "ddp", batch_size=8, optim={"name": "muon"}, parallel={"strategy": "ddp"})).fit()
+
+
+def test_muon_under_ddp_matches_one_process(tmp_path):
+    Trainer(tiny_config(tmp_path, "single", optim={"name": "muon"})).fit()
+    run_two_ranks(_muon_ddp, tmp_path)
+    reference, got = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), f"step {step}"
+    assert len({round(v, 6) for v in reference.values()}) > 1
