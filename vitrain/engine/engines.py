@@ -150,8 +150,7 @@ class NativeEngine:
         self.model = model
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)
         if isinstance(self.optimizer, Muon):  # Newton-Schulz in bf16 where the run computes in it (autotune: fast)
-            low = self.precision.mode != "fp32" and self.precision.dtype == torch.bfloat16
-            self.optimizer.ns_dtype = torch.bfloat16 if low else torch.float32
+            self.optimizer.ns_dtype = torch.bfloat16 if self.precision.dtype == torch.bfloat16 else torch.float32
         self.forward = torch.compile(working) if cfg.train.compile else working
         if pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
             self.forward = pipeline

@@ -5,14 +5,15 @@ momentum, computed with a few Newton-Schulz iterations. The update is rescaled t
 (0.2 x sqrt(max(rows, cols)), Liu et al. 2025, "Muon is scalable"), so one `optim.lr` and `optim.weight_decay`
 serve both kinds of tensor and a recipe can switch between adamw and muon without retuning them.
 
-One optimizer with ordinary per-parameter state (`momentum_buffer`; `step`, `exp_avg`, `exp_avg_sq`), so
-checkpoints, resume and the lr schedule treat it like any torch optimizer. Each group says which rule it follows
-(`group["muon"]`); `param_groups` in optimizers.py decides it by name.
+One optimizer with ordinary per-parameter state (`momentum_buffer`; AdamW's `step`, `exp_avg`, `exp_avg_sq`,
+updated by torch's functional AdamW), so checkpoints, resume and the lr schedule treat it like any torch optimizer.
+Each group says which rule it follows (`group["muon"]`); `param_groups` in optimizers.py decides it by name.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.adamw import adamw
 
 # Quintic Newton-Schulz coefficients tuned to push all singular values into roughly [0.7, 1.2] in 5 steps.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -104,8 +105,6 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_add_([params[i] for i in members], list(updates.unbind(0)), alpha=-scale)
 
     def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
         for p in params:
             state = self.state[p]
             if "step" not in state:
@@ -113,18 +112,20 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
         states = [self.state[p] for p in params]
-        grads = [p.grad for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        for s in states:
-            s["step"] += 1
-        steps = [float(s["step"]) for s in states]
-        if wd:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, [(1 - beta2**t) ** 0.5 for t in steps])
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**t) for t in steps])
+        beta1, beta2 = group["betas"]
+        adamw(  # torch's own AdamW update (its functional form), on this group's state
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
