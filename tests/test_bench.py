@@ -11,9 +11,11 @@ from PIL import Image
 
 from tests.conftest import run_cli, tiny_overrides
 from vitrain.bench import ladder
+from vitrain.bench.optim import bench_optimizer_step, default_impls
 from vitrain.bench.step import bench_step, dtype_key, gemm_flops, parse_peaks
 from vitrain.cli import main
-from vitrain.config import load_config
+from vitrain.config import OptimConfig, load_config
+from vitrain.optim import muon as muon_module
 
 
 def test_bench_times_the_trainers_own_step(tmp_path):
@@ -173,3 +175,46 @@ def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
     assert rows["zero3 + AMP O2"]["status"] == "skipped: needs 2 or more processes (--nproc 1)"
     assert rows["+ pooled classifier"]["status"].startswith("skipped: not asked for")
     assert (tmp_path / "out" / "ladder.md").exists() and (tmp_path / "out" / "ladder.png").exists()
+
+
+def _tiny_model_config():
+    return load_config(
+        overrides=["model.image_size=16", "model.patch_size=8", "model.width=32", "model.depth=2", "model.heads=2"]
+    ).model
+
+
+def test_bench_optim_defaults_to_the_kernels_each_optimizer_has():
+    assert default_impls("adamw") == ("loop", "foreach", "fused", "flat", "auto")
+    assert default_impls("lamb") == ("loop", "foreach", "auto")
+    assert default_impls("muon") == ("foreach", "auto")
+
+
+def test_bench_optim_times_muon_with_the_newton_schulz_dtype_asked_for(monkeypatch):
+    seen = []
+
+    def recording(matrix, steps=5, dtype=torch.float32):
+        seen.append(dtype)
+        return original(matrix, steps, dtype)
+
+    original = muon_module.orthogonalize
+    monkeypatch.setattr(muon_module, "orthogonalize", recording)
+    params, timings = bench_optimizer_step(
+        _tiny_model_config(), OptimConfig(name="muon"), ("foreach", "auto"), steps=2, warmup=1, ns_dtype=torch.bfloat16
+    )
+    assert params > 0 and [t.resolved for t in timings] == ["foreach", "foreach"]
+    assert all(t.ms_per_step > 0 and t.speedup_vs_loop is None for t in timings)  # muon has no loop kernel
+    assert seen and set(seen) == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--optimizer", "lamb", "--impls", "fused"], "--impls"),
+        (["--optimizer", "muon", "--impls", "flat"], "--impls"),
+        (["--optimizer", "adamw", "--ns-dtype", "bfloat16"], "--ns-dtype"),
+    ],
+)
+def test_bench_optim_refuses_a_kernel_the_optimizer_lacks_in_one_line(argv, named, capsys):
+    assert main(["bench", "optim", "--model", "vit_tiny_patch16", "--steps", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0]

@@ -176,8 +176,16 @@ def _parser() -> argparse.ArgumentParser:
 
     bench_optim = bench_sub.add_parser("optim", help="time one optimizer step per kernel (loop/foreach/fused/flat)")
     bench_optim.add_argument("--model", default="vit_small_patch16", help="a preset (default ViT-S/16)")
-    bench_optim.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "lamb", "lars"])
-    bench_optim.add_argument("--impls", default="loop,foreach,fused,flat,auto", help="comma-separated kernels")
+    bench_optim.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "lamb", "lars", "muon"])
+    bench_optim.add_argument(
+        "--impls", default=None, help="comma-separated kernels (default: every kernel the optimizer has, then auto)"
+    )
+    bench_optim.add_argument(
+        "--ns-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="muon only: the dtype of its Newton-Schulz matmuls (a bf16 run uses bfloat16; default float32)",
+    )
     bench_optim.add_argument("--steps", type=int, default=20, help="timed steps per kernel (median reported)")
     bench_optim.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench_optim.set_defaults(func=_bench_optim)
@@ -500,16 +508,33 @@ def _lr_find(args: argparse.Namespace) -> int:
 def _bench_optim(args: argparse.Namespace) -> int:
     import torch
 
-    from vitrain.bench.optim import bench_optimizer_step, preset_model_config
+    from vitrain.bench.optim import bench_optimizer_step, default_impls, preset_model_config
     from vitrain.config import OptimConfig
+    from vitrain.errors import ConfigError
+    from vitrain.optim.optimizers import KERNELS
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    impls = tuple(i.strip() for i in args.impls.split(",") if i.strip())
+    if args.impls is None:
+        impls = default_impls(args.optimizer)
+    else:
+        impls = tuple(i.strip() for i in args.impls.split(",") if i.strip())
+    for impl in impls:
+        if impl != "auto" and impl not in KERNELS[args.optimizer]:
+            raise ConfigError(
+                f"--impls: {args.optimizer} has no {impl} kernel; choose from "
+                f"{', '.join(default_impls(args.optimizer))}"
+            )
+    if args.ns_dtype != "float32" and args.optimizer != "muon":
+        raise ConfigError(f"--ns-dtype is muon's Newton-Schulz dtype; --optimizer {args.optimizer} has none")
     model_cfg = preset_model_config(args.model)
-    params, timings = bench_optimizer_step(model_cfg, OptimConfig(name=args.optimizer), impls, args.steps)
+    ns_dtype = getattr(torch, args.ns_dtype)
+    params, timings = bench_optimizer_step(
+        model_cfg, OptimConfig(name=args.optimizer), impls, args.steps, ns_dtype=ns_dtype
+    )
+    newton_schulz = f", Newton-Schulz in {args.ns_dtype}" if args.optimizer == "muon" else ""
     print(
-        f"{args.optimizer} step over {args.model} ({params / 1e6:.1f}M params, fp32, cpu, "
+        f"{args.optimizer} step over {args.model} ({params / 1e6:.1f}M params, fp32{newton_schulz}, cpu, "
         f"{torch.get_num_threads()} threads), median of {args.steps} steps"
     )
     print(f"{'impl':<9}{'runs as':<10}{'ms/step':>10}{'vs loop':>10}")

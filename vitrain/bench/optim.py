@@ -12,8 +12,14 @@ from vitrain.bench.step import synchronize
 from vitrain.config import ModelConfig, OptimConfig, load_config
 from vitrain.models import count_parameters, create_model
 from vitrain.optim import build_optimizer, resolve_impl
+from vitrain.optim.optimizers import KERNELS
 
 DEFAULT_IMPLS = ("loop", "foreach", "fused", "flat", "auto")
+
+
+def default_impls(name: str) -> tuple[str, ...]:
+    """Every kernel optimizer `name` has (loop first, the baseline of the speed-ups), then auto."""
+    return tuple(impl for impl in DEFAULT_IMPLS if impl == "auto" or impl in KERNELS[name])
 
 
 @dataclass
@@ -36,10 +42,12 @@ def bench_optimizer_step(
     steps: int = 20,
     warmup: int = 3,
     device: torch.device | None = None,
+    ns_dtype: torch.dtype = torch.float32,
 ) -> tuple[int, list[StepTiming]]:
     """Median time of `optimizer.step()` per impl on the same parameters and gradients; returns (params, timings).
 
     The impls take turns step by step, so load from other processes on a shared machine hits them all alike.
+    `ns_dtype` is Muon's Newton-Schulz dtype (optim.name=muon only; the engine sets it from the run's precision).
     """
     device = device or torch.device("cpu")
     optimizers, params = [], 0
@@ -48,7 +56,10 @@ def bench_optimizer_step(
         model = create_model(model_cfg).to(device)
         params = count_parameters(model)
         cfg = OptimConfig(**{**optim_cfg.__dict__, "impl": impl})
-        optimizers.append(build_optimizer(model, cfg, device))
+        optimizer = build_optimizer(model, cfg, device)
+        if cfg.name == "muon":
+            optimizer.ns_dtype = ns_dtype
+        optimizers.append(optimizer)
         with torch.no_grad():
             for p in model.parameters():  # the flat impl already gave each parameter a gradient view: fill it
                 if p.grad is None:
