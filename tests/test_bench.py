@@ -177,19 +177,13 @@ def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "ladder.md").exists() and (tmp_path / "out" / "ladder.png").exists()
 
 
-def _tiny_model_config():
-    return load_config(
-        overrides=["model.image_size=16", "model.patch_size=8", "model.width=32", "model.depth=2", "model.heads=2"]
-    ).model
-
-
 def test_bench_optim_defaults_to_the_kernels_each_optimizer_has():
     assert default_impls("adamw") == ("loop", "foreach", "fused", "flat", "auto")
     assert default_impls("lamb") == ("loop", "foreach", "auto")
     assert default_impls("muon") == ("foreach", "auto")
 
 
-def test_bench_optim_times_muon_with_the_newton_schulz_dtype_asked_for(monkeypatch):
+def test_bench_optim_times_muon_with_the_newton_schulz_dtype_asked_for(tiny_cfg, monkeypatch):
     seen = []
 
     def recording(matrix, steps=5, dtype=torch.float32):
@@ -199,7 +193,7 @@ def test_bench_optim_times_muon_with_the_newton_schulz_dtype_asked_for(monkeypat
     original = muon_module.orthogonalize
     monkeypatch.setattr(muon_module, "orthogonalize", recording)
     params, timings = bench_optimizer_step(
-        _tiny_model_config(), OptimConfig(name="muon"), ("foreach", "auto"), steps=2, warmup=1, ns_dtype=torch.bfloat16
+        tiny_cfg.model, OptimConfig(name="muon"), ("foreach", "auto"), steps=2, warmup=1, ns_dtype=torch.bfloat16
     )
     assert params > 0 and [t.resolved for t in timings] == ["foreach", "foreach"]
     assert all(t.ms_per_step > 0 and t.speedup_vs_loop is None for t in timings)  # muon has no loop kernel

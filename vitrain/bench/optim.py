@@ -10,6 +10,7 @@ import torch
 
 from vitrain.bench.step import synchronize
 from vitrain.config import ModelConfig, OptimConfig, load_config
+from vitrain.errors import ConfigError
 from vitrain.models import count_parameters, create_model
 from vitrain.optim import build_optimizer, resolve_impl
 from vitrain.optim.optimizers import KERNELS
@@ -48,7 +49,12 @@ def bench_optimizer_step(
 
     The impls take turns step by step, so load from other processes on a shared machine hits them all alike.
     `ns_dtype` is Muon's Newton-Schulz dtype (optim.name=muon only; the engine sets it from the run's precision).
+    A kernel the optimizer does not have is refused before any model is built.
     """
+    for impl in impls:
+        if impl != "auto" and impl not in KERNELS[optim_cfg.name]:
+            choices = ", ".join(default_impls(optim_cfg.name))
+            raise ConfigError(f"--impls: {optim_cfg.name} has no {impl} kernel; choose from {choices}")
     device = device or torch.device("cpu")
     optimizers, params = [], 0
     for impl in impls:
