@@ -142,11 +142,13 @@ def test_a_model_built_on_meta_says_how_every_tensor_starts(overrides, embed_dim
 
 
 def _my_part(tensor, whole):
-    """This rank's shard of a DTensor and the same rows of `whole` (FSDP2 splits dim 0 as torch.chunk does)."""
+    """This rank's shard of a DTensor and the same part of `whole`, laid out by DTensor itself with no collective."""
     if not hasattr(tensor, "to_local"):
         return tensor, whole
-    rank, chunks = torch.distributed.get_rank(), whole.chunk(torch.distributed.get_world_size(), dim=0)
-    return tensor.to_local(), chunks[rank] if rank < len(chunks) else whole[:0]
+    from torch.distributed.tensor import distribute_tensor
+
+    expected = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+    return tensor.to_local(), expected.to_local()
 
 
 def _sharded_face_model_equals_a_whole_build(out_dir):
