@@ -108,7 +108,7 @@ def main() -> None:
     )
     parser.add_argument("--cifar-epochs", type=int, default=1, help="epochs of the cifar10 accuracy runs")
     parser.add_argument("--cifar-root", default=str(REPO.parent / "shared" / "data" / "cifar10-jpg.zip"))
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "auto_choice"))
+    parser.add_argument("--out", default=str(REPO / "results" / "auto_choice"))
     args = parser.parse_args()
     started = time.perf_counter()
     results = {}

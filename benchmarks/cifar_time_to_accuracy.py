@@ -13,8 +13,11 @@ at 20 minutes it is the run's last evaluation, and the command's whole wall time
 Plain test top-1 throughout (no test-time flip). `--budget-min` other than 20 rescales the budget and the marks.
 
 Writes OUT/table.md, OUT/results.json (rows from an earlier run in OUT that were not rerun are kept) and
-OUT/curves.png (`vitrain plot` of the recipe and the baseline); the run folders are OUT/runs/ROW (ignored by git),
-their metrics, summary, config and logs are copied to OUT/metrics/ROW (`vitrain plot` reads those too).
+OUT/curves.png (`vitrain plot` of the recipe and the baseline); OUT defaults to results/cifar_time_to_accuracy. The
+run folders are OUT/runs/ROW (ignored by git); each row's summary, config, autotune choice and log are copied to
+OUT/metrics/ROW. The per-step metrics.jsonl is kept only for the rows the plot draws, compacted (training records
+keep step, epoch, wall_s, loss, lr and image size to 5 significant digits; evaluation records whole), as
+OUT/metrics/ROW/metrics.jsonl, which `vitrain plot` reads; every other row's figures are in results.json.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ DATA = REPO.parent / "shared" / "data" / "cifar10-jpg.zip"
 MARKS_MIN = (5, 10, 20)
 DEFAULT_BUDGET_S = 1200.0
 TRAIN_IMAGES = 50_000  # CIFAR-10's training split
+PLOTTED = ("recipe", "baseline")  # the rows curves.png draws: only these keep their per-step metrics
+TRAIN_KEYS = ("step", "epoch", "wall_s", "loss", "lr", "image_size")  # what a compact training record keeps
 
 # name -> (recipe, overrides, what the row shows). The ablations take one switch of the recipe back to the plain
 # choice; the baseline is the usual recipe of another library.
@@ -61,12 +66,26 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
 
 def cpu_line() -> str:
     done = subprocess.run(
-        [sys.executable, "-c", "from vitrain.precision import cpu_description; print(cpu_description())"],
+        [sys.executable, "-c", "from vitrain.device import cpu_description; print(cpu_description())"],
         capture_output=True,
         text=True,
         cwd=REPO,
     )
     return done.stdout.strip() or "CPU: unknown"
+
+
+def compact_metrics(source: Path, dest: Path) -> None:
+    """`source` (a run's metrics.jsonl) as `dest`, smaller: evaluation records whole, training records only the
+    fields the plot and the docs use, floats to 5 significant digits."""
+    lines = []
+    for line in source.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "loss" in record and not any(k.startswith(("val_", "ema_val_")) for k in record):
+            record = {k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in record.items() if k in TRAIN_KEYS}
+        lines.append(json.dumps(record))
+    dest.write_text("\n".join(lines) + "\n")
 
 
 def run_row(name: str, budget_s: float, data: Path, out: Path) -> dict:
@@ -101,9 +120,11 @@ def run_row(name: str, budget_s: float, data: Path, out: Path) -> dict:
     kept = out / "metrics" / name  # what git keeps of the run (runs/ holds checkpoints and is ignored)
     shutil.rmtree(kept, ignore_errors=True)
     kept.mkdir(parents=True)
-    for file in ("metrics.jsonl", "summary.json", "config.yaml", "autotune.json", "log.txt"):
+    for file in ("summary.json", "config.yaml", "autotune.json", "log.txt"):
         if (folder / file).exists():
             shutil.copy2(folder / file, kept / file)
+    if name in PLOTTED and (folder / "metrics.jsonl").exists():
+        compact_metrics(folder / "metrics.jsonl", kept / "metrics.jsonl")
     if done.returncode != 0:
         row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
         return row
@@ -164,7 +185,7 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
     parser.add_argument("--budget-min", type=float, default=20.0, help="wall-clock budget per row (default 20)")
     parser.add_argument("--data", type=Path, default=DATA, help="the CIFAR-10 JPEG tree or zip")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cifar_time_to_accuracy")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "cifar_time_to_accuracy")
     args = parser.parse_args()
     names = [n for n in args.rows.split(",") if n]
     unknown = [n for n in names if n not in ROWS]
@@ -186,7 +207,7 @@ def main() -> None:
         results_file.write_text(json.dumps({"budget_s": budget_s, "rows": ordered}, indent=2) + "\n")
         (args.out / "table.md").write_text(table(ordered, budget_s, cpu))
         print(table([row], budget_s, cpu).splitlines()[-1], flush=True)
-    plotted = [n for n in ("recipe", "baseline") if n in rows and "error" not in rows[n]]
+    plotted = [n for n in PLOTTED if n in rows and "error" not in rows[n]]
     if plotted:
         subprocess.run(
             [sys.executable, "-m", "vitrain", "plot", *(str(args.out / rows[n]["run_dir"]) for n in plotted)]

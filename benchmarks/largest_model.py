@@ -2,7 +2,7 @@
 
     python benchmarks/largest_model.py --processes 4 --budget-gib 5     # about an hour on 2 cores; needs 21 GiB free
 
-Models come from one family on the presets' proportions (`vitrain.bench.memory.ladder`: width, depth and MLP ratio
+Models come from one family on the presets' proportions (`vitrain.models.memory.ladder`: width, depth and MLP ratio
 interpolated between consecutive presets, 16 steps between two presets), so "larger" means deeper and wider
 together, as the presets grow. For each row the search starts at the model `vitrain estimate` predicts to be the
 largest that fits, steps up or down until it has a fitting and a failing model, then bisects between them. Each probe
@@ -262,7 +262,7 @@ def measure_baseline(row: dict[str, Any], args: argparse.Namespace, work: Path) 
 
 def search(name: str, row: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Largest fitting model of the ladder: start at the estimate's pick, gallop to a bracket, then bisect."""
-    from vitrain.bench.memory import estimate, ladder, largest_that_fits
+    from vitrain.models.memory import estimate, ladder, largest_that_fits
 
     budget = int(args.budget_gib * 2**30)
     baseline = measure_baseline(row, args, work)

@@ -116,7 +116,7 @@ def main() -> None:
 
     from distributed_helpers import free_port
 
-    from vitrain.bench.memory import estimate
+    from vitrain.models.memory import estimate
     from vitrain.config import load_config
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks

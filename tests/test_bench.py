@@ -12,7 +12,8 @@ from PIL import Image
 from tests.conftest import run_cli, tiny_overrides
 from vitrain.bench import ladder
 from vitrain.bench.optim import bench_optimizer_step, default_impls
-from vitrain.bench.step import bench_step, dtype_key, gemm_flops, parse_peaks
+from vitrain.bench.step import bench_step, dtype_key, parse_peaks
+from vitrain.device import gemm_flops
 from vitrain.cli import main
 from vitrain.config import OptimConfig, load_config
 from vitrain.optim import muon as muon_module

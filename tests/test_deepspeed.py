@@ -23,7 +23,7 @@ from vitrain import checkpoint as ckpt  # noqa: E402
 from vitrain.cli import main  # noqa: E402
 from vitrain.config import CONFIG_DIR, load_config  # noqa: E402
 from vitrain.engine import Trainer  # noqa: E402
-from vitrain.engine.deepspeed_engine import UNIVERSAL_DIR, consolidated_state_dict, universal_checkpoint  # noqa: E402
+from vitrain.engine.deepspeed import UNIVERSAL_DIR, consolidated_state_dict, universal_checkpoint  # noqa: E402
 from vitrain.errors import CheckpointError  # noqa: E402
 from vitrain.models import create_model  # noqa: E402
 
@@ -177,7 +177,7 @@ def _one_process_worker(rank: int, port: int, job, args: tuple) -> None:
 def _resume_on_one_rank(out_dir, name: str, strategy: str, max_steps: int) -> None:
     """Resume run `name` (saved on 2 ranks) in one process for 2 more steps; keep the weights DeepSpeed loaded,
     before any step changes them."""
-    from vitrain.engine.deepspeed_engine import DeepSpeedEngine
+    from vitrain.engine.deepspeed import DeepSpeedEngine
 
     loaded: dict[str, torch.Tensor] = {}
     load = DeepSpeedEngine.load

@@ -11,8 +11,8 @@ from tests.distributed_helpers import losses, tiny_config
 from vitrain.cli import main
 from vitrain.config import load_config
 from vitrain.engine import Trainer
-from vitrain.engine.deepspeed_engine import deepspeed_config, resolve_precision
-from vitrain.engine.engines import NativeEngine
+from vitrain.engine.deepspeed import deepspeed_config, resolve_precision
+from vitrain.engine.native import NativeEngine
 from vitrain.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vitrain.bench.memory import activation_bytes, devices_needed, estimate
+from vitrain.models.memory import activation_bytes, devices_needed, estimate
 from vitrain.cli import main
 from vitrain.config import load_config
 from vitrain.errors import ConfigError

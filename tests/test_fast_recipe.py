@@ -20,7 +20,7 @@ from vitrain.config import ModelConfig, load_config, resolve_config_path
 from vitrain.data.augment import progressive_size
 from vitrain.engine import Trainer
 from vitrain.engine.ema import WeightAverage
-from vitrain.engine.evaluate import evaluate
+from vitrain.tasks.evaluate import evaluate
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.models.vit import resized_positions

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from vitrain.bench.memory import estimate, ladder, largest_that_fits
+from vitrain.models.memory import estimate, ladder, largest_that_fits
 from vitrain.models import PRESETS, complexity
 
 GIB = 2**30

@@ -15,7 +15,8 @@ from vitrain.config import PrecisionConfig, load_config
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
-from vitrain.precision import BF16_UNITS_ENV, resolve, time_block_modes
+from vitrain.device import BF16_UNITS_ENV
+from vitrain.precision import resolve, time_block_modes
 
 AMP_O2 = {"mode": "amp_o2", "dtype": "bf16"}
 PURE = {"mode": "pure", "dtype": "bf16"}

@@ -15,7 +15,8 @@ from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
-from vitrain.models.parallel_plan import ViTStage, stage_blocks
+from vitrain.models.plan import stage_blocks
+from vitrain.models.vit import ViTStage
 from vitrain.parallel import shutdown
 
 MODEL = {"depth": 4}

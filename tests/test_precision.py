@@ -18,7 +18,8 @@ from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.optim import build_optimizer
-from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, cpu_description, resolve
+from vitrain.device import cpu_description
+from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, resolve
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parent.parent

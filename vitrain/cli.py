@@ -222,19 +222,11 @@ def _load(args: list[str]):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from vitrain.engine import Trainer
-    from vitrain.parallel import shutdown
+    from vitrain.api import train
 
-    cfg = _load(args.args)
-    trainer = None
-    try:
-        trainer = Trainer(cfg, resume=args.resume)
-        summary = trainer.fit()
-    finally:
-        if trainer is not None:
-            trainer.close()  # before the process group goes: see Trainer.close
-        shutdown()
-    if trainer.is_main:
+    name, overrides = _split_args(args.args)
+    summary = train(name, overrides, resume=args.resume)
+    if summary is not None:  # rank 0
         print(json.dumps(summary, indent=2))
     return 0
 
@@ -245,16 +237,18 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain import checkpoint as ckpt
     from vitrain.config import load_config
     from vitrain.data import build_loaders
-    from vitrain.engine import evaluate, resolve_device
+    from vitrain.device import resolve_device
+    from vitrain.engine.protocol import load_model_weights
     from vitrain.errors import ConfigError
     from vitrain.tasks import build_task
+    from vitrain.tasks.evaluate import evaluate
 
     path = ckpt.resolve(Path(args.checkpoint))
     meta = ckpt.read_meta(path)
     cfg = load_config(overrides=args.overrides, base=meta["config"])
     device = resolve_device(cfg.train.device)
     model = build_task(cfg).build_model()
-    ckpt.load_model_weights(path, model)
+    load_model_weights(path, model)  # whichever engine wrote it: DCP shards or DeepSpeed's partitions
     model = model.to(device)
     if cfg.task.name == "face":
         from vitrain.tasks.face import verify
@@ -280,7 +274,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from vitrain import checkpoint as ckpt
     from vitrain.config import config_from_dict
-    from vitrain.engine.engines import load_model_weights
+    from vitrain.engine.protocol import load_model_weights
     from vitrain.tasks import build_task
     from vitrain.weights import export
 
@@ -293,8 +287,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from vitrain.bench.memory import breakdown, grid, largest, preset_models, table
     from vitrain.config import load_config
+    from vitrain.models.memory import breakdown, grid, largest, preset_models, table
 
     setting = {"strategy": "zero3", "wrap": "block", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
     setting.update(pipeline_stages=1, build="whole")
@@ -485,17 +479,26 @@ def _plot(args: argparse.Namespace) -> int:
 def _lr_find(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from vitrain.engine.lr_find import lr_range_test
     from vitrain.errors import ConfigError
-    from vitrain.optim.lr_find import lr_range_test
 
     if not 0 < args.start < args.end or args.steps < 3:
         raise ConfigError(
             f"lr-find needs 0 < --start < --end and --steps >= 3; got --start={args.start} --end={args.end} "
             f"--steps={args.steps}"
         )
+    from vitrain.parallel import shutdown
+    from vitrain.parallel.distributed import rank
+
     cfg = _load(args.args)
     out = Path(args.out) if args.out else cfg.run_dir.with_name(f"{cfg.name}-lr-find")
-    result = lr_range_test(cfg, args.start, args.end, args.steps, out)
+    try:
+        result = lr_range_test(cfg, args.start, args.end, args.steps, out)
+        is_main = rank() == 0
+    finally:
+        shutdown()
+    if not is_main:
+        return 0
     print(f"lr range test: {len(result.lrs)} steps from {result.lrs[0]:.2e} to {result.lrs[-1]:.2e}")
     print(f"suggested lr: {result.suggested_lr:.3e} (steepest loss descent); losses in {result.csv_path}")
     if result.plot_path is not None:

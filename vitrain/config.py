@@ -5,16 +5,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import json
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from vitrain import registry
 from vitrain.errors import ConfigError
 
 # Recipes ship inside the package (package data), so a regular install finds them from any working directory.
@@ -23,6 +22,9 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 @dataclass
 class ModelConfig:
+    # vit: vitrain's ViT (the fields below); timm:NAME a timm model (pip install 'vitrain[peers]'); mypkg.module:fn
+    # a user's factory, called with this config section, returning an nn.Module (docs/library.md).
+    name: str = "vit"
     preset: str | None = None  # a name from `vitrain models`; explicit fields below override it
     image_size: int = 224
     patch_size: int = 16
@@ -38,7 +40,7 @@ class ModelConfig:
     pool: Literal["cls", "gap", "flatten"] = "cls"
     layout: Literal["batch_first", "seq_first"] = "batch_first"
     # auto: the faster of sdpa and manual for this model, batch, precision and device, timed before training
-    # (vitrain/bench/tune.py, cached per device and shape); the weights are the same either way.
+    # (vitrain/engine/autotune.py, cached per device and shape); the weights are the same either way.
     attention: Literal["auto", "sdpa", "manual"] = "auto"
     pos_embed: Literal["learned", "sincos"] = "learned"
     # linear: one strided conv cuts non-overlapping patches (ViT). conv: a small convolutional stem (3x3 convs, each
@@ -69,7 +71,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # folder: an ImageFolder tree, a .zip of one, or a folder made by `vitrain data prepare` (read as prepared)
-    source: Literal["digits", "folder", "prepared", "synthetic"] = "digits"
+    # digits, folder, prepared, synthetic, or a user's mypkg.module:fn taking the config, returning (train, val)
+    source: str = "digits"
     root: str = ""  # folder / prepared source: where the data is
     train_split: str = "train"
     val_split: str = "test"  # when the folder has no such split, val_fraction of train is held out
@@ -162,9 +165,9 @@ class TrainConfig:
     # Also evaluate each image averaged with its mirror image (logits of both added): *_flip fields, reported beside
     # the plain ones, never in their place.
     eval_flip: bool = False
-    # What sets up, steps and checkpoints the model (vitrain/engine/engines.py): native (vitrain's precision policy,
+    # What sets up, steps and checkpoints the model (vitrain/engine/native.py): native (vitrain's precision policy,
     # parallel strategy and DCP checkpoints) or deepspeed (DeepSpeed ZeRO; pip install 'vitrain[deepspeed]').
-    engine: Literal["native", "deepspeed"] = "native"
+    engine: str = "native"  # or a user's engine class by import path (the protocol in vitrain/engine/protocol.py)
     # A user's DeepSpeed JSON (train.engine=deepspeed): its "auto" values are filled from this config and a concrete
     # value that disagrees with it is an error; keys vitrain does not map pass through (docs/deepspeed.md).
     deepspeed_config: str = ""
@@ -190,6 +193,9 @@ class PrecisionConfig:
     # amp_o2 under a parallel strategy: the dtype gradients are averaged in across ranks (FSDP2's reduce_dtype,
     # a DDP communication hook); fp32 is exact to the single-process sum, bf16/fp16 halve the traffic.
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # amp_o2/pure: class names of the layers kept in fp32 beside the norms (LayerNorm, GroupNorm, RMSNorm, BatchNorm
+    # always are), e.g. [Attention] for a model of your own whose softmax needs it.
+    fp32_modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -202,6 +208,9 @@ class ParallelConfig:
     # FSDP unit: the whole model, each block (peak = one block), or each block's attention and MLP separately
     # (sublayer: half a block's parameters gathered at a time, for the lowest peak).
     wrap: Literal["model", "block", "sublayer"] = "block"
+    # The class name of the repeated block that is a sharding unit and what activation checkpointing recomputes, for
+    # a model other than vitrain's ViT; empty: the longest ModuleList/Sequential of one class (vitrain/models/plan.py).
+    block: str = ""
     offload: Literal["none", "optimizer", "params"] = "none"
     activation_checkpointing: Literal["none", "block", "every_k"] = "none"
     checkpoint_every_k: int = 2  # activation_checkpointing=every_k: recompute blocks 0, k, 2k, ...
@@ -237,7 +246,7 @@ class LogConfig:
 class TaskConfig:
     """What the model is trained to do: its head, loss, evaluation and best metric (vitrain/tasks)."""
 
-    name: Literal["classification", "face"] = "classification"
+    name: str = "classification"  # classification, face, or a user's task class by import path (mypkg.tasks:MyTask)
     # face: the backbone ends in an embedding neck (Linear to embed_dim, then BatchNorm1d) instead of a classifier;
     # the identity centres live in a margin head outside the backbone, with optim.head_lr_scale and
     # optim.head_weight_decay as its own lr and weight decay.
@@ -396,7 +405,7 @@ def _apply_preset(raw: dict[str, Any]) -> None:
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("preset"):
         return
-    from vitrain.models.presets import find_preset, preset_names  # models import config: import late
+    from vitrain.presets import find_preset, preset_names  # models import config: import late
 
     preset = find_preset(str(model["preset"]))
     if preset is None:
@@ -506,345 +515,14 @@ def _is_intlike(value: Any) -> bool:
 
 
 def validate(cfg: Config) -> None:
-    """Reject impossible shapes and values with one line that says how to fix them."""
-    m = cfg.model
-    for name in ("image_size", "patch_size", "in_chans", "num_classes", "width", "depth", "heads"):
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    if m.width % m.heads:
-        raise ConfigError(
-            f"model.width={m.width} is not divisible by model.heads={m.heads}; "
-            f"use a width that is a multiple of {m.heads} or change heads"
-        )
-    if m.image_size % m.patch_size:
-        raise ConfigError(
-            f"model.patch_size={m.patch_size} does not divide model.image_size={m.image_size}; "
-            f"pick an image size that is a multiple of {m.patch_size}"
-        )
-    if m.patch_embed == "conv":
-        strides = m.patch_size.bit_length() - 1
-        if m.patch_size != 1 << strides:
-            raise ConfigError(
-                f"model.patch_embed=conv halves the image with each stride-2 conv: model.patch_size={m.patch_size} "
-                "must be a power of two (2, 4, 8, 16)"
-            )
-        if m.stem_channels and len(m.stem_channels) < strides:
-            raise ConfigError(
-                f"model.stem_channels={list(m.stem_channels)} has {len(m.stem_channels)} convs but patch_size="
-                f"{m.patch_size} needs at least {strides} (one per halving); add channels or use a smaller patch"
-            )
-        if any(c <= 0 for c in m.stem_channels):
-            raise ConfigError(f"model.stem_channels={list(m.stem_channels)} must be positive channel counts")
-    if m.mlp_dim is not None and m.mlp_dim <= 0:
-        raise ConfigError(f"model.mlp_dim={m.mlp_dim} must be positive (or null for 4 x width)")
-    if m.width % 8 or m.hidden_dim % 8:
-        warnings.warn(
-            f"model.width={m.width} / mlp_dim={m.hidden_dim} is not a multiple of 8: "
-            "tensor cores and vector units run fastest on multiples of 8",
-            stacklevel=2,
-        )
-    if m.pos_embed == "sincos" and (m.width // 2) % 2:
-        raise ConfigError(f"model.pos_embed=sincos needs model.width divisible by 4, got {m.width}")
-    for name in ("drop_path", "dropout"):
-        if not 0.0 <= getattr(m, name) < 1.0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
-    d = cfg.data
-    if d.source == "folder" and not d.root:
-        raise ConfigError("data.source=folder needs data.root=PATH (an ImageFolder tree or a .zip of one)")
-    if len(d.mean) not in (1, m.in_chans) or len(d.std) not in (1, m.in_chans):
-        raise ConfigError(f"data.mean and data.std need 1 or model.in_chans={m.in_chans} values")
-    if any(s <= 0 for s in d.std):
-        raise ConfigError(f"data.std={list(d.std)} must be positive")
-    if not 0.0 < d.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
-    if not 0.0 <= d.hflip <= 1.0:
-        raise ConfigError(f"data.hflip={d.hflip} is a probability and must be in [0, 1]")
-    if d.source == "prepared" and not d.root:
-        raise ConfigError("data.source=prepared needs data.root=PATH (a folder made by `vitrain data prepare`)")
-    if d.loader == "plain" and d.source != "folder":
-        raise ConfigError(
-            f"data.loader=plain decodes image files per sample; it needs data.source=folder, not {d.source}"
-        )
-    if not 0.0 < d.rrc_scale[0] <= d.rrc_scale[1] <= 1.0:
-        raise ConfigError(f"data.rrc_scale={list(d.rrc_scale)} must be area fractions with 0 < low <= high <= 1")
-    if d.min_size and not (0 < d.min_size <= m.image_size and d.min_size % m.patch_size == 0):
-        raise ConfigError(
-            f"data.min_size={d.min_size} must be a multiple of model.patch_size={m.patch_size} and at most "
-            f"model.image_size={m.image_size} (0 turns progressive resizing off)"
-        )
-    if not 0.0 <= d.size_ramp[0] <= d.size_ramp[1] <= 1.0:
-        raise ConfigError(
-            f"data.size_ramp={list(d.size_ramp)} must be fractions of the run with 0 <= start <= end <= 1"
-        )
-    if not 0.0 < d.rrc_ratio[0] <= d.rrc_ratio[1]:
-        raise ConfigError(f"data.rrc_ratio={list(d.rrc_ratio)} must be aspect ratios with 0 < low <= high")
-    for name in ("mixup_alpha", "cutmix_alpha", "prefetch", "loader_workers"):
-        if getattr(d, name) < 0:
-            raise ConfigError(f"data.{name}={getattr(d, name)} must be >= 0")
-    if not 0.0 <= d.cutmix_prob <= 1.0:
-        raise ConfigError(f"data.cutmix_prob={d.cutmix_prob} is a probability and must be in [0, 1]")
-    t = cfg.train
-    for name in ("epochs", "batch_size", "accum_steps", "eval_every_epochs", "keep_checkpoints"):
-        if getattr(t, name) <= 0:
-            raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
-    if not 0.0 <= t.label_smoothing < 1.0:
-        raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
-    if t.time_limit_s < 0:
-        raise ConfigError(f"train.time_limit_s={t.time_limit_s} must be >= 0 (0: no limit)")
-    if any(s <= 0 for s in t.eval_at_s):
-        raise ConfigError(f"train.eval_at_s={list(t.eval_at_s)} must be positive seconds, e.g. [300,600]")
-    if cfg.schedule.horizon == "time" and not t.time_limit_s:
-        raise ConfigError(
-            "schedule.horizon=time runs the schedule over the time budget: set train.time_limit_s=SECONDS"
-        )
-    if not 0.0 <= t.ema < 1.0:
-        raise ConfigError(f"train.ema={t.ema} is a decay and must be in [0, 1), e.g. 0.999 (0 turns it off)")
-    if t.ema and (t.engine != "native" or cfg.parallel.strategy not in ("single", "ddp", "zero1")):
-        raise ConfigError(
-            f"train.ema averages whole weights on every rank: it needs train.engine=native and parallel.strategy "
-            f"single, ddp or zero1 (got {t.engine}, {cfg.parallel.strategy}); set train.ema=0 for this run"
-        )
-    if t.ema and cfg.parallel.pipeline_stages > 1:
-        raise ConfigError("train.ema averages whole weights: set parallel.pipeline_stages=1 or train.ema=0")
-    _validate_parallel(cfg)
-    _validate_engine(cfg)
-    _validate_task(cfg)
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
-    if cfg.optim.clip_grad_norm < 0:
-        raise ConfigError(f"optim.clip_grad_norm={cfg.optim.clip_grad_norm} must be >= 0 (0 turns it off)")
-    if cfg.schedule.warmup_epochs < 0:
-        raise ConfigError(f"schedule.warmup_epochs={cfg.schedule.warmup_epochs} must be >= 0")
-    _validate_optim_schedule_precision(cfg)
+    """Hand each section to its owner's check (registry.SECTION_CHECKS), then the named task, engine, model and data
+    source their own `check(cfg)` where they have one: a bad value gets one line that names it and the fix."""
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")
-
-
-def _validate_engine(cfg: Config) -> None:
-    """train.engine=deepspeed: what vitrain maps onto DeepSpeed (vitrain/engine/deepspeed_engine.py) and what not."""
-    if cfg.train.engine != "deepspeed":
-        if cfg.train.deepspeed_config:
-            raise ConfigError(
-                f"train.deepspeed_config={cfg.train.deepspeed_config} is read only by the DeepSpeed engine; set "
-                "train.engine=deepspeed or drop train.deepspeed_config"
-            )
-        return
-    if cfg.train.deepspeed_config:
-        read_deepspeed_json(cfg.train.deepspeed_config)
-    p, where = cfg.parallel, "under train.engine=deepspeed"
-    if p.strategy == "single":
-        raise ConfigError(
-            f"parallel.strategy=single {where}: the strategy picks the ZeRO stage; use parallel.strategy=ddp "
-            "(stage 0), zero1, zero2 or zero3"
-        )
-    if p.pipeline_stages > 1:
-        raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages} {where} is not supported; use 1")
-    if p.sharded_init:
-        raise ConfigError(
-            f"parallel.sharded_init=true {where} is not supported (DeepSpeed takes a built model); set "
-            "parallel.sharded_init=false"
-        )
-    if p.offload == "params" and p.strategy != "zero3":
-        raise ConfigError(
-            f"parallel.offload=params {where} needs parallel.strategy=zero3 (DeepSpeed offloads parameters only "
-            "under ZeRO-3); use parallel.offload=optimizer with ddp/zero1/zero2"
-        )
-    if cfg.task.name == "face" and cfg.precision.mode == "amp_o2" and cfg.precision.dtype == "fp16":
-        raise ConfigError(
-            f"task.name=face with precision.mode=amp_o2 precision.dtype=fp16 {where}: DeepSpeed's loss scale would "
-            "reach the identity head's gradients unchecked; use precision.dtype=bf16, precision.mode=fp32, or "
-            "train.engine=native"
-        )
-    if cfg.train.compile:
-        raise ConfigError(f"train.compile=true {where} is not supported; set train.compile=false")
-    if cfg.precision.mode == "pure":
-        raise ConfigError(
-            f"precision.mode=pure {where} has no DeepSpeed counterpart (its bf16/fp16 keep fp32 master weights); "
-            "use precision.mode=amp_o2"
-        )
-    if cfg.precision.mode == "amp_o1" and cfg.precision.dtype == "fp16":
-        raise ConfigError(
-            f"precision.mode=amp_o1 precision.dtype=fp16 {where} would run without loss scaling; use "
-            "precision.mode=amp_o2 (DeepSpeed fp16, dynamic loss scaling) or precision.dtype=bf16"
-        )
-
-
-def read_deepspeed_json(path: str) -> dict[str, Any]:
-    """train.deepspeed_config's file as a dict (read with json, never unpickled), or a ConfigError naming the file."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(
-            f"train.deepspeed_config={path} is not a file; give the path of a DeepSpeed JSON config or drop the field"
-        )
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"train.deepspeed_config={path} is not valid JSON ({error}); fix the file") from None
-    if not isinstance(config, dict):
-        raise ConfigError(
-            f"train.deepspeed_config={path} holds a JSON {type(config).__name__}, not an object; a DeepSpeed config "
-            'is an object such as {"zero_optimization": {"stage": "auto"}}'
-        )
-    return config
-
-
-def _validate_task(cfg: Config) -> None:
-    k = cfg.task
-    if k.name != "face":
-        return
-    if k.embed_dim <= 0:
-        raise ConfigError(f"task.embed_dim={k.embed_dim} must be positive")
-    if not 0.0 < k.sample_rate <= 1.0:
-        raise ConfigError(f"task.sample_rate={k.sample_rate} must be in (0, 1]; 1 uses every identity centre")
-    if k.scale <= 0:
-        raise ConfigError(f"task.scale={k.scale} must be positive")
-    if not 0.0 <= k.arcface_m < 3.14159:
-        raise ConfigError(f"task.arcface_m={k.arcface_m} must be in [0, pi): an angle in radians, e.g. 0.5")
-    if k.cosface_m < 0:
-        raise ConfigError(f"task.cosface_m={k.cosface_m} must be >= 0, e.g. 0.35")
-    m1, m2, m3 = k.combined_m
-    if m1 <= 0 or m2 < 0 or m3 < 0:
-        raise ConfigError(f"task.combined_m={list(k.combined_m)} needs m1 > 0, m2 >= 0, m3 >= 0, e.g. [1.0, 0.3, 0.2]")
-    if k.generated_pairs < 10:
-        raise ConfigError(f"task.generated_pairs={k.generated_pairs} must be >= 10 (10 folds of matched pairs)")
-    if not k.pairs:
-        raise ConfigError("task.pairs is empty; use [generated], cfp-ff, cfp-fp or an LFW-format pairs file")
-    if cfg.data.source != "folder":
-        raise ConfigError(
-            f"task.name=face reads identity folders: set data.source=folder and data.root=PATH, not {cfg.data.source}"
-        )
-    if cfg.data.mixup_alpha or cfg.data.cutmix_alpha:
-        raise ConfigError("task.name=face trains on one identity per image: set data.mixup_alpha=0 data.cutmix_alpha=0")
-    if cfg.data.loader != "fast":
-        raise ConfigError("task.name=face reads identity folders with the fast loader: set data.loader=fast")
-
-
-def _validate_parallel(cfg: Config) -> None:
-    p = cfg.parallel
-    if p.offload == "optimizer" and cfg.train.engine == "native":
-        raise ConfigError(
-            "parallel.offload=optimizer has no PyTorch-native engine: FSDP2 offloads parameters, gradients and "
-            "optimizer state together; use parallel.offload=params with parallel.strategy=zero2 or zero3, or "
-            "train.engine=deepspeed (ZeRO-Offload)"
-        )
-    if p.offload == "params" and p.strategy not in ("zero2", "zero3"):
-        raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")
-    if p.checkpoint_every_k <= 0:
-        raise ConfigError(f"parallel.checkpoint_every_k={p.checkpoint_every_k} must be positive")
-    if p.sharded_init and p.strategy not in ("zero2", "zero3"):
-        raise ConfigError(
-            f"parallel.sharded_init=true draws FSDP2 shards, but parallel.strategy={p.strategy} keeps whole "
-            "weights; use parallel.strategy=zero2 or zero3, or parallel.sharded_init=false"
-        )
-    if p.sharded_init and (cfg.model.init_from or p.pipeline_stages > 1):
-        what = f"model.init_from={cfg.model.init_from}" if cfg.model.init_from else "parallel.pipeline_stages>1"
-        raise ConfigError(f"parallel.sharded_init=true with {what} is not supported; set parallel.sharded_init=false")
-    if p.pipeline_stages < 1:
-        raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages} must be >= 1 (1: no pipelining)")
-    if p.microbatches < 0:
-        raise ConfigError(f"parallel.microbatches={p.microbatches} must be >= 0 (0: twice parallel.pipeline_stages)")
-    if p.pipeline_stages == 1:
-        return
-    stages, depth = p.pipeline_stages, cfg.model.depth
-    where = f"with parallel.pipeline_stages={stages}"
-    if stages > depth:
-        raise ConfigError(f"parallel.pipeline_stages={stages} must be <= model.depth={depth}: each stage holds a block")
-    if p.strategy in ("single", "zero1"):
-        raise ConfigError(
-            f"parallel.strategy={p.strategy} {where}: the stages' replicas need parallel.strategy=ddp (gradients "
-            "averaged; also for a single replica), zero2 or zero3 (FSDP2 over the replicas)"
-        )
-    if p.pipeline_schedule == "interleaved_1f1b":
-        if stages % 2 or stages < 4:
-            raise ConfigError(
-                f"parallel.pipeline_schedule=interleaved_1f1b puts 2 stages on each pipeline process, so "
-                f"parallel.pipeline_stages={stages} must be even and >= 4; use gpipe or 1f1b for {stages} stages"
-            )
-        if p.strategy != "ddp":
-            raise ConfigError(
-                f"parallel.strategy={p.strategy} does not combine with parallel.pipeline_schedule=interleaved_1f1b; "
-                "use parallel.strategy=ddp or parallel.pipeline_schedule=1f1b"
-            )
-    micro = p.microbatches or 2 * stages
-    micro_name = f"parallel.microbatches={p.microbatches}" + ("" if p.microbatches else f" (= {micro})")
-    ranks = stages // 2 if p.pipeline_schedule == "interleaved_1f1b" else stages
-    if p.pipeline_schedule == "1f1b" and micro < stages:
-        raise ConfigError(f"{micro_name} must be >= parallel.pipeline_stages={stages} under 1f1b")
-    if p.pipeline_schedule == "interleaved_1f1b" and micro % ranks:
-        raise ConfigError(f"{micro_name} must be a multiple of the {ranks} pipeline processes under interleaved_1f1b")
-    if cfg.train.batch_size % micro:
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} is not divisible by {micro_name}; "
-            f"use a batch size that is a multiple of {micro}"
-        )
-    if cfg.train.compile:
-        raise ConfigError(f"train.compile=true {where} is not supported; set train.compile=false")
-    if cfg.task.name == "face":
-        raise ConfigError(
-            f"task.name=face {where} is not supported (its identity head and loss live outside the model); "
-            "set parallel.pipeline_stages=1"
-        )
-    if cfg.optim.layer_decay != 1.0:
-        raise ConfigError(
-            f"optim.layer_decay={cfg.optim.layer_decay} {where}: each stage would count only its own blocks; "
-            "set optim.layer_decay=1"
-        )
-    if cfg.precision.mode == "pure" or (cfg.precision.mode == "amp_o2" and p.strategy not in ("zero2", "zero3")):
-        raise ConfigError(
-            f"precision.mode={cfg.precision.mode} {where} and parallel.strategy={p.strategy} is not supported (the "
-            "stages compute on fp32 weights); use precision.mode=amp_o1 or fp32, or amp_o2 with parallel.strategy="
-            "zero2 or zero3 (FSDP2 computes each stage in bf16 on fp32 shards)"
-        )
-
-
-def _validate_optim_schedule_precision(cfg: Config) -> None:
-    o, s, p = cfg.optim, cfg.schedule, cfg.precision
-    if o.weight_decay < 0 or (o.head_weight_decay is not None and o.head_weight_decay < 0):
-        raise ConfigError("optim.weight_decay and optim.head_weight_decay must be >= 0")
-    if o.head_lr_scale <= 0:
-        raise ConfigError(f"optim.head_lr_scale={o.head_lr_scale} must be positive")
-    if not 0.0 < o.layer_decay <= 1.0:
-        raise ConfigError(f"optim.layer_decay={o.layer_decay} must be in (0, 1]; 1 turns layer-wise decay off")
-    if not 0.0 <= o.momentum < 1.0:
-        raise ConfigError(f"optim.momentum={o.momentum} must be in [0, 1)")
-    if o.name in ("lamb", "lars") and o.impl in ("fused", "flat"):
-        raise ConfigError(
-            f"optim.impl={o.impl} is not available for optim.name={o.name} (it needs per-tensor norms); "
-            "use optim.impl=foreach, loop or auto"
-        )
-    if o.name == "muon" and o.impl not in ("auto", "foreach"):
-        raise ConfigError(f"optim.impl={o.impl} is not available for optim.name=muon (it has one kernel); use auto")
-    if o.name == "muon" and not 0.0 <= o.muon_momentum < 1.0:
-        raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
-    if o.name == "muon" and (
-        cfg.parallel.strategy not in ("single", "ddp")
-        or cfg.parallel.pipeline_stages > 1
-        or cfg.train.engine != "native"
-    ):
-        raise ConfigError(
-            "optim.name=muon orthogonalizes whole weight matrices, which zero1/zero2/zero3, pipeline stages and "
-            "DeepSpeed split or own; use it with parallel.strategy=single or ddp and train.engine=native, "
-            "or optim.name=adamw"
-        )
-    if s.name == "step" and not s.milestones:
-        raise ConfigError("schedule.name=step needs schedule.milestones=[EPOCH,...], e.g. [30,60]")
-    if list(s.milestones) != sorted(s.milestones):
-        raise ConfigError(f"schedule.milestones={list(s.milestones)} must be in increasing order")
-    if not 0.0 < s.onecycle_pct < 1.0:
-        raise ConfigError(f"schedule.onecycle_pct={s.onecycle_pct} must be in (0, 1)")
-    if s.cycle_epochs <= 0 or s.base_batch_size <= 0 or s.div_factor <= 0 or s.final_div_factor <= 0:
-        raise ConfigError("schedule.cycle_epochs, base_batch_size, div_factor and final_div_factor must be positive")
-    if s.min_lr < 0 or s.min_lr > o.lr:
-        raise ConfigError(f"schedule.min_lr={s.min_lr} must be between 0 and optim.lr={o.lr}")
-    if p.mode == "pure" and cfg.parallel.strategy not in ("single", "ddp"):
-        raise ConfigError(
-            f"precision.mode=pure steps low-precision weights in place, which parallel.strategy="
-            f"{cfg.parallel.strategy} shards or broadcasts; use precision.mode=amp_o2 (fp32 master weights, "
-            "sharded with the optimizer state) or parallel.strategy=ddp"
-        )
-    if p.init_scale < p.min_scale or p.min_scale <= 0:
-        raise ConfigError(f"precision.init_scale={p.init_scale} must be >= precision.min_scale={p.min_scale} > 0")
-    if p.growth_interval <= 0 or p.max_overflows_at_min <= 0:
-        raise ConfigError("precision.growth_interval and precision.max_overflows_at_min must be positive")
-    if p.max_nonfinite_skips < 0:
-        raise ConfigError(f"precision.max_nonfinite_skips={p.max_nonfinite_skips} must be >= 0 (0: stop at the first)")
+    for check in registry.section_checks():
+        check(cfg)
+    for kind, name in (("task", cfg.task.name), ("engine", cfg.train.engine), ("model", cfg.model.name),
+                       ("data", cfg.data.source)):  # fmt: skip
+        own = getattr(registry.lookup(kind, name), "check", None)
+        if callable(own):
+            own(cfg)

@@ -39,19 +39,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from vitrain.config import PrecisionConfig
+from vitrain.config import Config, PrecisionConfig
+from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, synchronize
 from vitrain.errors import ConfigError, VitrainError
-from vitrain.models.parallel_plan import NORM_TYPES
+from vitrain.models.plan import keeps_fp32
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = {"fp32": torch.float32, **LOW_DTYPES}
@@ -69,6 +68,7 @@ class ParallelPrecision:
 
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    fp32_modules: tuple[str, ...] = ()  # class names kept in fp32 beside the norms (precision.fp32_modules)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def resolve(
 
     Pipeline stages hold no low-dtype working copy, so `pipelined` outside zero2/zero3 keeps fp32 weights (amp_o1).
 
-    `decided`: autotune's measured choice, which auto becomes where it is given (vitrain/bench/tune.py); without
+    `decided`: autotune's measured choice, which auto becomes where it is given (vitrain/engine/autotune.py); without
     it the rules below apply. On a CPU with bf16 matrix units under zero2/zero3, `time_modes` (seconds of one
     block's forward and backward under amp_o1 and amp_o2, see `time_block_modes`) decides between autocast and
     low-precision sharded compute.
@@ -104,7 +104,7 @@ def resolve(
     if cfg.mode != "auto":
         dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
         return Resolved(cfg.mode, dtype, f"precision.mode={cfg.mode} set in the config")
-    if decided is not None:  # autotune timed the candidates (vitrain/bench/tune.py)
+    if decided is not None:  # autotune timed the candidates (vitrain/engine/autotune.py)
         return decided
     if device.type == "cuda":
         # CUDA branches are not exercised on the CPU-only machine this was developed on.
@@ -120,7 +120,7 @@ def resolve(
         return Resolved("amp_o1", torch.float16, "auto: CUDA without bf16 -> fp16 O1 with dynamic loss scaling")
     if device.type == "cpu":
         forced = f", forced by {BF16_UNITS_ENV}" if BF16_UNITS_ENV in os.environ else ""
-        if _cpu_has_bf16_matmul_units() and strategy in SHARDED and time_modes is not None:
+        if cpu_has_bf16_matmul_units() and strategy in SHARDED and time_modes is not None:
             seconds = time_modes()
             mode = min(seconds, key=seconds.get)
             measured = ", ".join(f"{m} {seconds[m] * 1e3:.1f} ms" for m in sorted(seconds))
@@ -130,7 +130,7 @@ def resolve(
                 f"auto: CPU with AMX bf16 matmul units{forced}, parallel.strategy={strategy}: one block's forward and "
                 f"backward at this run's shape measured {measured} -> the faster, bf16 {mode}",
             )
-        if _cpu_has_bf16_matmul_units():
+        if cpu_has_bf16_matmul_units():
             # AMX CPUs run bf16 matmuls faster than fp32; autocast keeps fp32 weights.
             return Resolved("amp_o1", torch.bfloat16, f"auto: CPU with AMX bf16 matmul units{forced} -> bf16 O1")
         avx = "with" if torch.cpu._is_avx512_bf16_supported() else "without"
@@ -141,29 +141,6 @@ def resolve(
             "bf16/fp16 matmuls are slower than fp32 here -> fp32",
         )
     return Resolved("fp32", torch.float32, f"auto: device type {device.type} -> fp32")
-
-
-BF16_UNITS_ENV = "VITRAIN_CPU_BF16_UNITS"
-
-
-def _cpu_has_bf16_matmul_units() -> bool:
-    """Whether this CPU has bf16 matrix units (Intel AMX tiles): with them auto picks bf16 amp_o1 on CPU, else fp32.
-
-    `VITRAIN_CPU_BF16_UNITS=1` or `=0` in the environment forces the answer, so that both of auto's CPU choices can
-    be tested (and a run reproduced) on any machine; unset, torch's AMX probe decides.
-    """
-    forced = os.environ.get(BF16_UNITS_ENV)
-    if forced is None:
-        return _amx_probe()
-    if forced not in ("0", "1"):
-        raise ConfigError(
-            f"{BF16_UNITS_ENV}={forced!r} must be 1 (bf16 matrix units) or 0 (none), or unset to probe the CPU"
-        )
-    return forced == "1"
-
-
-def _amx_probe() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def time_block_modes(
@@ -189,28 +166,10 @@ def time_block_modes(
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 out = module(inputs)
             out.float().square().mean().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             timings.append(time.perf_counter() - start)
         seconds[mode] = min(timings[1:])  # the first call is the warm-up
     return seconds
-
-
-def cpu_description() -> str:
-    """One line naming the CPU and its bf16 capabilities, e.g. for CI logs where results depend on auto's choice."""
-    fields = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    model = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
-    vendor = f" ({fields['vendor_id']})" if fields.get("vendor_id") else ""
-    units = "yes" if _cpu_has_bf16_matmul_units() else "no"
-    if BF16_UNITS_ENV in os.environ:
-        probe = "yes" if _amx_probe() else "no"
-        units += f" (forced by {BF16_UNITS_ENV}={os.environ[BF16_UNITS_ENV]}; the probe says {probe})"
-    avx = "yes" if torch.cpu._is_avx512_bf16_supported() else "no"
-    return f"CPU: {model}{vendor}; bf16 matrix units (AMX): {units}; avx512_bf16: {avx}"
 
 
 class LossScaler:
@@ -267,7 +226,7 @@ class LossScaler:
         self.skipped_steps = state["skipped_steps"]
 
 
-class _LowPrecisionIO(nn.Module):
+class LowPrecisionIO(nn.Module):
     """Feeds `module` its inputs in the low dtype and hands fp32 logits back (the loss and softmax run in fp32)."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype):
@@ -308,6 +267,7 @@ class PrecisionPolicy:
         self.mode, self.dtype, self.device = self.resolved.mode, self.resolved.dtype, device
         self.strategy = strategy
         self.reduce_dtype = DTYPES[cfg.reduce_dtype]
+        self.fp32_modules = cfg.fp32_modules  # class names kept in fp32 beside the norms (a user's model)
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
         # fp32/bf16: a step whose loss or gradients hold inf/NaN is skipped, up to this many in a row, then the
         # run stops (fp16 has the loss scaler's own policy: skip, halve the scale, stop at the minimum).
@@ -337,20 +297,20 @@ class PrecisionPolicy:
         if self.mode == "pure":
             model.to(self.dtype)
             for module in model.modules():
-                if isinstance(module, NORM_TYPES):
+                if keeps_fp32(module, self.fp32_modules):
                     _compute_in_fp32(module)
         elif self.mode == "amp_o2" and self.strategy not in SHARDED:
-            working, self.pairs = _working_copy(model, self.dtype)
+            working, self.pairs = _working_copy(model, self.dtype, self.fp32_modules)
         computing = parallelize(working, self.parallel_precision()) if parallelize is not None else working
         if self.mode == "pure" or (self.mode == "amp_o2" and self.strategy not in SHARDED):
-            return _LowPrecisionIO(computing, self.dtype)
+            return LowPrecisionIO(computing, self.dtype)
         return computing
 
     def parallel_precision(self) -> ParallelPrecision | None:
         """What the parallel strategy must apply for low-precision weights; None when the weights are fp32."""
         if self.mode in ("fp32", "amp_o1"):
             return None
-        return ParallelPrecision(param_dtype=self.dtype, reduce_dtype=self.reduce_dtype)
+        return ParallelPrecision(self.dtype, self.reduce_dtype, self.fp32_modules)
 
     def sync_working_copy(self) -> None:
         """Refresh the low-dtype working weights from the fp32 master (after a step or a checkpoint load)."""
@@ -548,7 +508,9 @@ def any_rank(flag: torch.Tensor) -> bool:
     return bool(flag.item())
 
 
-def _working_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
+def _working_copy(
+    model: nn.Module, dtype: torch.dtype, fp32_modules: tuple[str, ...] = ()
+) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
     """amp_o2's low-dtype copy of `model` and its (working, master) parameter pairs.
 
     Norm layers are not copied: the copy shares the master's fp32 parameters and running statistics and runs them
@@ -557,7 +519,7 @@ def _working_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, list
     working = copy.deepcopy(model)
     pairs = []
     for work_mod, master_mod in zip(working.modules(), model.modules(), strict=True):
-        if isinstance(work_mod, NORM_TYPES):
+        if keeps_fp32(work_mod, fp32_modules):
             for name, param in master_mod.named_parameters(recurse=False):
                 setattr(work_mod, name, param)
             for name, buf in master_mod.named_buffers(recurse=False):
@@ -625,3 +587,20 @@ def check_finite(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
                 f"{key} holds inf/NaN: training diverged, so it is not saved (the last good checkpoint "
                 "is kept); lower optim.lr or use precision.mode=fp32"
             )
+
+
+def check(cfg: Config) -> None:
+    """The precision section (and which strategies a mode runs under): one line naming the value and the fix."""
+    p = cfg.precision
+    if p.mode == "pure" and cfg.parallel.strategy not in ("single", "ddp"):
+        raise ConfigError(
+            f"precision.mode=pure steps low-precision weights in place, which parallel.strategy="
+            f"{cfg.parallel.strategy} shards or broadcasts; use precision.mode=amp_o2 (fp32 master weights, "
+            "sharded with the optimizer state) or parallel.strategy=ddp"
+        )
+    if p.init_scale < p.min_scale or p.min_scale <= 0:
+        raise ConfigError(f"precision.init_scale={p.init_scale} must be >= precision.min_scale={p.min_scale} > 0")
+    if p.growth_interval <= 0 or p.max_overflows_at_min <= 0:
+        raise ConfigError("precision.growth_interval and precision.max_overflows_at_min must be positive")
+    if p.max_nonfinite_skips < 0:
+        raise ConfigError(f"precision.max_nonfinite_skips={p.max_nonfinite_skips} must be >= 0 (0: stop at the first)")

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from vitrain.bench.step import IMAGENET_SHAPED, gemm_flops
-from vitrain.precision import cpu_description
+from vitrain.bench.step import IMAGENET_SHAPED
+from vitrain.device import cpu_description, gemm_flops
 
 # The ladder's model when no config is given: ViT-Ti/16 at 224 px on synthetic ImageNet-shaped data.
 DEFAULT_BASE = ["name=ladder", "model.preset=vit_tiny_patch16", *IMAGENET_SHAPED]

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vitrain.bench.step import synchronize
 from vitrain.config import ModelConfig, OptimConfig, load_config
+from vitrain.device import synchronize
 from vitrain.errors import ConfigError
 from vitrain.models import count_parameters, create_model
 from vitrain.optim import build_optimizer, resolve_impl

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vitrain.bench.step import IMAGENET_SHAPED, dtype_key, peak_flops, synchronize
+from vitrain.bench.step import IMAGENET_SHAPED, dtype_key
 from vitrain.config import Config
-from vitrain.precision import cpu_description
+from vitrain.device import cpu_description, peak_flops, synchronize
 
 PEERS_EXTRA = "pip install 'vitrain[peers]'"
 DEFAULT_BASE = [
@@ -251,19 +251,17 @@ def transformers_contender(cfg: Config, images, labels, device, warmup: int) -> 
 
 
 def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
+    from vitrain.bench.step import _optimizer_impl
     from vitrain.engine.trainer import Trainer
 
     trainer = Trainer(cfg)
     engine = trainer.engine
+    batch = [(images, labels)]
 
-    def body() -> None:
-        loss = trainer.loss(images, labels)
-        engine.backward(loss)
-        trainer.optimizer_step()
+    def body() -> None:  # the trainer's own step, as `fit` runs it
+        trainer.train_step(batch, cfg.optim.lr)
 
-    trainer.set_lr(cfg.optim.lr)
     c = trainer.cfg
-    from vitrain.bench.step import _optimizer_impl
 
     setting = (
         f"{engine.precision_label}, AdamW {_optimizer_impl(c, trainer.device)}, attention {c.model.attention} "
@@ -294,7 +292,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
 
 def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     """Build the contenders (each peer at its measured best), then time them in turns; one dict of figures."""
-    from vitrain.engine.trainer import resolve_device
+    from vitrain.device import resolve_device
     from vitrain.models.vit import complexity
 
     device = resolve_device(cfg.train.device)

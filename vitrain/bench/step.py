@@ -2,8 +2,9 @@
 
     result = bench_step(cfg, steps=5, warmup=2)   # the trainer's own model, engine and data, timed phase by phase
 
-The step is the trainer's (vitrain/engine/trainer.py): the same model, precision policy, parallel strategy, engine
-and loader a `vitrain train` of the config would build. MFU is model FLOPs (`complexity().train_flops`, a
+The step is the trainer's own `TrainStep` (vitrain/engine/step.py), called as `fit` calls it, with a PhaseTimer
+marking data, forward, backward and optimizer: the same model, precision policy, parallel strategy, engine and
+loader a `vitrain train` of the config would build. MFU is model FLOPs (`complexity().train_flops`, a
 multiply-add counted as 2, backward as twice the forward) per second over the peak of the dtype the step computes
 in: on a CPU that peak is a large GEMM measured on the spot with this process's threads (times the processes), on
 a known GPU the datasheet's dense figure.
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -23,18 +24,12 @@ from typing import Any
 import torch
 
 from vitrain.config import Config
+from vitrain.data.loader import endless
+from vitrain.device import PhaseTimer, device_name, peak_flops, peak_memory_bytes
+from vitrain.models import model_complexity
 from vitrain.parallel import unwrap
-from vitrain.parallel.distributed import is_distributed
-from vitrain.precision import cpu_description
+from vitrain.parallel.distributed import max_over_ranks
 
-# Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets, by a substring of the device name.
-GPU_PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-}
 PHASES = ("data", "forward", "backward", "optimizer")
 # Random ImageNet-shaped images at 224 px: the data of the ladder and the peers when no recipe is given.
 IMAGENET_SHAPED = [
@@ -58,39 +53,6 @@ def dtype_key(precision_label: str) -> str:
     return "fp32"
 
 
-def gemm_flops(dtype: str, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a size x size x size matmul in `dtype` (best of `repeats` after a warm-up), with this
-    process's threads: the practical peak that a model's FLOP/s is compared with on a CPU."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    draw = torch.Generator(device).manual_seed(0)
-    a = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
-    b = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
-    best = float("inf")
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        if i:  # the first call is the warm-up
-            best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
-def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s of one device in `dtype`, where the figure comes from)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        key = dtype
-        if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-            key = "tf32"
-        for known, peaks in GPU_PEAKS.items():
-            if known in name and key in peaks:
-                return peaks[key], f"{name} datasheet dense {key}"
-        measured = gemm_flops(dtype, device, size=8192)
-        return measured, f"{name}: 8192^3 {dtype} matmul measured (not in the datasheet table)"
-    threads = torch.get_num_threads()
-    return gemm_flops(dtype, device), f"2048^3 {dtype} matmul measured on this CPU with {threads} thread(s)"
-
-
 def parse_peaks(text: str | None) -> dict[str, tuple[float, str]]:
     """`fp32=0.17,bf16=0.05` (TFLOP/s per device, as the ladder measured them) -> {dtype: (FLOP/s, source)}."""
     peaks = {}
@@ -99,20 +61,6 @@ def parse_peaks(text: str | None) -> dict[str, tuple[float, str]]:
             dtype, _, tflops = item.partition("=")
             peaks[dtype] = (float(tflops) * 1e12, f"{dtype} peak measured once by the ladder before its rows")
     return peaks
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a timer read after it measures the work (no-op on a CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """(peak bytes so far, what they are): the CUDA allocator's peak on a GPU, the process's peak RSS on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "CUDA allocator peak"
-    # Linux reports ru_maxrss in KiB.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
 
 
 @contextlib.contextmanager
@@ -156,64 +104,40 @@ def bench_step(
 
 
 def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -> dict[str, Any]:
+    """The trainer's own step (`trainer.train_step`, what `fit` calls) with a PhaseTimer marking its phases."""
     device, dist, engine = trainer.device, trainer.dist, trainer.engine
     accum = cfg.train.accum_steps
-    batches = _endless(trainer.train_loader)
+    batches = endless(trainer.train_loader)
     pipelined = trainer.pipeline is not None
-    seconds = {phase: 0.0 for phase in PHASES}
+    seconds = dict.fromkeys(PHASES, 0.0)
     step_seconds: list[float] = []
-    trainer.set_lr(cfg.optim.lr)
     if profile is not None and dist.world_size > 1:  # one trace per rank
         profile = profile / f"rank{dist.rank}"
     for i in range(warmup + steps):
         timing = i >= warmup
-        recorder = _profiler(profile if timing and i == warmup else None)
-        with recorder:
-            phase = dict.fromkeys(PHASES, 0.0)
+        timer = PhaseTimer(device)
+        with _profiler(profile if timing and i == warmup else None):
             start = time.perf_counter()
-            for _ in range(accum):
-                t0 = time.perf_counter()
-                images, labels = next(batches)
-                t1 = time.perf_counter()
-                if pipelined:  # the schedule interleaves its stages' forward and backward
-                    trainer.forward_backward(images, labels)
-                    synchronize(device)
-                    t2 = t3 = time.perf_counter()
-                    phase["forward"] += t2 - t1
-                else:
-                    loss = trainer.loss(images, labels)
-                    synchronize(device)
-                    t2 = time.perf_counter()
-                    engine.backward(loss)
-                    synchronize(device)
-                    t3 = time.perf_counter()
-                    phase["forward"] += t2 - t1
-                    phase["backward"] += t3 - t2
-                phase["data"] += t1 - t0
-            t4 = time.perf_counter()
-            trainer.optimizer_step()
-            synchronize(device)
+            trainer.train_step(itertools.islice(batches, accum), cfg.optim.lr, timer)
             end = time.perf_counter()
-            phase["optimizer"] += end - t4
         if timing:
             step_seconds.append(end - start)
             for key in PHASES:
-                seconds[key] += phase[key]
-    close = getattr(batches, "close", None)
-    if close is not None:
-        close()
+                seconds[key] += timer.seconds.get(key, 0.0)
+    batches.close()
 
     images_per_step = cfg.train.batch_size * accum * dist.data_size
     timed_s = sum(step_seconds)
     images_per_s = steps * images_per_step / timed_s
     peak_bytes, memory_kind = peak_memory_bytes(device)
-    peak_bytes = _max_over_ranks(peak_bytes, device)
-    cost = unwrap(trainer.model).complexity()
+    peak_bytes = int(max_over_ranks(peak_bytes, device))
+    cost = model_complexity(unwrap(trainer.model))
     precision = engine.precision_label
     dtype = dtype_key(precision)
     device_peak, peak_source = peaks[dtype] if dtype in peaks else peak_flops(device, dtype)
     devices = dist.world_size
-    model_flops_per_s = cost.train_flops * images_per_s
+    train_flops = cost.train_flops if cost is not None else 0  # 0: a model that does not count its FLOPs
+    model_flops_per_s = train_flops * images_per_s
     result = {
         "config": cfg.name,
         "model": _model_label(cfg),
@@ -232,7 +156,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "layout": cfg.model.layout,
         "compile": cfg.train.compile,
         "optimizer": f"{cfg.optim.name}[{_optimizer_impl(cfg, device)}]",
-        "device": _device_name(device),
+        "device": device_name(device),
         "threads": torch.get_num_threads(),
         "data": cfg.data.source,
         "steps": steps,
@@ -251,7 +175,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         ),
         "peak_memory_bytes": peak_bytes,
         "peak_memory_kind": memory_kind,
-        "train_gflops_per_image": cost.train_flops / 1e9,
+        "train_gflops_per_image": train_flops / 1e9,
         "model_tflops_per_s": model_flops_per_s / 1e12,
         "compute_dtype": dtype,
         "peak_tflops_per_device": device_peak / 1e12,
@@ -262,22 +186,6 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
     if profile is not None:
         result["profile"] = str(profile)
     return result
-
-
-def _endless(loader):
-    """The loader's batches, epoch after epoch."""
-    epoch = 0
-    while True:
-        yield from loader.epoch(epoch)
-        epoch += 1
-
-
-def _max_over_ranks(value: int, device: torch.device) -> int:
-    if not is_distributed():
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return int(tensor.item())
 
 
 def _model_label(cfg: Config) -> str:
@@ -292,12 +200,6 @@ def _optimizer_impl(cfg: Config, device: torch.device) -> str:
     if cfg.train.engine == "deepspeed":
         return "deepspeed"
     return resolve_impl(cfg.optim.impl, device, cfg.optim.name, cfg.parallel.strategy)
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"GPU: {torch.cuda.get_device_name(device)}"
-    return cpu_description()
 
 
 def format_result(result: dict[str, Any]) -> str:

@@ -192,3 +192,11 @@ class WaitTimer:
         """Seconds waited since the last call."""
         waited, self.waited_s = self.waited_s, 0.0
         return waited
+
+
+def endless(loader: Any) -> Iterator[Any]:
+    """A loader's batches, epoch after epoch (epoch 0, 1, ...): what a benchmark or lr-find steps through."""
+    epoch = 0
+    while True:
+        yield from loader.epoch(epoch)
+        epoch += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vitrain.config import Config
@@ -12,12 +14,13 @@ from vitrain.data.sources import build_datasets
 
 
 def build_loaders(
-    cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1
+    cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1, source: Any = None
 ) -> tuple[BatchLoader | PlainLoader, BatchLoader | PlainLoader]:
-    """(train, val) loaders, each yielding this rank's disjoint share (validation's padded to equal shares)."""
+    """(train, val) loaders, each yielding this rank's disjoint share (validation's padded to equal shares).
+    `source`: datasets (or a function of the config making them) instead of data.source's (build_datasets)."""
     if cfg.data.loader == "plain":
         return build_plain_loaders(cfg, device, rank, world_size)
-    train_set, val_set = build_datasets(cfg)
+    train_set, val_set = build_datasets(cfg, source)
     d, m, t = cfg.data, cfg.model, cfg.train
     train = BatchLoader(
         train_set,

@@ -9,11 +9,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitrain import registry
 from vitrain.config import Config
 from vitrain.data.prepared import PreparedSet, is_prepared, open_prepared
 from vitrain.errors import DataError
@@ -46,20 +48,17 @@ class ImageSet:
         return ImageSet(self.images[index], self.labels[index], self.classes)
 
 
-def build_datasets(cfg: Config) -> tuple[ImageSet | PreparedSet, ImageSet | PreparedSet]:
-    """Return (train, val) for the configured source, checked against the model's input shape.
+def build_datasets(cfg: Config, source: Any = None) -> tuple[ImageSet | PreparedSet, ImageSet | PreparedSet]:
+    """Return (train, val) for the configured source (the registry's `data.source`: digits, folder, prepared,
+    synthetic, or a user's `mypkg.module:function` taking the config), checked against the model's input shape.
 
-    A folder source whose root holds a manifest.json is read as prepared data (`vitrain data prepare`).
+    A folder source whose root holds a manifest.json is read as prepared data (`vitrain data prepare`). `source`
+    (the library's `data=`): a (train, val) pair of datasets with `classes`, `__len__`, `read(index)` and
+    `channels` (ImageSet's), or a function of the config returning one, instead of `data.source`'s.
     """
-    source = cfg.data.source
-    if source == "digits":
-        train, val = _digits(cfg.model.image_size)
-    elif source == "prepared" or (source == "folder" and is_prepared(Path(cfg.data.root).expanduser())):
-        train, val = _prepared(cfg)
-    elif source == "folder":
-        train, val = _folder(cfg)
-    else:
-        train, val = _synthetic(cfg)
+    made = source if source is not None else registry.lookup("data", cfg.data.source)
+    train, val = made(cfg) if callable(made) else made
+    source = cfg.data.source if source is None else "(given)"
     m = cfg.model
     channels = train.channels
     if channels != m.in_chans:
@@ -78,7 +77,8 @@ def build_datasets(cfg: Config) -> tuple[ImageSet | PreparedSet, ImageSet | Prep
 # ---------------------------------------------------------------------------------------------- digits
 
 
-def _digits(image_size: int) -> tuple[ImageSet, ImageSet]:
+def digits_source(cfg: Config) -> tuple[ImageSet, ImageSet]:
+    image_size = cfg.model.image_size
     """scikit-learn's bundled 1,797 handwritten 8x8 digits, upsampled, 80/20 stratified split."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -157,7 +157,9 @@ def file_reader(root: str | Path, is_zip: bool) -> Iterator[Callable[[str], byte
         yield archive.read
 
 
-def _folder(cfg: Config) -> tuple[ImageSet, ImageSet]:
+def folder_source(cfg: Config) -> tuple[ImageSet | PreparedSet, ImageSet | PreparedSet]:
+    if is_prepared(Path(cfg.data.root).expanduser()):
+        return prepared_source(cfg)
     root = Path(cfg.data.root).expanduser()
     if not root.exists():
         raise DataError(f"data.root={root} does not exist; point it at an ImageFolder tree or a .zip of one")
@@ -272,7 +274,7 @@ def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> np.ndarray | st
 # ---------------------------------------------------------------------------------------------- prepared
 
 
-def _prepared(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
+def prepared_source(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
     """Memory-mapped splits written by `vitrain data prepare`, checksums verified before anything trains."""
     d = cfg.data
     splits = open_prepared(Path(d.root).expanduser(), verify=d.verify)
@@ -291,7 +293,7 @@ def _prepared(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
 # ---------------------------------------------------------------------------------------------- synthetic
 
 
-def _synthetic(cfg: Config) -> tuple[ImageSet, ImageSet]:
+def synthetic_source(cfg: Config) -> tuple[ImageSet, ImageSet]:
     """Random images and labels: for throughput benchmarks, never for accuracy."""
     m = cfg.model
     gen = torch.Generator().manual_seed(cfg.train.seed)

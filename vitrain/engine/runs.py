@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vitrain import checkpoint as ckpt
+from vitrain.config import Config, config_from_dict, to_dict
 from vitrain.errors import CheckpointError
+from vitrain.parallel import broadcast_object
+from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
+
+if TYPE_CHECKING:
+    from vitrain.engine.trainer import Trainer
 
 RUN_FILE = "run.json"  # marks a folder as a vitrain run; a new run creates it exclusively
 SUPERSEDED = "superseded-"  # newer checkpoints moved aside when a run goes back to an earlier step
@@ -132,3 +140,106 @@ def mark_run(run_dir: Path, is_new: bool, resumed_from: Path | None) -> None:
         ckpt.fsync_dir(run_dir)
     else:
         ckpt.write_json(run_dir / RUN_FILE, record)
+
+
+def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
+    """A checkpoint continues only a run of the same model: its weights must fit this config's model."""
+    saved = config_from_dict(meta["config"])
+    # init_from only chose the starting weights; the checkpoint's weights replace them either way. The attention
+    # kernel computes the same function of the same weights (auto may pick another one on another machine).
+    same = {"init_from": "", "attention": "auto"}
+    if dataclasses.replace(saved.model, **same) != dataclasses.replace(cfg.model, **same):
+        raise CheckpointError(
+            f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
+        )
+
+
+def check_resumable(path: Path, meta: dict, cfg: Config, global_micro_batch: int, engine: str) -> None:
+    """Refuse, in one line, a checkpoint this run cannot continue: another model, data position or engine."""
+    check_same_model(path, meta, cfg)
+    samples = meta["samples_in_epoch"]
+    if samples % global_micro_batch:
+        raise CheckpointError(
+            f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
+            f"{global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
+        )
+    saved_engine = meta.get("engine", "native")
+    if saved_engine != engine:
+        raise CheckpointError(
+            f"checkpoint {path} was written by train.engine={saved_engine}; resume it with "
+            f"train.engine={saved_engine} (`vitrain export` turns either into fp32 weights)"
+        )
+
+
+def rng_note(path: Path, saved_ranks: int, ranks: int, restored: bool) -> str | None:
+    """What a resume on another number of ranks (or without saved RNG states) does with each rank's RNG."""
+    if saved_ranks != ranks:
+        kept = min(saved_ranks, ranks)
+        what = f"ranks 0-{kept - 1} continue their own RNG states"
+        if ranks > saved_ranks:
+            what += f", ranks {saved_ranks}-{ranks - 1} start from seed + rank"
+        else:
+            what += f", the states of ranks {ranks}-{saved_ranks - 1} are not used"
+        return f"checkpoint from {saved_ranks} processes, {ranks} now: {what}"
+    if not restored:
+        return f"checkpoint {path} holds no RNG state for this run's ranks: they start from seed + rank"
+    return None
+
+
+def agree_on_run(base: Path, resume: bool | str, is_main: bool, check: CheckpointCheck = _no_check) -> RunChoice:
+    """Collective: rank 0 picks the run folder and the checkpoint to continue (`choose_run`); every rank gets it.
+
+    Under torchrun the folder is also kept in the launch's store, where a restarted worker group finds it. `notes`
+    say what choosing did (logged once the log is open).
+    """
+    with all_or_none("choosing the run folder"):
+        choice = None
+        if is_main:
+            store = launch_store()
+            restarted_in = None
+            if restart_count() > 0 and store is not None and store.check([RUN_DIR_KEY]):
+                restarted_in = Path(store.get(RUN_DIR_KEY).decode())
+            choice = choose_run(base, resume, restarted_in, check=check)
+            if store is not None:
+                store.set(RUN_DIR_KEY, str(choice.run_dir))
+    return broadcast_object(choice)
+
+
+def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
+    """Everything but the tensors; the data position is in samples so another world size can resume it."""
+    return {
+        "config": to_dict(trainer.cfg),
+        "engine": trainer.engine.name,
+        "precision": trainer.engine.state_dict(),
+        "step": trainer.step,
+        "epoch": trainer.epoch,
+        "samples_in_epoch": trainer.batch_in_epoch * trainer.global_micro_batch,
+        "best_metric": trainer.best_metric,
+        "best_metric_name": trainer.task.best_metric,
+        "last_eval": trainer.last_eval,
+        "world_size": trainer.dist.world_size,
+        "strategy": trainer.cfg.parallel.strategy,
+        "is_best": is_best,
+        "wall_s": trainer.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
+        "setup_s": trainer.setup_s,
+    }
+
+
+def restore(trainer: Trainer, path: Path) -> None:
+    """Collective: continue `trainer` from the checkpoint at `path` (checked first on every rank)."""
+    # Every rank reads and checks before the collective load: one rank's failure stops all of them.
+    with all_or_none(f"reading checkpoint {path}"):
+        meta = ckpt.read_meta(path)
+        check_resumable(path, meta, trainer.cfg, trainer.global_micro_batch, trainer.engine.name)
+    restored = trainer.engine.load(path, meta)
+    trainer.step, trainer.epoch = meta["step"], meta["epoch"]
+    trainer.batch_in_epoch = meta["samples_in_epoch"] // trainer.global_micro_batch
+    # Checkpoints before the task seam kept the classifier's best top-1 as best_top1 (-1.0: no evaluation yet).
+    old_best = meta["best_top1"] if meta.get("best_top1", -1.0) >= 0 else None
+    trainer.best_metric = meta["best_metric"] if "best_metric" in meta else old_best
+    trainer.last_eval = meta["last_eval"]
+    trainer.started -= meta.get("wall_s", 0.0)
+    trainer.setup_s = meta.get("setup_s")
+    note = rng_note(path, meta.get("world_size", 1), trainer.dist.world_size, restored)
+    if note:
+        trainer.notes.append(note)

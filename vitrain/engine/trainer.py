@@ -7,120 +7,60 @@ import dataclasses
 import gc
 import itertools
 import json
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
+from torch import nn
 
-from vitrain import checkpoint as ckpt
-from vitrain.config import Config, config_from_dict, to_dict, to_yaml
+from vitrain.config import Config, to_yaml
 from vitrain.data.augment import progressive_size, resize_batch
 from vitrain.data.loader import WaitTimer
-from vitrain.engine.engines import build_engine
-from vitrain.engine.runs import choose_run, mark_run
-from vitrain.errors import CheckpointError, ConfigError
-from vitrain.optim import Schedule, resolve_impl, scaled_lr
-from vitrain.parallel import broadcast_object, init_distributed, mean_over_ranks, unwrap
-from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
+from vitrain.device import resolve_device
+from vitrain.engine import report
+from vitrain.engine.autotune import autotune
+from vitrain.engine.protocol import build_engine
+from vitrain.engine.runlog import RunLog, Speed, progress_bar
+from vitrain.engine.runs import agree_on_run, check_same_model, checkpoint_meta, mark_run, restore
+from vitrain.engine.step import TrainStep
+from vitrain.errors import ConfigError
+from vitrain.models import plan_of
+from vitrain.optim import Schedule, scaled_lr
+from vitrain.parallel import broadcast_object, init_distributed, mean_over_ranks
+from vitrain.parallel.distributed import all_or_none
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.precision import time_block_modes
-from vitrain.tasks import build_task, is_better
+from vitrain.tasks import Task, build_task, is_better
 from vitrain.weights import load_pretrained
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device={name} is not a device; use auto, cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=auto or cpu")
-    return device
-
-
-class RunLog:
-    """Human lines to stderr and log.txt; machine records to metrics.jsonl. Silent on ranks other than 0."""
-
-    def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = False):
-        self.enabled = enabled
-        self.events = None
-        if enabled:
-            self.text = open(run_dir / "log.txt", "a")
-            self.jsonl = open(run_dir / "metrics.jsonl", "a")
-            if tensorboard:
-                self.events = tensorboard_writer(run_dir / "tensorboard")
-
-    def info(self, message: str) -> None:
-        if not self.enabled:
-            return
-        tqdm.write(message, file=sys.stderr)
-        self.text.write(message + "\n")
-        self.text.flush()
-
-    def record(self, **fields: Any) -> None:
-        if not self.enabled:
-            return
-        self.jsonl.write(json.dumps(fields) + "\n")
-        self.jsonl.flush()
-        if self.events is not None:  # the step is the x axis; each other number a scalar (eval ones under val/)
-            step = fields.get("step", 0)
-            for name, value in fields.items():
-                if name not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
-                    group = "val" if name.startswith(("val_", "ema_val_")) else "train"
-                    self.events.add_scalar(f"{group}/{name}", value, step)
-            self.events.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.text.close()
-            self.jsonl.close()
-            if self.events is not None:
-                self.events.close()
-            self.enabled = False
-
-
-def tensorboard_writer(folder: Path):
-    """torch's SummaryWriter (it needs the tensorboard package; log.tensorboard=true says how to get it)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError(
-            "log.tensorboard=true needs the tensorboard package: pip install 'vitrain[tensorboard]' "
-            "(or set log.tensorboard=false; `vitrain plot RUN` draws the curves without it)"
-        ) from None
-    return SummaryWriter(log_dir=str(folder))
-
-
 class Trainer:
-    """Builds everything from one config, then `fit()` trains, evaluates, checkpoints and summarizes."""
+    """Builds everything from one config, then `fit()` trains, evaluates, checkpoints and summarizes.
 
-    def __init__(self, cfg: Config, resume: bool | str = False):
-        # The run's wall clock (train.time_limit_s, wall_s): setup and data decoding count.
-        self.started = time.perf_counter()
-        self.cfg = cfg
-        self.run_dir = cfg.run_dir
+    `model`: a module (or a factory of one) to train instead of the one `model.name` names; `data`: (train, val)
+    datasets (or a function of the config making them) instead of data.source's; `task`: a task object instead of
+    the one `task.name` names (vitrain/tasks: data, loss, evaluation).
+    """
+
+    def __init__(
+        self, cfg: Config, resume: bool | str = False, model: Any = None, data: Any = None, task: Task | None = None
+    ):
+        self.started = time.perf_counter()  # the run's wall clock (train.time_limit_s, wall_s): setup counts
+        self.cfg, self.run_dir = cfg, cfg.run_dir
         torch.manual_seed(cfg.train.seed)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.dist = init_distributed(resolve_device(cfg.train.device), cfg.parallel.strategy, cfg.parallel.backend)
-        self.device = self.dist.device
-        self.is_main = self.dist.is_main
-        self.notes: list[str] = []  # what choosing the run folder and loading did, logged once the log is open
-        self.resume_path = self._choose_run(resume)
-
+        self.device, self.is_main = self.dist.device, self.dist.is_main
+        check = lambda path, meta: check_same_model(path, meta, cfg)  # noqa: E731
+        choice = agree_on_run(self.run_dir, resume, self.is_main, check)
+        self.run_dir, self.resume_path, self.is_new_run = choice.run_dir, choice.checkpoint, choice.is_new
+        self.notes = choice.notes  # what choosing the run folder and loading did, logged once the log is open
         t = cfg.train
-        # auto values (precision, attention) decided by timing this run's own step on rank 0 (vitrain/bench/tune.py).
-        self.tuned = self._autotune(cfg)
-        if self.tuned is not None and "model.attention" in self.tuned.values:
-            attention = self.tuned.values["model.attention"]
-            cfg = self.cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=attention))
-        # The task owns data, head, loss, evaluation and the best metric (vitrain/tasks).
-        self.task = build_task(cfg)
+        # The task owns data, model, head, loss, evaluation and the best metric (vitrain/tasks).
+        self.task = task if task is not None else build_task(cfg, model, data)
         # Pipelining: a (pipeline x data) mesh whose stages of one replica read the same batches.
         self.pipeline = Pipeline(cfg.parallel, self.dist, self.task.loss) if cfg.parallel.pipeline_stages > 1 else None
         if self.pipeline is not None:
@@ -135,9 +75,13 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * t.epochs
         peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.data_size)
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
+        # auto values (precision, attention): every rank times this run's own step per candidate (engine/autotune.py).
+        self.tuned = autotune(cfg, self.task, self.dist, self._first_batch, pipelined=self.pipeline is not None)
+        if self.tuned is not None and "model.attention" in self.tuned.values:
+            model_cfg = dataclasses.replace(cfg.model, attention=self.tuned.values["model.attention"])
+            cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, model=model_cfg)
 
-        # parallel.sharded_init: built on the meta device, then the strategy draws this rank's shards of the
-        # same weights (vitrain/parallel/materialize.py).
+        # parallel.sharded_init: built on the meta device; the strategy draws this rank's shards of the same weights.
         with torch.device("meta") if cfg.parallel.sharded_init else contextlib.nullcontext():
             model = self.task.build_model()  # the same initial weights on every rank (seed)
         if cfg.model.init_from:
@@ -152,7 +96,7 @@ class Trainer:
         # Parameters outside the backbone (the face task's identity head): fp32, this rank's rows, own optimizer.
         self.head = self.task.build_head(self.device)
         # The engine (train.engine) sets up precision, parallelism and the optimizers, and owns backward, step,
-        # save and load; the trainer talks only to it for those (vitrain/engine/engines.py).
+        # save and load (vitrain/engine/protocol.py); the step drives it (vitrain/engine/step.py).
         self.engine = build_engine(
             cfg,
             model,
@@ -162,15 +106,11 @@ class Trainer:
             time_modes=lambda: self._time_modes(model),
             precision=self.tuned.precision(cfg.precision) if self.tuned is not None else None,
         )
+        self.train_step = TrainStep(self.engine, self.task.loss, t.accum_steps)
         self.model = self.engine.model  # the single-device model: parameter names, complexity
         self.forward = self.engine.forward  # what computes the loss and the evaluation
-        # The native engine's parts, which tools and tests reach through the trainer.
-        self.precision = getattr(self.engine, "precision", None)
-        self.optimizer = getattr(self.engine, "optimizer", None)
-        self.head_optimizer = getattr(self.engine, "head_optimizer", None)
-
-        self.step = 0
-        self.epoch = 0
+        self.precision = getattr(self.engine, "precision", None)  # the native engine's policy (tools and tests)
+        self.step = self.epoch = 0
         self.epoch_batches: Any = None  # the current epoch's batch iterator
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.best_metric: float | None = None  # the task's best_metric at the best evaluation so far
@@ -178,60 +118,21 @@ class Trainer:
         self.last_eval_s = 0.0  # how long the last evaluation took: train.time_limit_s leaves room for one more
         self.setup_s: float | None = None  # wall_s when training began (the first step of the run, across resumes)
 
-    def _autotune(self, cfg: Config):
-        """Rank 0 times the candidates of the config's auto values (or reads them cached); every rank follows."""
-        from vitrain.bench.tune import autotune
+    def _first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batches = self.train_loader.epoch(0)
+        try:
+            return next(iter(batches))
+        finally:
+            getattr(batches, "close", lambda: None)()
 
-        decision = None
-        with all_or_none("autotuning the auto config values"):
-            if self.is_main:
-                pipelined = cfg.parallel.pipeline_stages > 1
-                decision = autotune(cfg, self.device, build_task(cfg).build_model, pipelined=pipelined)
-        return broadcast_object(decision)
-
-    def _time_modes(self, model: torch.nn.Module) -> dict[str, float]:
+    def _time_modes(self, model: nn.Module) -> dict[str, float]:
         """auto precision's probe: one block's forward and backward per mode, timed on rank 0 for every rank."""
-        plan = model.parallel_plan(self.cfg.parallel.wrap)
+        plan = plan_of(model, self.cfg.parallel.wrap, self.cfg.parallel.block)
         shape = plan.block_input_shape(self.cfg.train.batch_size)
         timed = time_block_modes(plan.checkpoint_units[0], shape, device=self.device) if self.is_main else None
         return broadcast_object(timed)
 
     # ------------------------------------------------------------------------------------------ state
-
-    def _choose_run(self, resume: bool | str) -> Path | None:
-        """Rank 0 picks the run folder and the checkpoint to continue (runs.choose_run) and tells the others.
-
-        Under torchrun the folder is also kept in the launch's store, where a restarted worker group finds it.
-        """
-        with all_or_none("choosing the run folder"):
-            choice = None
-            if self.is_main:
-                store = launch_store()
-                restarted_in = None
-                if restart_count() > 0 and store is not None and store.check([RUN_DIR_KEY]):
-                    restarted_in = Path(store.get(RUN_DIR_KEY).decode())
-                choice = choose_run(self.run_dir, resume, restarted_in, check=self._check_same_model)
-                if store is not None:
-                    store.set(RUN_DIR_KEY, str(choice.run_dir))
-                choice = (
-                    str(choice.run_dir),
-                    choice.checkpoint and str(choice.checkpoint),
-                    choice.is_new,
-                    choice.notes,
-                )
-        run_dir, checkpoint, self.is_new_run, self.notes = broadcast_object(choice)
-        self.run_dir = Path(run_dir)
-        return Path(checkpoint) if checkpoint else None
-
-    def _check_same_model(self, path: Path, meta: dict[str, Any]) -> None:
-        saved = config_from_dict(meta["config"])
-        # init_from only chose the starting weights; the checkpoint's weights replace them either way. The attention
-        # kernel computes the same function of the same weights (auto may pick another one on another machine).
-        same = {"init_from": "", "attention": "auto"}
-        if dataclasses.replace(saved.model, **same) != dataclasses.replace(self.cfg.model, **same):
-            raise CheckpointError(
-                f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
-            )
 
     def close(self) -> None:
         """Let go of the model, optimizer and data before the process group is destroyed.
@@ -241,69 +142,15 @@ class Trainer:
         GIL: a deadlock at exit (seen after a torchrun restart). An error's traceback keeps this trainer alive past
         the group's end, so the references go here.
         """
-        self.model = self.forward = self.optimizer = self.precision = self.head = self.head_optimizer = None
-        self.engine = None
+        self.model = self.forward = self.precision = self.head = self.engine = self.train_step = None
         self.task = self.train_loader = self.epoch_batches = self.pipeline = None
         gc.collect()
 
     def meta(self, is_best: bool = False) -> dict[str, Any]:
-        """Everything but the tensors; the data position is in samples so another world size can resume it."""
-        return {
-            "config": to_dict(self.cfg),
-            "engine": self.engine.name,
-            "precision": self.engine.state_dict(),
-            "step": self.step,
-            "epoch": self.epoch,
-            "samples_in_epoch": self.batch_in_epoch * self.global_micro_batch,
-            "best_metric": self.best_metric,
-            "best_metric_name": self.task.best_metric,
-            "last_eval": self.last_eval,
-            "world_size": self.dist.world_size,
-            "strategy": self.cfg.parallel.strategy,
-            "is_best": is_best,
-            "wall_s": self.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
-            "setup_s": self.setup_s,
-        }
+        return checkpoint_meta(self, is_best)
 
     def load(self, path: Path) -> None:
-        # Every rank reads and checks before the collective load: one rank's failure stops all of them.
-        with all_or_none(f"reading checkpoint {path}"):
-            meta = ckpt.read_meta(path)
-            self._check_same_model(path, meta)
-            samples = meta["samples_in_epoch"]
-            if samples % self.global_micro_batch:
-                raise CheckpointError(
-                    f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
-                    f"{self.global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
-                )
-            saved_engine = meta.get("engine", "native")
-            if saved_engine != self.engine.name:
-                raise CheckpointError(
-                    f"checkpoint {path} was written by train.engine={saved_engine}; resume it with "
-                    f"train.engine={saved_engine} (`vitrain export` turns either into fp32 weights)"
-                )
-        restored = self.engine.load(path, meta)
-        self.step, self.epoch = meta["step"], meta["epoch"]
-        self.batch_in_epoch = samples // self.global_micro_batch
-        # Checkpoints before the task seam kept the classifier's best top-1 as best_top1.
-        if "best_metric" in meta:
-            self.best_metric = meta["best_metric"]
-        else:  # best_top1 = -1.0 meant "no evaluation yet"
-            self.best_metric = meta["best_top1"] if meta.get("best_top1", -1.0) >= 0 else None
-        self.last_eval = meta["last_eval"]
-        self.started -= meta.get("wall_s", 0.0)
-        self.setup_s = meta.get("setup_s")
-        saved_ranks, ranks = meta.get("world_size", 1), self.dist.world_size
-        if saved_ranks != ranks:
-            kept = min(saved_ranks, ranks)
-            what = f"ranks 0-{kept - 1} continue their own RNG states"
-            if ranks > saved_ranks:
-                what += f", ranks {saved_ranks}-{ranks - 1} start from seed + rank"
-            else:
-                what += f", the states of ranks {ranks}-{saved_ranks - 1} are not used"
-            self.notes.append(f"checkpoint from {saved_ranks} processes, {ranks} now: {what}")
-        elif not restored:
-            self.notes.append(f"checkpoint {path} holds no RNG state for this run's ranks: they start from seed + rank")
+        restore(self, path)
 
     @property
     def global_micro_batch(self) -> int:
@@ -345,104 +192,54 @@ class Trainer:
             log.info(note)
         if self.resume_path is not None:
             log.info(f"resumed from {self.resume_path} at step {self.step} (epoch {self.epoch})")
-        self._log_header(log)
-
+        for line in report.header_lines(self):
+            log.info(line)
         wall_start = time.perf_counter()
-        train_seconds, train_images, compile_s = 0.0, 0, None
-        data_wait_s = 0.0  # time the steps spent blocked on the loader (same steps as train_seconds)
+        speed = Speed()
         marks = sorted(m for m in t.eval_at_s if m > self.wall_s())  # train.eval_at_s still ahead
         stop = False
         while self.epoch < t.epochs and not stop:
-            bar = tqdm(
-                total=self.steps_per_epoch,
-                initial=self.batch_in_epoch // t.accum_steps,
-                desc=f"epoch {self.epoch + 1}/{t.epochs}",
-                disable=not (cfg.log.progress and self.is_main),
-                file=sys.stderr,
-                dynamic_ncols=True,
-                leave=False,
-            )
-            micro = 0
-            step_start = time.perf_counter()
-            window_images, window_start, window_wait_s, window_steps = 0, step_start, 0.0, 0
+            desc, shown = f"epoch {self.epoch + 1}/{t.epochs}", cfg.log.progress and self.is_main
+            bar = progress_bar(self.steps_per_epoch, self.batch_in_epoch // t.accum_steps, desc, shown)
             # Only whole optimizer steps: leftover micro-batches would leak gradients into the next epoch.
             remaining = self.steps_per_epoch * t.accum_steps - self.batch_in_epoch
             self.epoch_batches = self.train_loader.epoch(self.epoch, self.batch_in_epoch)
             batches = WaitTimer(itertools.islice(self.epoch_batches, remaining))
-            for images, labels in batches:
-                if micro == 0:
-                    if self.setup_s is None:
-                        self.setup_s = self.wall_s()
-                    position = self.schedule_position()
-                    lr = self.schedule(position)
-                    self.set_lr(lr)
-                    size = self.image_size(position)
-                    loss_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
-                if size != cfg.model.image_size:  # data.min_size: a smaller image early in the run
-                    images = resize_batch(images, size)
-                loss = self.forward_backward(images, labels)
-                loss_nonfinite |= ~torch.isfinite(loss)  # checked at the step, without a sync here
-                micro += 1
-                self.batch_in_epoch += 1
-                if micro < t.accum_steps:
-                    continue
-                grad_norm, skipped = self.optimizer_step(loss_nonfinite)
-                micro = 0
+            for _ in range(remaining // t.accum_steps):
+                step_start = time.perf_counter()
+                if self.setup_s is None:
+                    self.setup_s = self.wall_s()
+                position = self.schedule_position()
+                lr, size = self.schedule(position), self.image_size(position)
+                result = self.train_step(self._micro_batches(batches, size), lr)
                 self.step += 1
-                if skipped:
-                    self._log_skip(log)
-
-                now = time.perf_counter()
-                step_images = images.shape[0] * t.accum_steps * self.dist.data_size
-                step_wait_s = batches.take()
-                if compile_s is None and t.compile:
-                    compile_s = now - step_start
-                    log.info(f"first step with torch.compile took {compile_s:.1f} s")
-                elif self.step > 1 or self.resume_path is not None:
-                    train_seconds += now - step_start
-                    train_images += step_images
-                    data_wait_s += step_wait_s
-                window_images += step_images
-                window_wait_s += step_wait_s
-                window_steps += 1
+                if result.skipped:
+                    fields, line = self.engine.skip_report()
+                    if line:
+                        log.info(f"step {self.step}: {line}")
+                    log.record(step=self.step, epoch=self.epoch, skipped=True, **fields)
+                first_compiled = t.compile and speed.compile_s is None
+                timed = not first_compiled and (self.step > 1 or self.resume_path is not None)
+                speed.add(time.perf_counter() - step_start, result.images * self.dist.data_size, batches.take(), timed)
+                if first_compiled:
+                    speed.compile_s = time.perf_counter() - step_start
+                    log.info(f"first step with torch.compile took {speed.compile_s:.1f} s")
                 bar.update(1)
                 if self.step % cfg.log.every_steps == 0 or self.step == 1:
-                    loss_value = self.mean_loss(loss).item()
-                    images_per_s = window_images / max(now - window_start, 1e-9)
-                    wait_frac = window_wait_s / max(now - window_start, 1e-9)
-                    bar.set_postfix(
-                        loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_s:.0f}", wait=f"{wait_frac:.1%}"
-                    )
-                    log.record(
-                        step=self.step,
-                        epoch=self.epoch,
-                        loss=loss_value,
-                        lr=lr,
-                        grad_norm=grad_norm,
-                        images_per_s=images_per_s,
-                        data_wait_s=window_wait_s / window_steps,  # mean per step over the logged window
-                        data_wait_frac=wait_frac,  # share of the window's step time spent waiting for data
-                        wall_s=self.wall_s(),
-                        **({"image_size": size} if cfg.data.min_size else {}),  # progressive resizing's size
-                        **self._scaler_fields(),
-                    )
-                    window_images, window_start, window_wait_s, window_steps = 0, time.perf_counter(), 0.0, 0
+                    loss = self.mean_loss(result.loss).item()
+                    window = speed.window()
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", img_s=f"{window['images_per_s']:.0f}")
+                    resized = {"image_size": size} if cfg.data.min_size else {}  # progressive resizing's size
+                    log.record(step=self.step, epoch=self.epoch, loss=loss, lr=lr, grad_norm=result.grad_norm,
+                               **window, wall_s=self.wall_s(), **resized, **self.engine.scaler_fields())  # fmt: skip
                 if marks and self.wall_s() >= marks[0]:  # train.eval_at_s: a point on the time-to-accuracy curve
                     marks = [m for m in marks if m > self.wall_s()]
                     self._evaluate_and_save(log, final=False)
                 elif t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
                     self.save()
-                if t.max_steps and self.step >= t.max_steps:
-                    stop = True
+                stop = bool(t.max_steps and self.step >= t.max_steps) or self._out_of_time(log)
+                if stop:
                     break
-                if t.time_limit_s and self.wall_s() + self.last_eval_s >= t.time_limit_s:
-                    log.info(
-                        f"train.time_limit_s={t.time_limit_s:g}: stopping at step {self.step} after "
-                        f"{self.wall_s():.0f} s, leaving {self.last_eval_s:.0f} s for the last evaluation"
-                    )
-                    stop = True
-                    break
-                step_start = time.perf_counter()
             bar.close()
             if not stop:
                 self.epoch += 1
@@ -452,9 +249,7 @@ class Trainer:
                 self._evaluate_and_save(log, final)
 
         wall_s = time.perf_counter() - wall_start
-        summary = self._summary(wall_s, train_images / train_seconds if train_seconds else 0.0, compile_s)
-        summary["data_wait_s"] = data_wait_s
-        summary["data_wait_frac"] = data_wait_s / train_seconds if train_seconds else 0.0
+        summary = report.summary(self, wall_s, speed.images_per_s(), speed.compile_s) | speed.data_wait()
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metric = self.task.best_metric
@@ -464,35 +259,27 @@ class Trainer:
         )
         return summary
 
-    def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The training loss of one micro-batch: the task's, in fp32 under every precision policy."""
-        with self.engine.autocast():
-            output = self.forward(images)
-        return self.task.loss(output, labels)
+    def _micro_batches(self, batches: Iterator, size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's train.accum_steps micro-batches, at the progressive-resizing size, counted as consumed."""
+        for images, labels in itertools.islice(batches, self.cfg.train.accum_steps):
+            if size != self.cfg.model.image_size:  # data.min_size: a smaller image early in the run
+                images = resize_batch(images, size)
+            self.batch_in_epoch += 1
+            yield images, labels
 
-    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-step: its loss (detached), its gradients added to those of the step's earlier micro-steps."""
-        return self.engine.forward_backward(images, labels, self.loss)
+    def _out_of_time(self, log: RunLog) -> bool:
+        limit = self.cfg.train.time_limit_s
+        if not limit or self.wall_s() + self.last_eval_s < limit:
+            return False
+        log.info(
+            f"train.time_limit_s={limit:g}: stopping at step {self.step} after {self.wall_s():.0f} s, leaving "
+            f"{self.last_eval_s:.0f} s for the last evaluation"
+        )
+        return True
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Collective: the global batch's loss, from every rank's micro-step loss."""
         return self.pipeline.mean_loss(loss) if self.pipeline is not None else mean_over_ranks(loss)
-
-    def set_lr(self, lr: float) -> None:
-        self.engine.set_lr(lr)
-
-    def optimizer_step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
-        """One optimizer step of the model (and the task's head); returns (gradient norm, skipped)."""
-        return self.engine.step(loss_nonfinite)
-
-    def _log_skip(self, log: RunLog) -> None:
-        fields, line = self.engine.skip_report()
-        if line:
-            log.info(f"step {self.step}: {line}")
-        log.record(step=self.step, epoch=self.epoch, skipped=True, **fields)
-
-    def _scaler_fields(self) -> dict[str, Any]:
-        return self.engine.scaler_fields()
 
     def schedule_position(self) -> float:
         """The step the lr schedule is read at: the step, or under schedule.horizon=time the share of the training
@@ -534,57 +321,3 @@ class Trainer:
             line += f" | ema: {self.task.eval_line(averaged)}"
         log.info(f"epoch {self.epoch} step {self.step} ({begin - self.started:.0f} s): {line}")
         self.save(is_best)
-
-    def _log_header(self, log: RunLog) -> None:
-        cfg = self.cfg
-        cost = unwrap(self.model).complexity()
-        p = cfg.parallel
-        global_batch = cfg.train.batch_size * self.dist.data_size * cfg.train.accum_steps
-        impl = resolve_impl(cfg.optim.impl, self.device, cfg.optim.name, cfg.parallel.strategy)
-        log.info(
-            f"vitrain: {self.parameters / 1e6:.2f}M params, {cost.flops / 1e9:.3f} GFLOPs/image, "
-            f"device={self.device}, optimizer={cfg.optim.name}[{impl}], "
-            f"parallel={p.strategy} x {self.dist.world_size} (wrap={p.wrap}, offload={p.offload}, "
-            f"activation checkpointing={p.activation_checkpointing}), "
-            f"global batch={global_batch} ({cfg.train.batch_size} x {self.dist.data_size} replicas x "
-            f"{cfg.train.accum_steps} accumulation), {self.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
-            f"{len(self.train_loader.data)} train images / {self.task.describe_data()}, run dir {self.run_dir}"
-        )
-        if self.head is not None:
-            log.info(f"head: {self.head.extra_repr()}")
-        if self.pipeline is not None:
-            log.info(self.pipeline.describe())
-        if self.tuned is not None:
-            cached = f" (cached decision: {self.tuned.cached_at})" if self.tuned.from_cache else ""
-            log.info(f"autotune: {', '.join(f'{k}={v}' for k, v in self.tuned.values.items())}{cached}")
-            if "precision.mode" not in self.tuned.values:  # else the precision line gives the reason
-                log.info(self.tuned.reason)
-        for line in self.engine.describe():
-            log.info(line)
-
-    def _summary(self, wall_s: float, images_per_s: float, compile_s: float | None) -> dict[str, Any]:
-        metric = self.task.best_metric
-        summary = {
-            "name": self.cfg.name,
-            "task": self.task.name,
-            **self.task.summary_defaults,
-            **self.last_eval,
-            f"best_{metric}": self.best_metric if self.best_metric is not None else -1.0,
-            "images_per_s": images_per_s,
-            "wall_s": wall_s,
-            "epochs": self.epoch,
-            "steps": self.step,
-            "params": self.parameters,
-            "checkpoint": str(ckpt.latest(self.run_dir)),
-            "best_checkpoint": str(ckpt.best(self.run_dir) or ckpt.latest(self.run_dir)),
-            "device": str(self.device),
-            "strategy": self.cfg.parallel.strategy,
-            "world_size": self.dist.world_size,
-            "global_batch": self.cfg.train.batch_size * self.dist.data_size * self.cfg.train.accum_steps,
-            "engine": self.engine.name,
-            "precision": self.engine.precision_label,
-            **self._scaler_fields(),
-        }
-        if compile_s is not None:
-            summary["compile_s"] = compile_s
-        return summary

@@ -1,24 +1,73 @@
-"""Model factory: build a single-device ViT from the model config."""
+"""Models: vitrain's single-device ViT (presets, exact cost), its plan, and any other module a config names.
+
+model = build_model(cfg.model, embed_dim=0)   # model.name: vit, timm:NAME, or mypkg.module:factory
+"""
 
 from __future__ import annotations
 
-from vitrain.config import ModelConfig
-from vitrain.models.presets import PRESETS, Preset, find_preset
-from vitrain.models.vit import Complexity, EmbeddingNeck, VisionTransformer, complexity, count_parameters
+from typing import Any
+
+from torch import nn
+
+from vitrain import registry
+from vitrain.config import Config, ModelConfig
+from vitrain.errors import ConfigError
+from vitrain.models.plan import ParallelPlan, plan_of, repeated_blocks
+from vitrain.models.vit import Complexity, EmbeddingNeck, VisionTransformer, check_vit, complexity, count_parameters
+from vitrain.presets import PRESETS, Preset, find_preset
 
 __all__ = [
     "PRESETS",
     "Complexity",
     "EmbeddingNeck",
+    "ParallelPlan",
     "Preset",
     "VisionTransformer",
+    "build_model",
+    "build_vit",
+    "check",
     "complexity",
     "count_parameters",
     "create_model",
     "find_preset",
+    "model_complexity",
+    "plan_of",
+    "repeated_blocks",
 ]
 
 
-def create_model(cfg: ModelConfig, embed_dim: int = 0) -> VisionTransformer:
+def build_vit(cfg: ModelConfig, embed_dim: int = 0) -> VisionTransformer:
     """A classifier over cfg.num_classes, or with `embed_dim > 0` an embedding model (the face task's backbone)."""
     return VisionTransformer(cfg, embed_dim)
+
+
+create_model = build_vit  # the name the tests and scripts know
+
+
+def build_model(cfg: ModelConfig, embed_dim: int = 0, model: Any = None) -> nn.Module:
+    """The single-device model `model.name` names (the registry's), or `model` itself: an nn.Module, or a factory
+    called with the model config. A factory from the registry or an import path is called with the model config
+    (and `embed_dim` where one is asked for)."""
+    made = model if model is not None else registry.lookup("model", cfg.name)
+    if isinstance(made, nn.Module):
+        return made
+    built = made(cfg, embed_dim) if embed_dim else made(cfg)
+    if not isinstance(built, nn.Module):
+        raise TypeError(f"model.name={cfg.name} returned {type(built).__name__}, not a torch.nn.Module")
+    return built
+
+
+def model_complexity(model: nn.Module) -> Complexity | None:
+    """The model's exact cost where it counts its own (vitrain's ViT), else None."""
+    own = getattr(model, "complexity", None)
+    return own() if callable(own) else None
+
+
+def check(cfg: Config) -> None:
+    """The model section: the input and output every model shares; vitrain's ViT checks its architecture too."""
+    m = cfg.model
+    for name in ("image_size", "in_chans", "num_classes"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.name == "vit":
+        check_vit(m)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import ModelConfig
-from vitrain.models.parallel_plan import ParallelPlan, vit_plan
+from vitrain.errors import ConfigError
+from vitrain.models.plan import ParallelPlan, vit_plan
 
 
 class PatchEmbed(nn.Module):
@@ -257,6 +259,52 @@ class VisionTransformer(nn.Module):
         return vit_plan(self, wrap)
 
 
+class ViTStage(VisionTransformer):
+    """The part of a ViT that pipeline stages hold: some blocks, the embedding with block 0, the head with the last.
+
+    It takes the model's own modules under the model's own names (`blocks.7.attn.qkv.weight`: the blocks keep
+    their index in a ModuleDict), so its state dict is a subset of the whole model's and DCP checkpoints move
+    between a pipelined run and one process unchanged. Build the whole model, take the stages' parts, drop the
+    model: what no part holds is freed (torchtitan's pipeline split does the same).
+
+    A ViT itself, built from another one's modules instead of new ones: `embed`, `final_norm`, `forward_head`,
+    `complexity` (the whole model's cost) and `parallel_plan` are the model's. `forward` runs the embedding (when
+    held), the blocks in order, then the final norm and head (when held): on a part that holds consecutive blocks,
+    exactly the model's forward over them.
+    """
+
+    def __init__(self, model: VisionTransformer, blocks: range | list[int]):
+        nn.Module.__init__(self)  # the model's modules, not new ones
+        self.cfg = model.cfg
+        self.embed_dim = model.embed_dim
+        self.num_prefix_tokens = model.num_prefix_tokens
+        self.has_embedding = 0 in blocks
+        self.has_head = self.cfg.depth - 1 in blocks
+        if self.has_embedding:
+            self.patch_embed = model.patch_embed
+            self.cls_token = model.cls_token
+            if isinstance(model.pos_embed, nn.Parameter):
+                self.pos_embed = model.pos_embed
+            else:  # sincos: a fixed table, not saved
+                self.register_buffer("pos_embed", model.pos_embed, persistent=False)
+            self.pos_drop = model.pos_drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        if self.has_head:
+            self.norm, self.fc_norm, self.neck, self.head = model.norm, model.fc_norm, model.neck, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (first stage) or the previous stage's tokens -> tokens for the next stage, or the model's output."""
+        if self.has_embedding:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.has_head:
+            return self.forward_head(self.final_norm(x))
+        # Sent to the next stage: point-to-point sends take contiguous tensors only, and the token stream is a
+        # strided view under pool=gap (no class token to concatenate) and under the seq_first layout.
+        return x.contiguous()
+
+
 def features_dim(cfg: ModelConfig) -> int:
     """Width of what the head (or neck) receives: one token's width, or every patch token's under pool=flatten."""
     if cfg.pool == "flatten":
@@ -373,3 +421,47 @@ def _stem_cost(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(t.numel() for t in model.parameters())
+
+
+def check_vit(m: ModelConfig) -> None:
+    """Reject a ViT architecture that cannot be built, with one line that says how to fix it."""
+    for name in ("image_size", "patch_size", "in_chans", "num_classes", "width", "depth", "heads"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.width % m.heads:
+        raise ConfigError(
+            f"model.width={m.width} is not divisible by model.heads={m.heads}; "
+            f"use a width that is a multiple of {m.heads} or change heads"
+        )
+    if m.image_size % m.patch_size:
+        raise ConfigError(
+            f"model.patch_size={m.patch_size} does not divide model.image_size={m.image_size}; "
+            f"pick an image size that is a multiple of {m.patch_size}"
+        )
+    if m.patch_embed == "conv":
+        strides = m.patch_size.bit_length() - 1
+        if m.patch_size != 1 << strides:
+            raise ConfigError(
+                f"model.patch_embed=conv halves the image with each stride-2 conv: model.patch_size={m.patch_size} "
+                "must be a power of two (2, 4, 8, 16)"
+            )
+        if m.stem_channels and len(m.stem_channels) < strides:
+            raise ConfigError(
+                f"model.stem_channels={list(m.stem_channels)} has {len(m.stem_channels)} convs but patch_size="
+                f"{m.patch_size} needs at least {strides} (one per halving); add channels or use a smaller patch"
+            )
+        if any(c <= 0 for c in m.stem_channels):
+            raise ConfigError(f"model.stem_channels={list(m.stem_channels)} must be positive channel counts")
+    if m.mlp_dim is not None and m.mlp_dim <= 0:
+        raise ConfigError(f"model.mlp_dim={m.mlp_dim} must be positive (or null for 4 x width)")
+    if m.width % 8 or m.hidden_dim % 8:
+        warnings.warn(
+            f"model.width={m.width} / mlp_dim={m.hidden_dim} is not a multiple of 8: "
+            "tensor cores and vector units run fastest on multiples of 8",
+            stacklevel=2,
+        )
+    if m.pos_embed == "sincos" and (m.width // 2) % 2:
+        raise ConfigError(f"model.pos_embed=sincos needs model.width divisible by 4, got {m.width}")
+    for name in ("drop_path", "dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")

@@ -206,3 +206,12 @@ def _checkpoint_exception() -> type[BaseException]:
 def restart_count() -> int:
     """How many times torchrun has restarted this worker group (torchrun --max-restarts); 0 on the first try."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """Collective: the largest of every rank's `value` (a step's time counts at its slowest rank)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())

@@ -1,7 +1,7 @@
 """Pipeline parallelism on torch.distributed.pipelining: a (pipeline x data) mesh, stages, schedules, the step.
 
 `parallel.pipeline_stages=K` cuts the ViT's blocks into K balanced stages (the patch embedding with the first, the
-final norm and head with the last: `ViTStage` in models/parallel_plan.py, which keeps the model's parameter names).
+final norm and head with the last: `ViTStage` in models/plan.py, which keeps the model's parameter names).
 gpipe and 1f1b put one stage on each of K pipeline ranks; interleaved_1f1b puts two on each of K/2 (rank r holds
 stages r and r + K/2, torch's looped layout), so K must be even and >= 4 there. The processes left over form the
 data-parallel dimension: rank = pipeline_rank x replicas + data_rank, so the replicas of a stage are neighbours.
@@ -29,7 +29,8 @@ from torch import nn
 
 from vitrain.config import ParallelConfig
 from vitrain.errors import ConfigError
-from vitrain.models.parallel_plan import ViTStage, stage_blocks
+from vitrain.models.plan import plan_of, stage_blocks
+from vitrain.models.vit import ViTStage
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.distributed import DistInfo, sum_over_ranks
 from vitrain.parallel.strategies import fully_shard_model
@@ -125,7 +126,7 @@ class Pipeline:
                 f"but the precision resolved to {precision.param_dtype} weights; set precision.mode=amp_o1, or "
                 "parallel.strategy=zero2 or zero3 for amp_o2"
             )
-        plan = part.parallel_plan(cfg.wrap)
+        plan = plan_of(part, cfg.wrap)
         apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
         if cfg.strategy in ("zero2", "zero3"):
             for chunk in self.chunks:

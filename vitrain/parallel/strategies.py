@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vitrain.config import OptimConfig, ParallelConfig
 from vitrain.errors import ConfigError
+from vitrain.models.plan import plan_of
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -52,8 +53,8 @@ def parallelize(
 
 def prepare_layers(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> None:
     """What every engine does to the model's layers before wrapping it: activation checkpointing on the blocks the
-    model names (vitrain/models/parallel_plan.py) and, on several ranks, BatchNorm over the global batch."""
-    plan = model.parallel_plan(cfg.wrap)
+    model's plan names (vitrain/models/plan.py) and, on several ranks, BatchNorm over the global batch."""
+    plan = plan_of(model, cfg.wrap, cfg.block)
     apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
     if cfg.strategy == "single" or not cfg.sync_batchnorm:
         return
@@ -93,7 +94,7 @@ def fully_shard_model(
 
     from vitrain.precision import norm_output_to
 
-    plan = model.parallel_plan(cfg.wrap)
+    plan = plan_of(model, cfg.wrap, cfg.block, precision.fp32_modules if precision is not None else ())
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     # Pinned host memory needs an accelerator; on a CPU-only machine the offload is a plain CPU copy.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()

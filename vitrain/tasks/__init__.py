@@ -1,6 +1,9 @@
 """Tasks: what the model is trained to do. Each bundles its data, model, head, loss, evaluation and best metric.
 
-The trainer talks to a task only through `Task` (in the spirit of torchtitan's TrainSpec and timm's `loss_fn`):
+The trainer talks to a task only through `Task` (in the spirit of torchtitan's TrainSpec and timm's `loss_fn`);
+`task.name` names one from the registry (classification, face) or by import path (`mypkg.tasks:MyTask`), a class
+built as `MyTask(cfg, model, data)`, where `model` and `data` are what the library's caller handed in (None: the
+ones `model.name` and `data.source` name):
 
     train_loader = task.build_data(device, rank, world_size)
     model = task.build_model()                 # single-device backbone: classifier or embedding model
@@ -18,10 +21,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from vitrain import registry
 from vitrain.config import Config
 
 
 class Task(Protocol):
+    cfg: Config  # the run's config (the trainer sets autotune's decisions here before the model is built)
     name: str
     best_metric: str
     higher_is_better: bool
@@ -42,14 +47,10 @@ class Task(Protocol):
     def describe_data(self) -> str: ...
 
 
-def build_task(cfg: Config) -> Task:
-    if cfg.task.name == "face":
-        from vitrain.tasks.face import FaceTask
-
-        return FaceTask(cfg)
-    from vitrain.tasks.classification import ClassificationTask
-
-    return ClassificationTask(cfg)
+def build_task(cfg: Config, model: Any = None, data: Any = None) -> Task:
+    """The task `task.name` names, over `cfg`; `model` (a module or a factory) replaces `model.name`'s model and
+    `data` (datasets, or a function of the config making them) data.source's, where the task reads such data."""
+    return registry.lookup("task", cfg.task.name)(cfg, model, data)
 
 
 def is_better(task: Task, value: float, best: float | None) -> bool:

@@ -11,8 +11,8 @@ from torch import nn
 
 from vitrain.config import Config
 from vitrain.data import build_loaders
-from vitrain.engine.evaluate import evaluate
-from vitrain.models import create_model
+from vitrain.models import build_model
+from vitrain.tasks.evaluate import evaluate
 
 
 class ClassificationTask:
@@ -21,16 +21,18 @@ class ClassificationTask:
     higher_is_better = True
     summary_defaults = {"val_top1": 0.0, "val_top5": 0.0}  # summary.json's fields before any evaluation
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, model: Any = None, data: Any = None):
         self.cfg = cfg
+        self.model = model  # a module or factory from the library caller; None: the one model.name names
+        self.data = data  # (train, val) datasets or a function of the config making them; None: data.source's
         self.val_loader: Any = None
 
     def build_data(self, device: torch.device, rank: int, world_size: int) -> Any:
-        train, self.val_loader = build_loaders(self.cfg, device, rank, world_size)
+        train, self.val_loader = build_loaders(self.cfg, device, rank, world_size, self.data)
         return train
 
     def build_model(self) -> nn.Module:
-        return create_model(self.cfg.model)
+        return build_model(self.cfg.model, model=self.model)
 
     def build_head(self, device: torch.device) -> None:
         return None

@@ -30,12 +30,12 @@ from vitrain.data.faces import (
 )
 from vitrain.data.loader import BatchLoader
 from vitrain.data.sources import SPLIT_SEED
-from vitrain.engine.verify import embed_images, pixel_embeddings, score_pair_sets, summary_line, write_report
-from vitrain.errors import DataError
-from vitrain.models import create_model
+from vitrain.errors import ConfigError, DataError
+from vitrain.models import build_model
 from vitrain.models.heads import Margin
 from vitrain.parallel import distributed
 from vitrain.parallel.identity_head import IdentityHead
+from vitrain.tasks.verify import embed_images, pixel_embeddings, score_pair_sets, summary_line, write_report
 
 
 def read_pair_sets(
@@ -87,11 +87,59 @@ class FaceTask:
     higher_is_better = True
     summary_defaults: dict[str, Any] = {}
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, model: Any = None, data: Any = None):
         self.cfg = cfg
+        self.model = model  # a module or factory from the library caller; None: the one model.name names
+        if data is not None:
+            raise ConfigError("task.name=face reads identity folders from data.root; it takes no data= object")
         self.head: IdentityHead | None = None
         self.num_identities = 0
         self.verification: VerificationImages | None = None
+
+    @staticmethod
+    def check(cfg: Config) -> None:
+        """The face fields of the task section, and what face recognition asks of the data and parallelism."""
+        k = cfg.task
+        if k.embed_dim <= 0:
+            raise ConfigError(f"task.embed_dim={k.embed_dim} must be positive")
+        if not 0.0 < k.sample_rate <= 1.0:
+            raise ConfigError(f"task.sample_rate={k.sample_rate} must be in (0, 1]; 1 uses every identity centre")
+        if k.scale <= 0:
+            raise ConfigError(f"task.scale={k.scale} must be positive")
+        if not 0.0 <= k.arcface_m < 3.14159:
+            raise ConfigError(f"task.arcface_m={k.arcface_m} must be in [0, pi): an angle in radians, e.g. 0.5")
+        if k.cosface_m < 0:
+            raise ConfigError(f"task.cosface_m={k.cosface_m} must be >= 0, e.g. 0.35")
+        m1, m2, m3 = k.combined_m
+        if m1 <= 0 or m2 < 0 or m3 < 0:
+            raise ConfigError(
+                f"task.combined_m={list(k.combined_m)} needs m1 > 0, m2 >= 0, m3 >= 0, e.g. [1.0, 0.3, 0.2]"
+            )
+        if k.generated_pairs < 10:
+            raise ConfigError(f"task.generated_pairs={k.generated_pairs} must be >= 10 (10 folds of matched pairs)")
+        if not k.pairs:
+            raise ConfigError("task.pairs is empty; use [generated], cfp-ff, cfp-fp or an LFW-format pairs file")
+        if cfg.data.source != "folder":
+            raise ConfigError(
+                "task.name=face reads identity folders: set data.source=folder and data.root=PATH, not "
+                f"{cfg.data.source}"
+            )
+        if cfg.data.mixup_alpha or cfg.data.cutmix_alpha:
+            raise ConfigError(
+                "task.name=face trains on one identity per image: set data.mixup_alpha=0 data.cutmix_alpha=0"
+            )
+        if cfg.data.loader != "fast":
+            raise ConfigError("task.name=face reads identity folders with the fast loader: set data.loader=fast")
+        if cfg.parallel.pipeline_stages > 1:
+            raise ConfigError(
+                f"task.name=face with parallel.pipeline_stages={cfg.parallel.pipeline_stages} is not supported (its "
+                "identity head and loss live outside the model); set parallel.pipeline_stages=1"
+            )
+        if cfg.model.name != "vit":
+            raise ConfigError(
+                f"task.name=face builds vitrain's ViT with an embedding neck; model.name={cfg.model.name} is for "
+                "classification (set model.name=vit)"
+            )
 
     def build_data(self, device: torch.device, rank: int, world_size: int) -> BatchLoader:
         cfg, k, m, d = self.cfg, self.cfg.task, self.cfg.model, self.cfg.data
@@ -118,7 +166,7 @@ class FaceTask:
         )
 
     def build_model(self) -> nn.Module:
-        return create_model(self.cfg.model, embed_dim=self.cfg.task.embed_dim)
+        return build_model(self.cfg.model, embed_dim=self.cfg.task.embed_dim, model=self.model)
 
     def build_head(self, device: torch.device) -> IdentityHead:
         k = self.cfg.task

@@ -1,0 +1,59 @@
+"""vitrain as a library: configs from recipes, dicts or files, and one call that trains and returns the summary.
+
+from vitrain import train, load_config, Trainer
+summary = train("digits", ["train.epochs=2"])              # a shipped recipe (or a YAML path), overrides
+summary = train({"model": {...}, "train": {...}})           # a config as a dict
+summary = train("digits", model=my_module, data=(train_set, val_set))   # your own model and data
+trainer = Trainer(load_config("digits")); trainer.fit(); trainer.close()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vitrain.config import Config, load_config, resolve_config_path
+from vitrain.engine.trainer import Trainer
+from vitrain.parallel import shutdown
+
+DEFAULT_RECIPE = "digits"
+
+
+def config(source: str | Path | dict | Config | None = None, overrides: list[str] | None = None) -> Config:
+    """A validated config from a recipe name or YAML path, a dict of sections, or a Config (with overrides)."""
+    if isinstance(source, Config):
+        from vitrain.config import to_dict
+
+        return load_config(overrides=overrides, base=to_dict(source))
+    if isinstance(source, dict):
+        return load_config(overrides=overrides, base=source)
+    return load_config(resolve_config_path(str(source or DEFAULT_RECIPE)), overrides)
+
+
+def train(
+    source: str | Path | dict | Config | None = None,
+    overrides: list[str] | None = None,
+    *,
+    model: Any = None,
+    data: Any = None,
+    task: Any = None,
+    resume: bool | str = False,
+) -> dict[str, Any] | None:
+    """Train a config and return its summary (summary.json's fields) on rank 0; None on the other ranks.
+
+    `model`: an nn.Module or a factory of one (called with the model config) instead of `model.name`'s; `data`:
+    (train, val) datasets (ImageSet-like: `classes`, `channels`, `__len__`, `read(index)`) or a function of the
+    config returning them; `task`: a task object (vitrain.tasks.Task) instead of `task.name`'s. Under torchrun,
+    every process calls it. The process group it opened is closed before it returns.
+    """
+    cfg = config(source, overrides)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, resume=resume, model=model, data=data, task=task)
+        summary = trainer.fit()
+        is_main = trainer.is_main
+    finally:
+        if trainer is not None:
+            trainer.close()  # before the process group goes: see Trainer.close
+        shutdown()
+    return summary if is_main else None

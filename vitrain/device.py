@@ -1,0 +1,164 @@
+"""The ground floor: which device a run uses, what it can compute fast, how to wait for it, its peaks and memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from vitrain.errors import ConfigError
+
+# Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets, by a substring of the device name.
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+BF16_UNITS_ENV = "VITRAIN_CPU_BF16_UNITS"
+
+
+def resolve_device(name: str) -> torch.device:
+    """train.device: auto is cuda where there is one, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device={name} is not a device; use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=auto or cpu")
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer read after it measures the work (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cpu_has_bf16_matmul_units() -> bool:
+    """Whether this CPU has bf16 matrix units (Intel AMX tiles): with them auto picks bf16 amp_o1 on CPU, else fp32.
+
+    `VITRAIN_CPU_BF16_UNITS=1` or `=0` in the environment forces the answer, so that both of auto's CPU choices can
+    be tested (and a run reproduced) on any machine; unset, torch's AMX probe decides.
+    """
+    forced = os.environ.get(BF16_UNITS_ENV)
+    if forced is None:
+        return amx_probe()
+    if forced not in ("0", "1"):
+        raise ConfigError(
+            f"{BF16_UNITS_ENV}={forced!r} must be 1 (bf16 matrix units) or 0 (none), or unset to probe the CPU"
+        )
+    return forced == "1"
+
+
+def amx_probe() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def cpu_description() -> str:
+    """One line naming the CPU and its bf16 capabilities, e.g. for CI logs where results depend on auto's choice."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+    vendor = f" ({fields['vendor_id']})" if fields.get("vendor_id") else ""
+    units = "yes" if cpu_has_bf16_matmul_units() else "no"
+    if BF16_UNITS_ENV in os.environ:
+        probe = "yes" if amx_probe() else "no"
+        units += f" (forced by {BF16_UNITS_ENV}={os.environ[BF16_UNITS_ENV]}; the probe says {probe})"
+    avx = "yes" if torch.cpu._is_avx512_bf16_supported() else "no"
+    return f"CPU: {model}{vendor}; bf16 matrix units (AMX): {units}; avx512_bf16: {avx}"
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's description line."""
+    if device.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name(device)}"
+    return cpu_description()
+
+
+def gemm_flops(dtype: str, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a size x size x size matmul in `dtype` (best of `repeats` after a warm-up), with this
+    process's threads: the practical peak that a model's FLOP/s is compared with on a CPU."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    draw = torch.Generator(device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
+    b = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        if i:  # the first call is the warm-up
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of one device in `dtype`, where the figure comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = dtype
+        if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+            key = "tf32"
+        for known, peaks in GPU_PEAKS.items():
+            if known in name and key in peaks:
+                return peaks[key], f"{name} datasheet dense {key}"
+        measured = gemm_flops(dtype, device, size=8192)
+        return measured, f"{name}: 8192^3 {dtype} matmul measured (not in the datasheet table)"
+    threads = torch.get_num_threads()
+    return gemm_flops(dtype, device), f"2048^3 {dtype} matmul measured on this CPU with {threads} thread(s)"
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """(peak bytes so far, what they are): the CUDA allocator's peak on a GPU, the process's peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA allocator peak"
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on the device (a GPU's free bytes, a CPU host's MemAvailable), or None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PhaseTimer:
+    """Seconds per named phase of a step, each lap ending where the device has finished the phase's work.
+
+    The benchmark hands one to the step (vitrain/engine/step.py), which marks its phases; training passes none, so
+    the step it runs has no synchronization added.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now

@@ -1,0 +1,342 @@
+"""Autotune: `auto` config values decided by timing a few real training steps of each candidate on this device.
+
+    decision = autotune(cfg, device)   # None when nothing is auto (or VITRAIN_AUTOTUNE=0)
+    decision.values                    # {"precision.mode": "fp32", "model.attention": "sdpa"}
+
+What is tuned, and among what:
+- `precision.mode=auto` (native engine, strategy single/ddp/zero1, no pipeline stages): fp32, bf16 amp_o1 and bf16
+  amp_o2, where the device computes bf16. Pure and fp16 are never candidates: they are picked only when asked for.
+  Under zero2/zero3 and pipelines auto keeps its rules in vitrain/precision.py.
+- `model.attention=auto`: sdpa and manual (the same weights and function; different kernels), where each device
+  holds the whole model (single/ddp/zero1, no pipeline stages; elsewhere auto attention is sdpa).
+
+Each candidate is the run's own training step (vitrain/engine/step.py) over a native engine set up for it: the
+run's model built by its task from the candidate's config (the attention kernel is a config value, not a patch),
+the task's head and loss, the run's optimizer, on the run's first batch; one device per process (the strategy's
+wrapper and its communication are left out alike for every candidate). Every rank runs the race in lockstep (a
+task's loss may be collective, as the face head's is) and each step counts at its slowest rank, so every rank makes
+the same choices; rank 0 reads and writes the cache. Two warm-up steps, then up to `steps` timed ones, the
+candidates taking turns; one 1.5x slower than the best in the first timed round is dropped (where steps take
+seconds, one whose warm-up step takes 2x the best one's already), and one that the memory estimate says cannot fit
+on the device is not run. The best step of each counts; the fastest wins. Every combination of the keys' values is
+a candidate: they interact. The decision, its figures and its reason are cached per device, torch, threads and
+shape (`$VITRAIN_CACHE_DIR`, default ~/.cache/vitrain/autotune), so a second run does not pay.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitrain.checkpoint import atomic_write
+from vitrain.config import Config, PrecisionConfig, to_dict
+from vitrain.device import available_bytes, cpu_description, synchronize
+from vitrain.engine.native import NativeEngine
+from vitrain.engine.step import TrainStep
+from vitrain.models.memory import estimate
+from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
+from vitrain.precision import LOW_DTYPES, Resolved
+
+TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
+CACHE_ENV = "VITRAIN_CACHE_DIR"
+PRECISION_STRATEGIES = ("single", "ddp", "zero1")
+PRUNE_RATIO = 1.5
+WARMUP_DROP_RATIO = 2.0
+SLOW_STEP_S = 5.0  # a warm-up step longer than this: one timed step per candidate instead of `steps`
+
+
+@dataclass
+class Decision:
+    values: dict[str, str]  # config key -> the value auto became
+    images_per_s: dict[str, float]  # candidate label -> measured images/s (0.0: not run or dropped)
+    notes: dict[str, str]  # candidate label -> why it was dropped or not run
+    reason: str
+    cached_at: str = ""  # where the decision is cached (a hit: read from there)
+    from_cache: bool = False
+
+    def precision(self, cfg: PrecisionConfig) -> Resolved | None:
+        mode = self.values.get("precision.mode")
+        if mode is None:
+            return None
+        dtype = torch.float32 if mode == "fp32" else LOW_DTYPES[cfg.dtype]
+        return Resolved(mode, dtype, self.reason)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def enabled() -> bool:
+    return os.environ.get(TUNE_ENV, "1") != "0"
+
+
+def candidates(cfg: Config, device: torch.device, pipelined: bool) -> dict[str, list[str]]:
+    """The values each auto key may take on this device and run; empty when nothing is tuned."""
+    tuned: dict[str, list[str]] = {}
+    # Candidates are whole models on one device: only where the run itself holds a whole replica per device (under
+    # zero2/zero3 and pipeline stages it may not fit one; there auto keeps its rules and attention is sdpa).
+    replicated = cfg.parallel.strategy in PRECISION_STRATEGIES and not pipelined
+    if replicated and cfg.precision.mode == "auto" and cfg.train.engine == "native" and _computes_bf16(device):
+        tuned["precision.mode"] = ["fp32", "amp_o1", "amp_o2"]
+    if replicated and cfg.model.attention == "auto":
+        tuned["model.attention"] = ["sdpa", "manual"]
+    return tuned
+
+
+def _computes_bf16(device: torch.device) -> bool:
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+
+
+def autotune(
+    cfg: Config,
+    task: Any,
+    dist: DistInfo,
+    sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    pipelined: bool = False,
+    steps: int = 3,
+) -> Decision | None:
+    """Collective: time the candidates of every auto key (or read rank 0's cached decision); None when nothing is
+    tuned. `task` is the run's, its data built (a head such as the face task's needs its identities); `sample()`
+    gives the batch every candidate steps on (the run's first one)."""
+    device = dist.device
+    options = candidates(cfg, device, pipelined)
+    if not options or not enabled():
+        return None
+    path = cache_path(cfg, device, options)
+    with all_or_none("reading the autotune cache"):
+        cached = _read_cache(path) if dist.is_main else None
+    cached = broadcast_object(cached)
+    if cached is not None:
+        return cached
+    fits, need = _memory_check(cfg, device)
+    seconds: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    rounds: list[str] = []
+    # Every combination: the keys interact (on a CPU sdpa's bf16 backward is slow while manual attention gains from
+    # bf16, so precision judged under one kernel can pick the wrong pair). Slow candidates leave the race early.
+    labels = {}
+    for mode in options.get("precision.mode", [None]):
+        for attention in options.get("model.attention", [None]):
+            label = _label(mode, attention)
+            if mode is not None and (reason := fits(mode)):
+                notes[label] = reason
+            else:
+                labels[label] = (mode, attention)
+    # Taking turns keeps every candidate in memory at once: where they would not all fit (or on a GPU, where a
+    # run fills the memory and timings are steadier), one at a time instead. The processes of a node share it.
+    available = broadcast_object(available_bytes(device))
+    together = sum(need(labels[label][0]) for label in labels) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    interleave = device.type == "cpu" and (available is None or together < available)
+    with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
+        race = _Race(cfg, task, dist, sample())
+        mode, attention = _race(race, labels, steps, seconds, notes, rounds, interleave)
+    batch = cfg.train.batch_size
+    images_per_s = {label: batch / s for label, s in seconds.items()}
+    values = {}
+    if mode is not None:
+        values["precision.mode"] = mode
+    if attention is not None:
+        values["model.attention"] = attention
+    measured = "; ".join(rounds)
+    skipped = "".join(f"; {label}: {note}" for label, note in notes.items() if label not in seconds)
+    where = "GPU " + torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description().split(";")[0]
+    chosen = ", ".join(f"{k}={v}" for k, v in values.items())
+    processes = f" x {dist.world_size} processes" if dist.world_size > 1 else ""
+    reason = (
+        f"autotune ({where}, {torch.get_num_threads()} thread(s){processes}, batch {batch}, candidates taking turns, "
+        f"best step each): {measured}{skipped} -> the fastest: {chosen}"
+    )
+    decision = Decision(values, images_per_s, notes, reason, cached_at=str(path))
+    if dist.is_main:
+        _write_cache(path, decision)
+    return decision
+
+
+class _Race:
+    """Builds a candidate's step: a native engine (one device per process) over the task's model and head as the
+    candidate's config builds them, and the run's training step over one fixed batch; times one step of it."""
+
+    def __init__(self, cfg: Config, task: Any, dist: DistInfo, batch: tuple[torch.Tensor, torch.Tensor]):
+        self.cfg, self.task, self.dist, self.device = cfg, task, dist, dist.device
+        self.batch = [batch]
+
+    def candidate(self, mode: str | None, attention: str | None) -> Callable[[], float]:
+        cfg = self.cfg
+        parallel = dataclasses.replace(cfg.parallel, strategy="single", pipeline_stages=1)
+        cfg = dataclasses.replace(
+            cfg,
+            precision=dataclasses.replace(cfg.precision, mode=mode or cfg.precision.mode),
+            model=dataclasses.replace(cfg.model, attention=attention or cfg.model.attention),
+            parallel=parallel,
+        )
+        task = copy.copy(self.task)  # the run's task (its data), building the candidate's model and head
+        task.cfg = cfg
+        model = task.build_model().to(self.device)
+        head = task.build_head(self.device)
+        engine = NativeEngine(cfg, model, self.dist, head=head)
+        step = TrainStep(engine, task.loss, accum_steps=1)
+        engine.set_lr(cfg.optim.lr)
+
+        def run() -> float:
+            start = time.perf_counter()
+            step(self.batch)
+            synchronize(self.device)
+            return max_over_ranks(time.perf_counter() - start, self.device)
+
+        return run
+
+
+def _race(
+    race: _Race,
+    labels: dict[str, tuple[str | None, str | None]],
+    steps: int,
+    seconds: dict[str, float],
+    notes: dict[str, str],
+    rounds: list[str],
+    interleave: bool = True,
+) -> tuple[str | None, str | None]:
+    """Time the candidates round-robin (a passing load slows each alike); returns the fastest (mode, attention).
+
+    Warm-up: two steps each (allocator and kernel caches settle after the first); where a step is slow (over
+    SLOW_STEP_S), one, after which a candidate over WARMUP_DROP_RATIO x the best is dropped. Then `steps` timed
+    rounds (one where slow), dropping after the first round any candidate over PRUNE_RATIO x the best.
+    Without `interleave`, each candidate's steps run before the next one is built, and none is dropped.
+    """
+    if not interleave:
+        return _one_at_a_time(race, labels, steps, seconds, rounds)
+    runs = {label: race.candidate(*labels[label]) for label in labels}
+    first = {label: run() for label, run in runs.items()}
+    slow = max(first.values()) > SLOW_STEP_S
+    for label in list(runs):  # slow steps: a first step twice the best one's is not worth timing further
+        if slow and first[label] > WARMUP_DROP_RATIO * min(first.values()):
+            notes[label] = f"dropped after its warm-up step: over {WARMUP_DROP_RATIO}x the best"
+            del runs[label]
+    if not slow:
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for round_ in range(1 if slow else steps):
+        for label, run in runs.items():
+            times[label].append(run())
+        if round_ == 0:
+            best = min(t[0] for t in times.values())
+            for label in list(runs):
+                if times[label][0] > PRUNE_RATIO * best:
+                    notes[label] = f"dropped after one timed step: over {PRUNE_RATIO}x the best"
+                    del runs[label]
+    measured = {label: first[label] for label in notes if label in first}  # dropped at warm-up: that step
+    measured.update({label: min(t) for label, t in times.items()})
+    seconds.update(measured)
+    warmups = 1 if slow else 2
+    timed = 1 if slow else steps
+    batch = race.cfg.train.batch_size
+    rounds.append(
+        f"{warmups} warm-up + {timed} timed step(s): "
+        + ", ".join(
+            f"{label} {batch / t:.1f} img/s" + (" (dropped)" if label in notes else "") for label, t in measured.items()
+        )
+    )
+    winner = min((label for label in measured if label not in notes), key=measured.get)
+    return labels[winner]
+
+
+def _one_at_a_time(
+    race: _Race,
+    labels: dict[str, tuple[str | None, str | None]],
+    steps: int,
+    seconds: dict[str, float],
+    rounds: list[str],
+) -> tuple[str | None, str | None]:
+    measured = {}
+    for label, (mode, attention) in labels.items():
+        run = race.candidate(mode, attention)
+        slow = run() > SLOW_STEP_S
+        if not slow:
+            run()
+        measured[label] = min(run() for _ in range(1 if slow else steps))
+        del run
+        gc.collect()
+        if race.device.type == "cuda":
+            torch.cuda.empty_cache()
+    seconds.update(measured)
+    batch = race.cfg.train.batch_size
+    rounds.append(
+        "one candidate at a time (they would not all fit at once): "
+        + ", ".join(f"{label} {batch / t:.1f} img/s" for label, t in measured.items())
+    )
+    return labels[min(measured, key=measured.get)]
+
+
+def _label(mode: str | None, attention: str | None) -> str:
+    return " + ".join(part for part in (mode and f"{mode}{'' if mode == 'fp32' else ' bf16'}", attention) if part)
+
+
+def _memory_check(cfg: Config, device: torch.device) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
+    """(mode -> why it cannot fit on this device by the memory estimate or None, mode -> its estimated bytes)."""
+    available = broadcast_object(available_bytes(device))
+
+    def need(mode: str | None) -> int:
+        precision = "bf16" if mode == "amp_o2" else "fp32"
+        return estimate(cfg.model, 1, "single", batch=cfg.train.batch_size, precision=precision).total
+
+    def fits(mode: str) -> str | None:
+        bytes_needed = need(mode)
+        if available is not None and bytes_needed > available:
+            return (
+                f"not run: the memory estimate {bytes_needed / 2**30:.1f} GiB exceeds {available / 2**30:.1f} GiB "
+                "available"
+            )
+        return None
+
+    return fits, need
+
+
+def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]]) -> Path:
+    """Where the decision for this device, torch, thread count and run shape is kept."""
+    model = to_dict(cfg)["model"]
+    for key in ("attention", "init_from", "preset"):
+        model.pop(key, None)
+    key = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": model,
+        "task": cfg.task.name,
+        "embed_dim": cfg.task.embed_dim if cfg.task.name == "face" else 0,
+        "batch": cfg.train.batch_size,
+        "optim": [cfg.optim.name, cfg.optim.impl],
+        # A fixed precision times attention under that precision: each its own decision.
+        "precision": [cfg.precision.mode, cfg.precision.dtype],
+        "options": options,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"
+    return root / f"{digest}.json"
+
+
+def _read_cache(path: Path) -> Decision | None:
+    if not path.exists():
+        return None
+    try:
+        decision = Decision(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        return None  # a damaged cache entry is measured again and rewritten
+    decision.from_cache, decision.cached_at = True, str(path)
+    return decision
+
+
+def _write_cache(path: Path, decision: Decision) -> None:
+    try:
+        atomic_write(path, (json.dumps(decision.to_json(), indent=2) + "\n").encode())
+    except OSError:
+        pass  # no writable cache: the next run measures again

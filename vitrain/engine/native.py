@@ -1,0 +1,211 @@
+"""The native engine: vitrain's precision policy over a parallel strategy (or a pipeline), DCP checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitrain import checkpoint as ckpt
+from vitrain.config import Config
+from vitrain.device import PhaseTimer
+from vitrain.engine.ema import WeightAverage
+from vitrain.engine.protocol import COMPENSATION, EMA, HEAD, LossFn
+from vitrain.errors import ConfigError
+from vitrain.models import count_parameters
+from vitrain.optim import build_head_optimizer, set_lr
+from vitrain.optim.muon import Muon
+from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
+from vitrain.parallel.distributed import DistInfo, all_or_none
+from vitrain.parallel.identity_head import average_replicated_gradients
+from vitrain.parallel.pipeline import Pipeline
+from vitrain.precision import PrecisionPolicy, Resolved, check_finite
+
+
+class NativeEngine:
+    """vitrain's own engine: a precision policy over a parallel strategy (or a pipeline), DCP checkpoints.
+
+    `model` is the single-device model (its parameters sharded DTensors under zero2/zero3), which holds the fp32
+    master weights under amp_o2 and is what the optimizer and checkpoints use; `forward` is the module that computes
+    (amp_o2 outside zero2/zero3: a low-dtype working copy). `head` (the face task's identity head: fp32, this rank's
+    rows) has its own optimizer and steps with the model, unscaled and checked with it.
+    """
+
+    name = "native"
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        dist: DistInfo,
+        head: nn.Module | None = None,
+        pipeline: Pipeline | None = None,
+        time_modes: Callable[[], dict[str, float]] | None = None,
+        precision: Resolved | None = None,
+    ):
+        self.cfg, self.dist, self.pipeline = cfg, dist, pipeline
+        device = dist.device
+        self.precision = PrecisionPolicy(
+            cfg.precision,
+            device,
+            cfg.parallel.strategy,
+            time_modes=time_modes,
+            pipelined=pipeline is not None,
+            decided=precision,
+        )
+        strategy = pipeline.parallelize if pipeline is not None else parallelize
+        working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))
+        self.model = model
+        self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)
+        if isinstance(self.optimizer, Muon):  # Newton-Schulz in bf16 where the run computes in it (autotune: fast)
+            self.optimizer.ns_dtype = torch.bfloat16 if self.precision.dtype == torch.bfloat16 else torch.float32
+        self.forward = torch.compile(working) if cfg.train.compile else working
+        if pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
+            self.forward = pipeline
+        self.head = head
+        self.head_optimizer = build_head_optimizer(head, cfg.optim, device) if head is not None else None
+        self.ema = WeightAverage(model, cfg.train.ema, cfg.train.ema_warmup) if cfg.train.ema else None
+
+    @staticmethod
+    def check(cfg: Config) -> None:
+        """What the native engine cannot do, and the train.* fields that belong to another engine."""
+        if cfg.train.deepspeed_config:
+            raise ConfigError(
+                f"train.deepspeed_config={cfg.train.deepspeed_config} is read only by the DeepSpeed engine; set "
+                "train.engine=deepspeed or drop train.deepspeed_config"
+            )
+        if cfg.parallel.offload == "optimizer":
+            raise ConfigError(
+                "parallel.offload=optimizer has no PyTorch-native engine: FSDP2 offloads parameters, gradients and "
+                "optimizer state together; use parallel.offload=params with parallel.strategy=zero2 or zero3, or "
+                "train.engine=deepspeed (ZeRO-Offload)"
+            )
+        if cfg.train.ema and cfg.parallel.strategy not in ("single", "ddp", "zero1"):
+            raise ConfigError(
+                f"train.ema averages whole weights on every rank: it needs parallel.strategy single, ddp or zero1 "
+                f"(got {cfg.parallel.strategy}); set train.ema=0 for this run"
+            )
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss / self.cfg.train.accum_steps)
+
+    def forward_backward(
+        self, images: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer | None = None
+    ) -> torch.Tensor:
+        if self.pipeline is not None:  # the schedule runs every stage's forward and backward
+            loss = self.pipeline.forward_backward(images, labels, self.precision, self.cfg.train.accum_steps)
+            if timer is not None:
+                timer.lap("forward")  # forward and backward together: the schedule interleaves them
+            return loss
+        loss = loss_fn(images, labels)
+        if timer is not None:
+            timer.lap("forward")
+        self.backward(loss)
+        if timer is not None:
+            timer.lap("backward")
+        return loss.detach()
+
+    def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
+        clip = self.cfg.optim.clip_grad_norm
+        if self.pipeline is not None:  # clipped by the norm over every stage
+            return self.pipeline.step(self.precision, self.optimizer, clip, loss_nonfinite)
+        if self.head is not None:
+            average_replicated_gradients(self.head)
+        grad_norm, skipped = self.precision.step(
+            self.optimizer, clip, loss_nonfinite, head_optimizer=self.head_optimizer
+        )
+        if self.ema is not None and not skipped:
+            self.ema.update()
+        return grad_norm, skipped
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        if self.head_optimizer is not None:
+            set_lr(self.head_optimizer, lr)
+
+    def parameter_count(self) -> int:
+        # A pipeline stage holds only its own part: the model's count from its shape instead.
+        return unwrap(self.model).complexity().params if self.pipeline is not None else count_parameters(self.model)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.precision.state_dict()
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+        extra = {}
+        if self.precision.compensated:
+            extra[COMPENSATION] = self.precision.compensation_state(self.model, self.optimizer)
+        if self.head is not None:
+            extra[HEAD] = self.head.checkpoint_state(self.head_optimizer)
+        if self.ema is not None:
+            extra[EMA] = self.ema.state()
+        with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
+            # A diverged run keeps its last good checkpoint instead of saving inf/NaN (each rank checks its shard).
+            with all_or_none("checking the weights before a checkpoint"):
+                check_finite(self.model, self.optimizer)
+                if self.head is not None:
+                    check_finite(self.head, self.head_optimizer)
+            return ckpt.save(run_dir, step, self.model, self.optimizer, meta, keep, extra)
+
+    def load(self, path: Path, meta: dict[str, Any]) -> bool:
+        part = self.pipeline is not None
+        with all_or_none(f"reading checkpoint {path}"):
+            ckpt.check_model_matches(path, self.model, part=part)
+        with self.precision.full_precision(self.optimizer):  # pure mode: fp32 weights and optimizer state
+            ckpt.load_training_state(path, self.model, self.optimizer, part=part)
+        if self.precision.compensated and (meta.get("precision") or {}).get("compensated"):
+            ckpt.load_extra(path, {COMPENSATION: self.precision.compensation_state(self.model, self.optimizer)})
+        if self.head is not None:
+            self.head.load_checkpoint(path, self.head_optimizer)
+        if self.ema is not None:
+            if meta["config"]["train"].get("ema"):
+                state = self.ema.state()
+                ckpt.load_extra(path, {EMA: state})
+                self.ema.loaded(state)
+            else:  # turned on at resume: the average starts from the checkpoint's weights
+                self.ema = WeightAverage(self.model, self.cfg.train.ema, self.cfg.train.ema_warmup)
+        self.precision.load_state_dict(meta.get("precision"))
+        return ckpt.load_rng(path)
+
+    @staticmethod
+    def load_weights(path: Path, meta: dict[str, Any], model: nn.Module) -> None:
+        """A native (DCP) checkpoint's fp32 weights into a single-device `model`, in one process."""
+        ckpt.load_model_weights(path, model)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        with self.precision.full_precision(self.optimizer):
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            return {name: tensor.detach().float().cpu().clone() for name, tensor in state.items()}
+
+    def scaler_fields(self) -> dict[str, Any]:
+        scaler = self.precision.scaler
+        return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
+
+    def skip_report(self) -> tuple[dict[str, Any], str | None]:
+        if self.precision.scaler is not None:  # the loss scale and the skipped count say it
+            return self.scaler_fields(), None
+        in_a_row, limit = self.precision.nonfinite_in_a_row, self.precision.max_nonfinite_skips
+        fields = {"nonfinite_in_a_row": in_a_row, "nonfinite_skipped": self.precision.nonfinite_skipped}
+        return fields, (
+            f"loss or gradients hold inf/NaN: step skipped, weights unchanged ({in_a_row} in a row; "
+            f"precision.max_nonfinite_skips={limit} in a row are skipped, then the run stops)"
+        )
+
+    @property
+    def precision_label(self) -> str:
+        return self.precision.resolved.label
+
+    def describe(self) -> list[str]:
+        return [self.precision.describe()]

@@ -1,0 +1,77 @@
+"""What a run tells its reader: the log's header lines and summary.json's fields, read from a built trainer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vitrain import checkpoint as ckpt
+from vitrain.models import model_complexity
+from vitrain.optim import resolve_impl
+from vitrain.parallel import unwrap
+
+if TYPE_CHECKING:
+    from vitrain.engine.trainer import Trainer
+
+
+def header_lines(trainer: Trainer) -> list[str]:
+    """The model, device, optimizer, parallelism, batch and data of the run; then the engine's own lines."""
+    cfg, dist = trainer.cfg, trainer.dist
+    cost = model_complexity(unwrap(trainer.model))
+    p = cfg.parallel
+    global_batch = cfg.train.batch_size * dist.data_size * cfg.train.accum_steps
+    impl = (
+        "deepspeed"
+        if trainer.engine.name == "deepspeed"
+        else resolve_impl(cfg.optim.impl, trainer.device, cfg.optim.name, cfg.parallel.strategy)
+    )
+    gflops = f"{cost.flops / 1e9:.3f}" if cost is not None else "? (no FLOP count for this model)"
+    lines = [
+        f"vitrain: {trainer.parameters / 1e6:.2f}M params, {gflops} GFLOPs/image, "
+        f"device={trainer.device}, optimizer={cfg.optim.name}[{impl}], "
+        f"parallel={p.strategy} x {dist.world_size} (wrap={p.wrap}, offload={p.offload}, "
+        f"activation checkpointing={p.activation_checkpointing}), "
+        f"global batch={global_batch} ({cfg.train.batch_size} x {dist.data_size} replicas x "
+        f"{cfg.train.accum_steps} accumulation), {trainer.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
+        f"{len(trainer.train_loader.data)} train images / {trainer.task.describe_data()}, run dir {trainer.run_dir}"
+    ]
+    if trainer.head is not None:
+        lines.append(f"head: {trainer.head.extra_repr()}")
+    if trainer.pipeline is not None:
+        lines.append(trainer.pipeline.describe())
+    tuned = trainer.tuned
+    if tuned is not None:
+        cached = f" (cached decision: {tuned.cached_at})" if tuned.from_cache else ""
+        lines.append(f"autotune: {', '.join(f'{k}={v}' for k, v in tuned.values.items())}{cached}")
+        if "precision.mode" not in tuned.values:  # else the precision line gives the reason
+            lines.append(tuned.reason)
+    return lines + trainer.engine.describe()
+
+
+def summary(trainer: Trainer, wall_s: float, images_per_s: float, compile_s: float | None) -> dict[str, Any]:
+    """summary.json: the last evaluation, the best metric, speed, size, where the checkpoints are."""
+    cfg, task, engine = trainer.cfg, trainer.task, trainer.engine
+    metric = task.best_metric
+    fields = {
+        "name": cfg.name,
+        "task": task.name,
+        **task.summary_defaults,
+        **trainer.last_eval,
+        f"best_{metric}": trainer.best_metric if trainer.best_metric is not None else -1.0,
+        "images_per_s": images_per_s,
+        "wall_s": wall_s,
+        "epochs": trainer.epoch,
+        "steps": trainer.step,
+        "params": trainer.parameters,
+        "checkpoint": str(ckpt.latest(trainer.run_dir)),
+        "best_checkpoint": str(ckpt.best(trainer.run_dir) or ckpt.latest(trainer.run_dir)),
+        "device": str(trainer.device),
+        "strategy": cfg.parallel.strategy,
+        "world_size": trainer.dist.world_size,
+        "global_batch": cfg.train.batch_size * trainer.dist.data_size * cfg.train.accum_steps,
+        "engine": engine.name,
+        "precision": engine.precision_label,
+        **engine.scaler_fields(),
+    }
+    if compile_s is not None:
+        fields["compile_s"] = compile_s
+    return fields

@@ -1,0 +1,118 @@
+"""Each model's parallel plan: which modules are sharding units, recomputed blocks and fp32 norms.
+
+The strategy layer (vitrain/parallel) and the precision policies ask `plan_of(model, wrap)` instead of naming ViT
+anatomy themselves, as torchtitan keeps each model's `parallelize` next to the model. vitrain's ViT gives its own
+plan (`vit_plan`); any other module gets one from its repeated block (`parallel.block`, or the class of the largest
+run of same-class children of one ModuleList/Sequential). Only modules are returned: no distributed code here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+# Layers that low precision keeps in fp32 (parameters, running statistics and arithmetic); _NormBase covers every
+# BatchNorm and InstanceNorm.
+NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
+def keeps_fp32(module: nn.Module, names: tuple[str, ...] = ()) -> bool:
+    """Whether low precision keeps `module` in fp32: every norm, and the classes named in precision.fp32_modules."""
+    return isinstance(module, NORM_TYPES) or type(module).__name__ in names
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    shard_units: list[nn.Module]  # each its own FSDP unit, innermost first; the whole model is wrapped last
+    checkpoint_units: list[nn.Module]  # the repeated blocks that activation checkpointing may recompute
+    # Norm layers grouped by where they sit (each block's, then the rest): under low-precision sharding each group
+    # is one fp32 FSDP unit inside its block's low-precision unit.
+    norm_groups: list[list[nn.Module]]
+    # A repeated block's input shape for a micro-batch of n images: what a one-block timing probe feeds it.
+    block_input_shape: Callable[[int], tuple[int, ...]]
+
+
+def vit_plan(model: nn.Module, wrap: str) -> ParallelPlan:
+    """wrap=model: one unit; block: each block (peak = one block gathered); sublayer: each block's attention and
+    MLP separately, then the block itself, whose own unit then holds just its two norms."""
+    blocks = _blocks(model)
+    units: list[nn.Module] = []
+    if wrap == "sublayer":
+        units += [sub for block in blocks for sub in (block.attn, block.mlp)]
+    if wrap in ("block", "sublayer"):
+        units += blocks
+    in_blocks = [[m for m in block.modules() if isinstance(m, NORM_TYPES)] for block in blocks]
+    grouped = {id(m) for group in in_blocks for m in group}
+    rest = [m for m in model.modules() if isinstance(m, NORM_TYPES) and id(m) not in grouped]
+    norm_groups = [group for group in [*in_blocks, rest] if group]
+    # From the config: a later pipeline stage holds no position table.
+    tokens = (model.cfg.image_size // model.cfg.patch_size) ** 2 + model.num_prefix_tokens
+    width = model.cfg.width
+    seq_first = model.cfg.layout == "seq_first"
+
+    def block_input_shape(n: int) -> tuple[int, ...]:
+        return (tokens, n, width) if seq_first else (n, tokens, width)
+
+    return ParallelPlan(units, blocks, norm_groups, block_input_shape)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks in order: a ModuleList in the model, a ModuleDict keyed by block index in a stage."""
+    return list(model.blocks.values()) if isinstance(model.blocks, nn.ModuleDict) else list(model.blocks)
+
+
+def stage_blocks(depth: int, stages: int) -> list[range]:
+    """The blocks of each pipeline stage: `depth // stages` each, one more for the stages after the first while the
+    remainder lasts (the first stage also embeds the patches)."""
+    if not 1 <= stages <= depth:
+        raise ValueError(f"{stages} pipeline stages need 1 to {depth} blocks' worth of stages")
+    counts = [depth // stages] * stages
+    for i in range(depth % stages):
+        counts[1 + i] += 1
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[str, ...] = ()) -> ParallelPlan:
+    """The model's own plan (`model.parallel_plan(wrap)`), or one read from its repeated blocks.
+
+    `block`: the class name of the repeated block (`parallel.block`); empty: the longest ModuleList/Sequential whose
+    children share one class. `fp32_modules`: class names grouped with the norms as fp32 units (a model of vitrain's
+    own names its norms itself).
+    """
+    own = getattr(model, "parallel_plan", None)
+    if own is not None:
+        return own(wrap)
+    blocks = repeated_blocks(model, block)
+    units = list(blocks) if wrap in ("block", "sublayer") else []
+    in_blocks = [[m for m in b.modules() if keeps_fp32(m, fp32_modules)] for b in blocks]
+    grouped = {id(m) for group in in_blocks for m in group}
+    rest = [m for m in model.modules() if keeps_fp32(m, fp32_modules) and id(m) not in grouped]
+    groups = [group for group in [*in_blocks, rest] if group]
+
+    def no_probe(n: int) -> tuple[int, ...]:
+        raise NotImplementedError("a model without its own parallel plan has no block input shape to probe")
+
+    return ParallelPlan(units, blocks, groups, no_probe)
+
+
+def repeated_blocks(model: nn.Module, block: str = "") -> list[nn.Module]:
+    """The modules of class `block` in order; without a name, the longest run of one class in a ModuleList or
+    Sequential (a ViT's, a Swin stage's blocks). Raises ValueError naming what was found when there is none."""
+    if block:
+        found = [m for m in model.modules() if type(m).__name__ == block]
+        if not found:
+            names = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(f"parallel.block={block} names no module class of this model; it has: {', '.join(names)}")
+        return found
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            children = list(module.children())
+            if len(children) > len(best) and len({type(c) for c in children}) == 1:
+                best = children
+    if len(best) < 2:
+        raise ValueError("found no repeated block (a ModuleList of one class); name its class with parallel.block=NAME")
+    return best

@@ -1,0 +1,116 @@
+"""Named plug-in points: the models, tasks, engines and data sources a config can name, vitrain's own or a user's.
+
+    registry.lookup("task", "face")                  # a built-in: imported when first named
+    registry.lookup("model", "mypkg.models:my_vit")   # any importable object, by `module:attribute`
+    registry.lookup("model", "timm:vit_small_patch16_224")   # a family that takes the rest as an argument
+
+    @registry.register("task", "mytask")             # or a Python entry point in the group `vitrain.tasks`
+    class MyTask: ...
+
+Built-ins are kept as import paths, so naming one imports only its module, and this module imports none of them:
+the registry is the floor every layer may stand on. A name with a colon whose part before it is a registered
+*family* (`timm`) calls that family's factory with the rest; any other `module:attribute` is imported as it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from vitrain.errors import ConfigError
+
+KINDS = ("model", "task", "engine", "data")
+_BUILTIN: dict[str, dict[str, str]] = {
+    "model": {"vit": "vitrain.models:build_vit"},
+    "task": {
+        "classification": "vitrain.tasks.classification:ClassificationTask",
+        "face": "vitrain.tasks.face:FaceTask",
+    },
+    "engine": {"native": "vitrain.engine.native:NativeEngine", "deepspeed": "vitrain.engine.deepspeed:DeepSpeedEngine"},
+    "data": {
+        "digits": "vitrain.data.sources:digits_source",
+        "folder": "vitrain.data.sources:folder_source",
+        "prepared": "vitrain.data.sources:prepared_source",
+        "synthetic": "vitrain.data.sources:synthetic_source",
+    },
+}
+# Families: `NAME:ARGUMENT` calls the factory with ARGUMENT (it returns the component itself).
+_FAMILIES: dict[str, dict[str, str]] = {"model": {"timm": "vitrain.models.external:timm_model"}}
+# Each config section's owner checks it: config.validate calls these, then the named components' own `check`.
+SECTION_CHECKS = (
+    "vitrain.models:check",
+    "vitrain.data:check",
+    "vitrain.optim:check",
+    "vitrain.precision:check",
+    "vitrain.parallel:check",
+    "vitrain.engine.protocol:check_train",
+)
+_REGISTERED: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+_CONFIG_KEY = {"model": "model.name", "task": "task.name", "engine": "train.engine", "data": "data.source"}
+
+
+def register(kind: str, name: str, component: Any = None) -> Any:
+    """Register `component` under `name` (a decorator without `component`); a later registration replaces it."""
+    _check_kind(kind)
+
+    def add(obj: Any) -> Any:
+        _REGISTERED[kind][name] = obj
+        return obj
+
+    return add if component is None else add(component)
+
+
+def section_checks() -> list[Callable[[Any], None]]:
+    """The section owners' check functions, imported on first use."""
+    return [_import(path, "config checks") for path in SECTION_CHECKS]
+
+
+def names(kind: str) -> list[str]:
+    """The names a config may give for `kind` without an import path (built-in, registered, entry points)."""
+    _check_kind(kind)
+    points = [ep.name for ep in entry_points(group=f"vitrain.{kind}s")]
+    return sorted({*_BUILTIN[kind], *_REGISTERED[kind], *points})
+
+
+def is_builtin(kind: str, name: str) -> bool:
+    return name in _BUILTIN[kind]
+
+
+def lookup(kind: str, name: str) -> Any:
+    """The component `name` stands for, or a ConfigError naming the config key, the value and the fix."""
+    _check_kind(kind)
+    key = _CONFIG_KEY[kind]
+    if name in _REGISTERED[kind]:
+        return _REGISTERED[kind][name]
+    if name in _BUILTIN[kind]:
+        return _import(_BUILTIN[kind][name], f"{key}={name}")
+    for point in entry_points(group=f"vitrain.{kind}s"):
+        if point.name == name:
+            return point.load()
+    family, colon, argument = name.partition(":")
+    if colon and family in _FAMILIES.get(kind, {}):
+        factory = _import(_FAMILIES[kind][family], f"{key}={name}")
+        return factory(argument)
+    if colon:
+        return _import(name, f"{key}={name}")
+    known = ", ".join(names(kind))
+    raise ConfigError(f"{key}={name} is not known; use one of: {known}, or an import path such as mypkg.module:attr")
+
+
+def _import(path: str, where: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"{where}: cannot import {module_name} ({error}); check the name or install it") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ConfigError(f"{where}: {module_name} has no attribute {attribute}") from None
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"registry kind {kind!r} is not one of {', '.join(KINDS)}")
