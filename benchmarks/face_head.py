@@ -42,10 +42,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vitrain.config import OptimConfig
+from vitrain.device import cpu_description
 from vitrain.models.heads import Margin
 from vitrain.optim.optimizers import build_head_optimizer
 from vitrain.parallel.identity_head import IdentityHead, average_replicated_gradients
-from vitrain.device import cpu_description
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2

@@ -150,9 +150,7 @@ def worker(spec_path: str, rank: int) -> None:
     step_s, losses = [], []
     for _ in range(STEPS):
         start = time.perf_counter()
-        images, labels = next(batches)
-        loss = trainer.forward_backward(images, labels)
-        trainer.optimizer_step()
+        loss = trainer.train_step([next(batches)]).loss  # the trainer's own step (train.accum_steps=1)
         losses.append(loss.item())
         step_s.append(time.perf_counter() - start)
     result = {

@@ -39,7 +39,6 @@ def _rank_job(rank: int, port: int, args: argparse.Namespace, strategy: str, out
 
     os.environ.update(torchrun_env(rank, port))
     import torch
-    import torch.nn.functional as F
 
     from vitrain.config import load_config
     from vitrain.engine import Trainer
@@ -76,16 +75,26 @@ def _rank_job(rank: int, port: int, args: argparse.Namespace, strategy: str, out
             phase_peaks[name] = max(phase_peaks[name], anon_peak)
         Path("/proc/self/clear_refs").write_text("5")
 
+    class PhaseMarks:
+        """The step's phase marks (the PhaseTimer interface): each records the peak of the phase that ended."""
+
+        def __init__(self, counted: bool):
+            self.counted = counted
+
+        def start(self) -> None:
+            pass
+
+        def lap(self, phase: str) -> None:
+            if phase in phase_peaks:
+                phase_done(phase, self.counted)
+            else:  # the data phase: not model memory
+                Path("/proc/self/clear_refs").write_text("5")
+
     Path("/proc/self/clear_refs").write_text("5")  # the model was built whole: count from after sharding
-    for images, labels in trainer.train_loader.epoch(0):
+    for batch in trainer.train_loader.epoch(0):
         start = time.perf_counter()
         counted = len(step_s) > 0  # the first step is a warm-up: it faults in code and sets up buffers
-        loss = F.cross_entropy(trainer.model(images), labels)
-        phase_done("forward", counted)
-        loss.backward()
-        phase_done("backward", counted)
-        trainer.precision.step(trainer.optimizer, cfg.optim.clip_grad_norm)
-        phase_done("optimizer", counted)
+        trainer.train_step([batch], cfg.optim.lr, PhaseMarks(counted))  # the trainer's own step, marked by phase
         step_s.append(time.perf_counter() - start)
         if len(step_s) == args.steps:
             break
@@ -116,8 +125,8 @@ def main() -> None:
 
     from distributed_helpers import free_port
 
-    from vitrain.models.memory import estimate
     from vitrain.config import load_config
+    from vitrain.models.memory import estimate
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
     model_cfg = load_config(base={"model": {"preset": args.preset}}).model

@@ -1,4 +1,4 @@
-"""Per-step training losses of shipped recipes (fp32, seed 0, fixed kernels): the check that a refactor changed no number.
+"""Per-step training losses of shipped recipes (fp32, seed 0, fixed kernels): did a refactor change a number?
 
     python benchmarks/recipe_losses.py --out before.json                 # digits 20 steps, face-orl and cifar10-fast 10
     python benchmarks/recipe_losses.py --out after.json --compare before.json   # exit 1 if any loss moved > 1e-6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -13,10 +14,31 @@ from tests.conftest import run_cli, tiny_overrides
 from vitrain.bench import ladder
 from vitrain.bench.optim import bench_optimizer_step, default_impls
 from vitrain.bench.step import bench_step, dtype_key, parse_peaks
-from vitrain.device import gemm_flops
 from vitrain.cli import main
 from vitrain.config import OptimConfig, load_config
+from vitrain.device import gemm_flops
+from vitrain.engine import Trainer
+from vitrain.engine.step import TrainStep
 from vitrain.optim import muon as muon_module
+
+
+def test_bench_times_the_same_step_object_that_training_calls(tmp_path, monkeypatch):
+    calls = []
+    real = TrainStep.__call__
+
+    def spy(step, micro_batches, lr=None, timer=None):
+        calls.append("bench" if timer is not None else "train")
+        return real(step, micro_batches, lr, timer)
+
+    monkeypatch.setattr(TrainStep, "__call__", spy)
+    cfg = load_config(None, tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256"))
+    trainer = Trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=2)))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    bench_step(cfg, steps=2, warmup=1, peaks={"fp32": (1e11, "given")})
+    assert calls == ["train"] * 2 + ["bench"] * 3
 
 
 def test_bench_times_the_trainers_own_step(tmp_path):

@@ -326,3 +326,29 @@ def test_the_face_orl_recipe_trains_under_deepspeed_with_the_sharded_head_on_two
     assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values())
     summary = json.loads((tmp_path / "face-orl" / "summary.json").read_text())
     assert summary["engine"] == "deepspeed" and summary["task"] == "face"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_eval_reads_a_deepspeed_run_and_prints_its_metrics(checkpointed, capsys, strategy):
+    run = checkpointed / f"export_{strategy}"
+    assert main(["eval", str(run)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    summary = json.loads((run / "summary.json").read_text())  # the run's own evaluation, on 2 ranks
+    assert printed["step"] == summary["steps"] == 5
+    assert printed["val_top1"] == pytest.approx(summary["val_top1"], abs=1e-9)
+    assert printed["val_loss"] == pytest.approx(summary["val_loss"], abs=1e-5)
+
+
+def _lr_find_under_deepspeed(out_dir):
+    overrides = [f"log.out_dir={out_dir}", "train.engine=deepspeed", "parallel.strategy=zero2", "precision.mode=fp32"]
+    overrides += ["train.threads=1", "log.progress=false"]
+    assert main(["lr-find", "digits", *overrides, "--steps", "8", "--start", "1e-5", "--end", "1", "--out",
+                 str(out_dir / "lr-find")]) == 0  # fmt: skip
+
+
+def test_lr_find_runs_under_deepspeed_on_two_ranks(tmp_path):
+    run_two_ranks(_lr_find_under_deepspeed, tmp_path)
+    rows = (tmp_path / "lr-find" / "lr_find.csv").read_text().splitlines()
+    assert rows[0] == "lr,loss,smoothed_loss" and 3 <= len(rows) - 1 <= 8
+    lrs = [float(row.split(",")[0]) for row in rows[1:]]
+    assert lrs[0] == pytest.approx(1e-5) and lrs == sorted(lrs)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from vitrain.models.memory import activation_bytes, devices_needed, estimate
 from vitrain.cli import main
 from vitrain.config import load_config
 from vitrain.errors import ConfigError
 from vitrain.models import PRESETS, complexity
+from vitrain.models.memory import activation_bytes, devices_needed, estimate
 
 REPO = Path(__file__).resolve().parent.parent
 

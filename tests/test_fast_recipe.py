@@ -20,11 +20,11 @@ from vitrain.config import ModelConfig, load_config, resolve_config_path
 from vitrain.data.augment import progressive_size
 from vitrain.engine import Trainer
 from vitrain.engine.ema import WeightAverage
-from vitrain.tasks.evaluate import evaluate
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.models.vit import resized_positions
 from vitrain.plot import read_curves
+from vitrain.tasks.evaluate import evaluate
 
 # ---------------------------------------------------------------------------------------------- conv stem
 
@@ -307,8 +307,11 @@ def test_trainer_trains_at_the_small_size_first(tmp_path, monkeypatch):
     )
     trainer = Trainer(cfg)
     seen = []
-    forward_backward = trainer.forward_backward
-    monkeypatch.setattr(trainer, "forward_backward", lambda x, y: seen.append(x.shape[-1]) or forward_backward(x, y))
+    engine = trainer.engine
+    forward_backward = engine.forward_backward
+    monkeypatch.setattr(
+        engine, "forward_backward", lambda x, y, *rest: seen.append(x.shape[-1]) or forward_backward(x, y, *rest)
+    )
     trainer.fit()
     assert seen == [8] * 3 + [16] * 3  # 3 steps per epoch; the second half at model.image_size
     with pytest.raises(ConfigError, match="data.min_size"):

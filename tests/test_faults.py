@@ -18,6 +18,7 @@ from tests.conftest import REPO
 from tests.distributed_helpers import free_port, losses, tiny_config, torchrun_env
 from vitrain import checkpoint as ckpt
 from vitrain.engine import Trainer
+from vitrain.engine.step import TrainStep
 from vitrain.models import create_model
 from vitrain.precision import TrainingDiverged
 
@@ -43,13 +44,19 @@ def every_checkpoint_is_finite(run_dir: Path) -> bool:
 
 def _nan_loss_at(monkeypatch, steps: set[int]) -> None:
     """Make the training loss NaN on the given (1-based) optimizer steps, as a diverging batch would."""
-    original = Trainer.loss
+    original_loss, original_step = TrainStep.loss, TrainStep.__call__
+    stepping = [0]  # the optimizer step now running
+
+    def step(self, *args, **kwargs):
+        stepping[0] += 1
+        return original_step(self, *args, **kwargs)
 
     def loss(self, images, labels):
-        value = original(self, images, labels)
-        return value * float("nan") if self.step + 1 in steps else value
+        value = original_loss(self, images, labels)
+        return value * float("nan") if stepping[0] in steps else value
 
-    monkeypatch.setattr(Trainer, "loss", loss)
+    monkeypatch.setattr(TrainStep, "__call__", step)
+    monkeypatch.setattr(TrainStep, "loss", loss)
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
@@ -85,7 +92,7 @@ def test_non_finite_optimizer_state_is_never_saved_under_zero1(tmp_path):
         trainer = Trainer(cfg)  # one process in a one-process group: ZeroRedundancyOptimizer owns every shard
         trainer.fit()
         before = [p.name for p in ckpt.step_dirs(cfg.run_dir)]
-        moments = next(iter(trainer.optimizer.optim.state.values()))
+        moments = next(iter(trainer.engine.optimizer.optim.state.values()))
         next(v for v in moments.values() if v.ndim).view(-1)[0] = float("nan")
         trainer.step += 1
         with pytest.raises(TrainingDiverged, match="optimizer state .* holds inf/NaN"):

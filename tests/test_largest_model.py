@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from vitrain.models.memory import estimate, ladder, largest_that_fits
 from vitrain.models import PRESETS, complexity
+from vitrain.models.memory import estimate, ladder, largest_that_fits
 
 GIB = 2**30
 

@@ -12,10 +12,10 @@ from torch import nn
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.config import PrecisionConfig, load_config
+from vitrain.device import BF16_UNITS_ENV
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
-from vitrain.device import BF16_UNITS_ENV
 from vitrain.precision import resolve, time_block_modes
 
 AMP_O2 = {"mode": "amp_o2", "dtype": "bf16"}
@@ -64,10 +64,10 @@ def _inspect_dtypes(out_dir):
             if isinstance(module, nn.Linear | nn.LayerNorm):
                 module.register_forward_pre_hook(recorder(name.removeprefix("module.")))
         images, labels = next(iter(trainer.train_loader.epoch(0, 0)))
-        loss = trainer.loss(images, labels)
+        loss = trainer.train_step.loss(images, labels)
         trainer.precision.backward(loss)
         trainer.precision._gradients_to_master()  # ddp: the working copy's gradients reach the fp32 master
-        optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        optimized = [p for group in trainer.engine.optimizer.param_groups for p in group["params"]]
         report = {
             "loss": str(loss.dtype),
             "seen": seen,

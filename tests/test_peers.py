@@ -9,6 +9,7 @@ import torch
 
 from vitrain.bench import peers
 from vitrain.config import load_config
+from vitrain.models import external
 
 
 def test_a_missing_peer_names_the_extra(monkeypatch):
@@ -21,7 +22,7 @@ def test_a_missing_peer_names_the_extra(monkeypatch):
 def test_torchvision_imports_beside_the_cpu_wheel():
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("torchvision is not installed (pip install 'vitrain[peers]')")
-    peers.allow_torchvision_import()
+    external.allow_torchvision_import()
     import torchvision.ops  # noqa: F401  (would raise `operator torchvision::nms does not exist` without it)
 
     assert "torchvision::nms" in torch._C._dispatch_get_all_op_names()

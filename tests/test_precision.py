@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import CONFIG_DIR, ModelConfig, OptimConfig, PrecisionConfig, load_config
+from vitrain.device import cpu_description
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.optim import build_optimizer
-from vitrain.device import cpu_description
 from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, resolve
 
 CPU = torch.device("cpu")

@@ -8,9 +8,9 @@ import pytest
 
 from vitrain.cli import main
 from vitrain.config import CONFIG_DIR, ScheduleConfig, load_config
+from vitrain.engine.lr_find import suggest_lr
 from vitrain.errors import ConfigError
 from vitrain.optim import Schedule, scaled_lr
-from vitrain.engine.lr_find import suggest_lr
 
 
 def schedule(name: str, total: int = 100, per_epoch: int = 10, peak: float = 1.0, **kwargs) -> Schedule:

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from vitrain.bench import tune
 from vitrain.config import load_config
 from vitrain.engine import Trainer
+from vitrain.engine import autotune as tune
+from vitrain.parallel import DistInfo
 from vitrain.tasks import build_task
+from vitrain.tasks.classification import ClassificationTask
 
 CPU = torch.device("cpu")
 
@@ -26,15 +28,22 @@ def auto_cfg(tmp_path, *extra):
     return load_config(None, tiny_overrides(tmp_path, "precision.mode=auto", "model.attention=auto", *extra))
 
 
+def run_autotune(cfg):
+    """Autotune on one process, candidates stepping on the task's first batch."""
+    task = build_task(cfg)
+    loader = task.build_data(CPU, 0, 1)
+    return tune.autotune(cfg, task, DistInfo(0, 1, 0, CPU), lambda: next(iter(loader.epoch(0))))
+
+
 def fake_steps(monkeypatch, seconds):
     """Candidates whose steps take the given seconds: (mode, attention) -> s; records what ran."""
     ran = []
 
-    def candidate_step(template, cfg, device, mode, attention):
+    def candidate(race, mode, attention):
         ran.append((mode, attention))
         return lambda: seconds[(mode, attention)]
 
-    monkeypatch.setattr(tune, "_candidate_step", candidate_step)
+    monkeypatch.setattr(tune._Race, "candidate", candidate)
     return ran
 
 
@@ -67,7 +76,7 @@ def test_the_fastest_combination_wins_where_the_keys_interact(tmp_path, autotune
     }
     ran = fake_steps(monkeypatch, seconds)
     cfg = auto_cfg(tmp_path)
-    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    decision = run_autotune(cfg)
     assert decision.values == {"precision.mode": "amp_o1", "model.attention": "manual"}
     assert sorted(ran) == sorted(seconds)
     assert decision.images_per_s["amp_o1 bf16 + manual"] == pytest.approx(64 / 0.015)
@@ -79,7 +88,7 @@ def test_slow_steps_drop_a_candidate_after_its_warm_up(tmp_path, autotune_on, mo
     seconds = {("fp32", None): 15.0, ("amp_o1", None): 6.0, ("amp_o2", None): 7.0}  # seconds per step
     ran = fake_steps(monkeypatch, seconds)
     cfg = auto_cfg(tmp_path, "model.attention=sdpa")
-    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    decision = run_autotune(cfg)
     assert decision.values == {"precision.mode": "amp_o1"}
     assert decision.notes == {"fp32": "dropped after its warm-up step: over 2.0x the best"}
     assert "1 warm-up + 1 timed step(s)" in decision.reason and len(ran) == 3
@@ -89,7 +98,7 @@ def test_a_candidate_far_behind_is_dropped_after_one_round(tmp_path, autotune_on
     seconds = {("fp32", None): 0.010, ("amp_o1", None): 0.030, ("amp_o2", None): 0.012}  # attention fixed
     fake_steps(monkeypatch, seconds)
     cfg = auto_cfg(tmp_path, "model.attention=sdpa")
-    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    decision = run_autotune(cfg)
     assert decision.values == {"precision.mode": "fp32"}
     assert decision.notes == {"amp_o1 bf16": "dropped after one timed step: over 1.5x the best"}
     assert "(dropped)" in decision.reason
@@ -99,14 +108,14 @@ def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypat
     seconds = {(m, a): 0.02 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
     fake_steps(monkeypatch, {**seconds, ("fp32", "sdpa"): 0.01})
     cfg = auto_cfg(tmp_path)
-    first = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    first = run_autotune(cfg)
     assert not first.from_cache
 
     def no_timing(*args):
         raise AssertionError("a cached decision is not measured again")
 
-    monkeypatch.setattr(tune, "_candidate_step", no_timing)
-    second = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    monkeypatch.setattr(tune._Race, "candidate", no_timing)
+    second = run_autotune(cfg)
     assert second.from_cache and second.values == first.values == {"precision.mode": "fp32", "model.attention": "sdpa"}
     # Attention decided under a fixed precision is that precision's own decision.
     fixed = [auto_cfg(tmp_path, f"precision.mode={mode}") for mode in ("fp32", "amp_o2")]
@@ -122,10 +131,10 @@ def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypat
 def test_candidates_that_would_not_fit_together_run_one_at_a_time(tmp_path, autotune_on, monkeypatch):
     cfg = auto_cfg(tmp_path)
     one = tune._memory_check(cfg, CPU)[1]("amp_o2")
-    monkeypatch.setattr(tune, "_available_bytes", lambda device: 2 * one)  # each fits, six together do not
+    monkeypatch.setattr(tune, "available_bytes", lambda device: 2 * one)  # each fits, six together do not
     seconds = {(m, a): 0.02 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
     ran = fake_steps(monkeypatch, {**seconds, ("amp_o2", "manual"): 0.01})
-    decision = tune.autotune(cfg, CPU, build_task(cfg).build_model)
+    decision = run_autotune(cfg)
     assert decision.values == {"precision.mode": "amp_o2", "model.attention": "manual"}
     assert "one candidate at a time" in decision.reason and len(ran) == 6
 
@@ -133,7 +142,7 @@ def test_candidates_that_would_not_fit_together_run_one_at_a_time(tmp_path, auto
 def test_autotune_off_leaves_auto_to_its_rules(tmp_path, monkeypatch):
     monkeypatch.setenv(tune.TUNE_ENV, "0")
     cfg = auto_cfg(tmp_path)
-    assert tune.autotune(cfg, CPU, build_task(cfg).build_model) is None
+    assert run_autotune(cfg) is None
 
 
 def test_real_candidates_are_timed_and_the_run_uses_the_decision(tmp_path, autotune_on):
@@ -155,6 +164,20 @@ def test_real_candidates_are_timed_and_the_run_uses_the_decision(tmp_path, autot
     log = (trainer.run_dir / "log.txt").read_text()
     assert f"autotune: precision.mode={mode}, model.attention={attention}" in log
     assert summary["steps"] == 2
+
+
+def test_candidates_step_through_the_runs_own_step_and_the_tasks_loss(tmp_path, autotune_on, monkeypatch):
+    calls = []
+    real_loss = ClassificationTask.loss
+    monkeypatch.setattr(
+        ClassificationTask, "loss", lambda task, out, labels: calls.append(1) or real_loss(task, out, labels)
+    )
+    stepped = []
+    real_call = tune.TrainStep.__call__
+    monkeypatch.setattr(tune.TrainStep, "__call__", lambda step, *a, **k: stepped.append(1) or real_call(step, *a, **k))
+    decision = run_autotune(auto_cfg(tmp_path, "model.attention=sdpa"))
+    assert set(decision.values) == {"precision.mode"}
+    assert len(stepped) >= 3 * 3 and len(calls) == len(stepped)  # each candidate: warm-up and timed steps
 
 
 def test_tuning_leaves_the_runs_random_stream_alone(tmp_path, autotune_on):

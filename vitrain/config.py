@@ -521,7 +521,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")
     for check in registry.section_checks():
         check(cfg)
-    for kind, name in (("task", cfg.task.name), ("engine", cfg.train.engine), ("model", cfg.model.name),
+    for kind, name in (("engine", cfg.train.engine), ("task", cfg.task.name), ("model", cfg.model.name),
                        ("data", cfg.data.source)):  # fmt: skip
         own = getattr(registry.lookup(kind, name), "check", None)
         if callable(own):

@@ -42,10 +42,10 @@ _FAMILIES: dict[str, dict[str, str]] = {"model": {"timm": "vitrain.models.extern
 SECTION_CHECKS = (
     "vitrain.models:check",
     "vitrain.data:check",
+    "vitrain.engine.protocol:check_train",
+    "vitrain.parallel:check",
     "vitrain.optim:check",
     "vitrain.precision:check",
-    "vitrain.parallel:check",
-    "vitrain.engine.protocol:check_train",
 )
 _REGISTERED: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 _CONFIG_KEY = {"model": "model.name", "task": "task.name", "engine": "train.engine", "data": "data.source"}

@@ -12,18 +12,14 @@ Every contender trains the same architecture (class token, 1000 classes) on the 
   autocast, whichever is faster here.
 Each peer's choice is timed first; then the three take turns, one step each per round, and the median step counts.
 
-The peers are an extra: `pip install 'vitrain[peers]'`. timm imports torchvision, and the only torchvision built for
-torch 2.13 on the registry (0.28.0) is a CUDA build whose C++ operators cannot load beside the CPU wheel
-(`operator torchvision::nms does not exist`); `allow_torchvision_import()` declares those operators' signatures
-(without kernels) before torchvision looks for them, so `import timm` works and ViTs never call them.
+The peers are an extra: `pip install 'vitrain[peers]'` (timm is imported as vitrain/models/external.py does, which
+lets the registry's CUDA-only torchvision import beside the CPU wheel).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import glob
 import importlib.util
 import json
 import os
@@ -40,6 +36,8 @@ import torch.nn.functional as F
 from vitrain.bench.step import IMAGENET_SHAPED, dtype_key
 from vitrain.config import Config
 from vitrain.device import cpu_description, peak_flops, synchronize
+from vitrain.errors import ConfigError
+from vitrain.models import external
 
 PEERS_EXTRA = "pip install 'vitrain[peers]'"
 DEFAULT_BASE = [
@@ -50,79 +48,22 @@ DEFAULT_BASE = [
     "log.progress=false",
 ]
 
-# The signatures of torchvision 0.28's C++ operators (torchvision/csrc/ops/*.cpp), declared without kernels.
-TORCHVISION_OPS = """
-_cuda_version() -> int
-nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor
-qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor
-box_iou_rotated(Tensor boxes1, Tensor boxes2) -> Tensor
-deform_conv2d(Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, SymInt stride_h, SymInt stride_w, \
-SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, SymInt offset_groups, bool use_mask) \
--> Tensor
-_deform_conv2d_backward(Tensor grad, Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, \
-SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, \
-SymInt offset_groups, bool use_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
-ps_roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, \
-int sampling_ratio) -> (Tensor, Tensor)
-_ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, SymInt pooled_height, \
-SymInt pooled_width, int sampling_ratio, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor
-ps_roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) \
--> (Tensor, Tensor)
-_ps_roi_pool_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, SymInt pooled_height, \
-SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor
-qroi_align(Tensor input, Tensor rois, float input_scale, int input_zero_point, float rois_scale, \
-int rois_zero_point, float spatial_scale, SymInt pooled_height, SymInt pooled_width, int sampling_ratio, \
-bool aligned) -> Tensor
-roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, \
-int sampling_ratio, bool aligned) -> Tensor
-_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, \
-SymInt batch_size, SymInt channels, SymInt height, SymInt width, int sampling_ratio, bool aligned) -> Tensor
-roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) \
--> (Tensor, Tensor)
-_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, SymInt pooled_height, \
-SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor
-"""
-_declared: list[torch.library.Library] = []  # a Library's definitions live as long as the object
-
 
 class PeerMissing(Exception):
     """A peer library is not installed (or cannot import here); the message says why and how to get it."""
 
 
-def allow_torchvision_import() -> bool:
-    """Let a torchvision whose C++ operators cannot load import anyway; True when the signatures were declared.
-
-    Nothing is done where torchvision is absent, where its operators are registered already, or where its own
-    library loads (a torchvision built for this torch).
-    """
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or _declared or "torchvision::nms" in torch._C._dispatch_get_all_op_names():
-        return False
-    for folder in spec.submodule_search_locations or []:
-        for library in glob.glob(os.path.join(folder, "_C*.so")):
-            with contextlib.suppress(OSError, ImportError, RuntimeError):
-                torch.ops.load_library(library)
-                return False
-    declared = torch.library.Library("torchvision", "DEF")
-    for signature in TORCHVISION_OPS.strip().split("\n"):
-        declared.define(signature)
-    _declared.append(declared)
-    return True
-
-
 def import_timm():
-    if importlib.util.find_spec("timm") is None:
-        raise PeerMissing(f"timm is not installed ({PEERS_EXTRA})")
-    allow_torchvision_import()
-    import timm
-
-    return timm
+    try:
+        return external.import_timm()
+    except ConfigError:
+        raise PeerMissing(f"timm is not installed ({PEERS_EXTRA})") from None
 
 
 def import_transformers():
     if importlib.util.find_spec("transformers") is None:
         raise PeerMissing(f"transformers is not installed ({PEERS_EXTRA})")
-    allow_torchvision_import()  # transformers imports torchvision too where it is installed
+    external.allow_torchvision_import()  # transformers imports torchvision too where it is installed
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 

@@ -200,3 +200,12 @@ def endless(loader: Any) -> Iterator[Any]:
     while True:
         yield from loader.epoch(epoch)
         epoch += 1
+
+
+def first_batch(loader: Any) -> Any:
+    """The loader's first batch of epoch 0 (its prefetch thread stopped after)."""
+    batches = loader.epoch(0)
+    try:
+        return next(iter(batches))
+    finally:
+        getattr(batches, "close", lambda: None)()

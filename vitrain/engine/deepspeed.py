@@ -35,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,10 +246,9 @@ class DeepSpeedEngine:
         dist: DistInfo,
         head: nn.Module | None = None,
         pipeline: Pipeline | None = None,
-        time_modes: Callable[[], dict[str, float]] | None = None,
         precision: Resolved | None = None,
     ):
-        # time_modes and precision: autotune and auto's probe are the native engine's (auto resolves by its rules).
+        # precision: autotune's decision is the native engine's (auto resolves by the policy's rules here).
         # config.validate refuses these combinations first; the engine repeats it for callers that skip validation.
         if pipeline is not None:
             raise ConfigError("train.engine=deepspeed does not run pipeline stages; use train.engine=native")
@@ -518,7 +518,9 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)
+        # DeepSpeed's converter prints its progress to stdout, where `vitrain eval` writes its JSON: send it to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)
     weights = {}
     for name, tensor in state.items():
         tensor = tensor.detach().to("cpu", torch.float32)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,14 @@ from vitrain.device import PhaseTimer
 from vitrain.engine.ema import WeightAverage
 from vitrain.engine.protocol import COMPENSATION, EMA, HEAD, LossFn
 from vitrain.errors import ConfigError
-from vitrain.models import count_parameters
+from vitrain.models import count_parameters, plan_of
 from vitrain.optim import build_head_optimizer, set_lr
 from vitrain.optim.muon import Muon
 from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
-from vitrain.parallel.distributed import DistInfo, all_or_none
+from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.precision import PrecisionPolicy, Resolved, check_finite
+from vitrain.precision import PrecisionPolicy, Resolved, check_finite, time_block_modes
 
 
 class NativeEngine:
@@ -44,7 +43,6 @@ class NativeEngine:
         dist: DistInfo,
         head: nn.Module | None = None,
         pipeline: Pipeline | None = None,
-        time_modes: Callable[[], dict[str, float]] | None = None,
         precision: Resolved | None = None,
     ):
         self.cfg, self.dist, self.pipeline = cfg, dist, pipeline
@@ -53,7 +51,7 @@ class NativeEngine:
             cfg.precision,
             device,
             cfg.parallel.strategy,
-            time_modes=time_modes,
+            time_modes=lambda: time_modes(cfg, model, dist),
             pipelined=pipeline is not None,
             decided=precision,
         )
@@ -209,3 +207,12 @@ class NativeEngine:
 
     def describe(self) -> list[str]:
         return [self.precision.describe()]
+
+
+def time_modes(cfg: Config, model: nn.Module, dist: DistInfo) -> dict[str, float]:
+    """auto precision's probe under zero2/zero3 on bf16 CPUs: one block's forward and backward per mode, timed on
+    rank 0 for every rank (precision.resolve picks the faster)."""
+    plan = plan_of(model, cfg.parallel.wrap, cfg.parallel.block)
+    shape = plan.block_input_shape(cfg.train.batch_size)
+    timed = time_block_modes(plan.checkpoint_units[0], shape, device=dist.device) if dist.is_main else None
+    return broadcast_object(timed)

@@ -1,6 +1,6 @@
 """The engine protocol: what sets up, steps and checkpoints the model, which the trainer and the step talk to.
 
-    engine = build_engine(cfg, model, dist, head, pipeline, time_modes)   # train.engine, from the registry
+    engine = build_engine(cfg, model, dist, head, pipeline, precision)   # train.engine, from the registry
     with engine.autocast():
         output = engine.forward(images)        # also what evaluation calls
     loss = engine.forward_backward(images, labels, loss_fn, timer)   # one micro-step: its loss, gradients accumulated
@@ -101,13 +101,12 @@ def build_engine(
     dist: DistInfo,
     head: nn.Module | None = None,
     pipeline: Pipeline | None = None,
-    time_modes: Callable[[], dict[str, float]] | None = None,
     precision: Resolved | None = None,
 ) -> Engine:
     """The engine `train.engine` names (the registry's; a user's by import path), set up over `model` (on its device,
     the same weights on every rank). `precision`: what autotune decided `precision.mode=auto` is."""
     engine_class = registry.lookup("engine", cfg.train.engine)
-    return engine_class(cfg, model, dist, head=head, pipeline=pipeline, time_modes=time_modes, precision=precision)
+    return engine_class(cfg, model, dist, head=head, pipeline=pipeline, precision=precision)
 
 
 def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from vitrain.config import Config, to_yaml
 from vitrain.data.augment import progressive_size, resize_batch
-from vitrain.data.loader import WaitTimer
+from vitrain.data.loader import WaitTimer, first_batch
 from vitrain.device import resolve_device
 from vitrain.engine import report
 from vitrain.engine.autotune import autotune
@@ -26,12 +25,10 @@ from vitrain.engine.runlog import RunLog, Speed, progress_bar
 from vitrain.engine.runs import agree_on_run, check_same_model, checkpoint_meta, mark_run, restore
 from vitrain.engine.step import TrainStep
 from vitrain.errors import ConfigError
-from vitrain.models import plan_of
 from vitrain.optim import Schedule, scaled_lr
-from vitrain.parallel import broadcast_object, init_distributed, mean_over_ranks
+from vitrain.parallel import init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.precision import time_block_modes
 from vitrain.tasks import Task, build_task, is_better
 from vitrain.weights import load_pretrained
 
@@ -76,7 +73,8 @@ class Trainer:
         peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.data_size)
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
         # auto values (precision, attention): every rank times this run's own step per candidate (engine/autotune.py).
-        self.tuned = autotune(cfg, self.task, self.dist, self._first_batch, pipelined=self.pipeline is not None)
+        sample = lambda: first_batch(self.train_loader)  # noqa: E731
+        self.tuned = autotune(cfg, self.task, self.dist, sample, pipelined=self.pipeline is not None)
         if self.tuned is not None and "model.attention" in self.tuned.values:
             model_cfg = dataclasses.replace(cfg.model, attention=self.tuned.values["model.attention"])
             cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, model=model_cfg)
@@ -97,15 +95,8 @@ class Trainer:
         self.head = self.task.build_head(self.device)
         # The engine (train.engine) sets up precision, parallelism and the optimizers, and owns backward, step,
         # save and load (vitrain/engine/protocol.py); the step drives it (vitrain/engine/step.py).
-        self.engine = build_engine(
-            cfg,
-            model,
-            self.dist,
-            head=self.head,
-            pipeline=self.pipeline,
-            time_modes=lambda: self._time_modes(model),
-            precision=self.tuned.precision(cfg.precision) if self.tuned is not None else None,
-        )
+        decided = self.tuned.precision(cfg.precision) if self.tuned is not None else None
+        self.engine = build_engine(cfg, model, self.dist, self.head, self.pipeline, precision=decided)
         self.train_step = TrainStep(self.engine, self.task.loss, t.accum_steps)
         self.model = self.engine.model  # the single-device model: parameter names, complexity
         self.forward = self.engine.forward  # what computes the loss and the evaluation
@@ -118,30 +109,9 @@ class Trainer:
         self.last_eval_s = 0.0  # how long the last evaluation took: train.time_limit_s leaves room for one more
         self.setup_s: float | None = None  # wall_s when training began (the first step of the run, across resumes)
 
-    def _first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batches = self.train_loader.epoch(0)
-        try:
-            return next(iter(batches))
-        finally:
-            getattr(batches, "close", lambda: None)()
-
-    def _time_modes(self, model: nn.Module) -> dict[str, float]:
-        """auto precision's probe: one block's forward and backward per mode, timed on rank 0 for every rank."""
-        plan = plan_of(model, self.cfg.parallel.wrap, self.cfg.parallel.block)
-        shape = plan.block_input_shape(self.cfg.train.batch_size)
-        timed = time_block_modes(plan.checkpoint_units[0], shape, device=self.device) if self.is_main else None
-        return broadcast_object(timed)
-
-    # ------------------------------------------------------------------------------------------ state
-
     def close(self) -> None:
-        """Let go of the model, optimizer and data before the process group is destroyed.
-
-        A DDP wrapper that outlives its process group destroys the group itself when it is freed, joining gloo's
-        worker threads while holding the GIL; a worker still releasing a collective's Python tensors waits for the
-        GIL: a deadlock at exit (seen after a torchrun restart). An error's traceback keeps this trainer alive past
-        the group's end, so the references go here.
-        """
+        """Let go of the model, optimizer and data before the process group is destroyed: a DDP wrapper freed after
+        its group joins gloo's threads holding the GIL, a deadlock at exit (an error's traceback keeps the trainer)."""
         self.model = self.forward = self.precision = self.head = self.engine = self.train_step = None
         self.task = self.train_loader = self.epoch_batches = self.pipeline = None
         gc.collect()

@@ -1,0 +1,196 @@
+"""Models, tasks and data of a user's own, named by import path: trained by vitrain's speed stack, nothing edited.
+
+A plain module defined here and timm's ViT train under zero3 + amp_o2 on 2 gloo ranks and export to safetensors; a
+task defined here trains from the command line; datasets handed to the library train without a data source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from tests.conftest import run_cli
+from tests.distributed_helpers import run_two_ranks, tiny_config
+from vitrain.cli import main
+from vitrain.data import ImageSet, build_loaders
+from vitrain.models import build_model, plan_of
+from vitrain.tasks.evaluate import evaluate
+
+
+class UserBlock(nn.Module):
+    """A pre-norm residual MLP block: the repeated unit vitrain finds, shards and keeps its norm in fp32."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class UserNet(nn.Module):
+    def __init__(self, in_chans: int, num_classes: int, width: int = 32, depth: int = 3):
+        super().__init__()
+        self.stem = nn.Conv2d(in_chans, width, kernel_size=4, stride=4)
+        self.layers = nn.ModuleList(UserBlock(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.classifier = nn.Linear(width, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.stem(images).flatten(2).transpose(1, 2)
+        for layer in self.layers:
+            x = layer(x)
+        return self.classifier(self.norm(x).mean(dim=1))
+
+
+def user_net(cfg) -> nn.Module:  # noqa: ANN001 (vitrain's ModelConfig)
+    """`model.name=tests.test_bring_your_own:user_net`: a factory called with the model config."""
+    return UserNet(cfg.in_chans, cfg.num_classes)
+
+
+class ErrorRateTask:
+    """A task of the user's own: classification scored by its error rate, the lower the better."""
+
+    name = "error-rate"
+    best_metric = "val_error"
+    higher_is_better = False
+    summary_defaults = {"val_error": 1.0}
+
+    def __init__(self, cfg, model=None, data=None):  # noqa: ANN001
+        self.cfg, self.model, self.data = cfg, model, data
+
+    def build_data(self, device, rank, world_size):  # noqa: ANN001, ANN201
+        train, self.val_loader = build_loaders(self.cfg, device, rank, world_size, self.data)
+        return train
+
+    def build_model(self) -> nn.Module:
+        return build_model(self.cfg.model, model=self.model)
+
+    def build_head(self, device):  # noqa: ANN001, ANN201
+        return None
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.float(), labels)
+
+    def evaluate(self, forward, final, out_dir):  # noqa: ANN001, ANN201
+        return {"val_error": 1.0 - evaluate(forward, self.val_loader)["val_top1"]}
+
+    def eval_line(self, metrics) -> str:  # noqa: ANN001
+        return f"val_error={metrics['val_error']:.4f}"
+
+    def describe_data(self) -> str:
+        return f"{len(self.val_loader.data)} val images, scored by error rate"
+
+
+def _sharded_five_steps(out_dir: Path, model_name: str, image_size: int) -> None:
+    from vitrain.engine import Trainer
+
+    cfg = tiny_config(
+        out_dir,
+        "byo",
+        batch_size=4,
+        model={"name": model_name, "image_size": image_size, "num_classes": 4},
+        parallel={"strategy": "zero3"},
+        precision={"mode": "amp_o2", "dtype": "bf16"},
+        train={"max_steps": 5, "epochs": 5},
+        data={"synthetic_samples": 40},
+    )
+    trainer = Trainer(cfg)
+    try:
+        units = plan_of(trainer.model, "block").shard_units
+        assert len(units) >= 3 and all(type(u) is type(units[0]) for u in units)  # its repeated block, found
+        first_block = units[0]
+        assert trainer.engine.precision_label == "amp_o2 bfloat16"
+        summary = trainer.fit()
+        # Norms stay fp32 units; the block around them computes in bf16 on fp32 shards.
+        norm = next(m for m in first_block.modules() if isinstance(m, nn.LayerNorm))
+        assert norm.weight.dtype == torch.float32
+    finally:
+        trainer.close()
+    assert summary["steps"] == 5 and summary["world_size"] == 2 and summary["strategy"] == "zero3"
+
+
+def _train_and_export(tmp_path: Path, model_name: str, image_size: int) -> dict[str, torch.Tensor]:
+    run_two_ranks(_sharded_five_steps, tmp_path / "runs", model_name, image_size)
+    run = tmp_path / "runs" / "byo"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r)
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    return load_file(str(tmp_path / "out" / "model.safetensors"))
+
+
+def test_a_users_module_trains_under_zero3_and_amp_o2_on_two_ranks_and_exports(tmp_path):
+    exported = _train_and_export(tmp_path, "tests.test_bring_your_own:user_net", image_size=8)
+    fresh = UserNet(3, 4).state_dict()
+    assert exported.keys() == fresh.keys()  # the user's own parameter names, in fp32
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in exported.values())
+    assert not torch.equal(exported["classifier.weight"], fresh["classifier.weight"])
+
+
+def test_timms_vit_small_trains_under_zero3_and_amp_o2_on_two_ranks_and_exports(tmp_path):
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed (pip install 'vitrain[peers]')")
+    exported = _train_and_export(tmp_path, "timm:vit_small_patch16_224", image_size=32)
+    assert exported["blocks.11.attn.qkv.weight"].shape == (3 * 384, 384)  # timm's names, ViT-S's shapes
+    assert exported["head.weight"].shape == (4, 384)
+
+
+def test_a_task_defined_outside_vitrain_trains_from_the_command_line(tmp_path):
+    done = run_cli(
+        "train",
+        "digits",
+        "task.name=tests.test_bring_your_own:ErrorRateTask",
+        "train.max_steps=3",
+        "train.epochs=1",
+        "model.depth=2",
+        "precision.mode=fp32",
+        "log.progress=false",
+        f"log.out_dir={tmp_path}",
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "digits" / "summary.json").read_text())
+    assert summary["task"] == "error-rate" and summary["steps"] == 3
+    assert 0.0 <= summary["val_error"] <= 1.0 and summary["best_val_error"] == summary["val_error"]
+    assert "val_error=" in (tmp_path / "digits" / "log.txt").read_text()
+
+
+def test_an_unknown_component_path_is_one_line_naming_the_key(tmp_path):
+    done = run_cli("train", "digits", "task.name=tests.no_such_module:Task", f"log.out_dir={tmp_path}", warnings="")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "vitrain: error: task.name=tests.no_such_module:Task: cannot import tests.no_such_module "
+        "(No module named 'tests.no_such_module'); check the name or install it"
+    ]
+
+
+def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):
+    import vitrain
+
+    draw = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (48, 1, 16, 16), dtype=torch.uint8, generator=draw)
+    labels = torch.arange(48) % 4
+    data = ImageSet(images, labels, ["a", "b", "c", "d"])
+    summary = vitrain.train(
+        "digits",
+        [
+            "train.max_steps=2",
+            "train.batch_size=16",
+            "model.num_classes=4",
+            "model.depth=2",
+            "log.progress=false",
+            f"log.out_dir={tmp_path}",
+            "precision.mode=fp32",
+        ],  # fmt: skip
+        model=user_net,
+        data=(data.subset(torch.arange(32)), data.subset(torch.arange(32, 48))),
+    )
+    assert summary["steps"] == 2 and summary["params"] == sum(p.numel() for p in UserNet(1, 4).parameters())
