@@ -1,16 +1,21 @@
-"""Shared fixtures: a tiny fast config, the real-data folder, and a CLI runner."""
+"""Shared fixtures: the tiny ViT, a tiny fast config, the real-data folder, and a CLI runner."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from torch import nn
 
-from vitrain.config import Config, load_config
+from vitrain.config import Config, ModelConfig, load_config
+from vitrain.models import create_model
 
 # Runs compared value for value must not depend on timings: auto values follow their fixed rules in the suite
 # (tests/test_tune.py turns autotune on where it is the subject), and nothing reads or fills the user's cache.
@@ -20,14 +25,37 @@ os.environ["VITRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitrain-test-cache-")
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
+# The suite's one tiny ViT: 16x16 grey images in 4x4 patches, 10 classes, 2 blocks of width 32 with 2 heads. A test
+# needing another shape derives it, dataclasses.replace(TINY_MODEL, depth=3), rather than writing its own.
+TINY_MODEL = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=10, width=32, depth=2, heads=2)
+TINY_FIELDS = ("image_size", "patch_size", "in_chans", "num_classes", "width", "depth", "heads")  # what makes it tiny
+TRUNK_FIELDS = ("width", "depth", "heads")  # the transformer's size alone, on the default images
+
+
+def model_section(model: ModelConfig = TINY_MODEL, fields: Iterable[str] = TINY_FIELDS) -> dict[str, Any]:
+    """`fields` of `model` as a config's model section: {"image_size": 16, ...}."""
+    return {field: getattr(model, field) for field in fields}
+
+
+def model_overrides(model: ModelConfig = TINY_MODEL, fields: Iterable[str] = TINY_FIELDS) -> list[str]:
+    """The same as overrides for load_config and the CLI: ["model.image_size=16", ...]."""
+    return [f"model.{field}={value}" for field, value in model_section(model, fields).items()]
+
+
+@pytest.fixture
+def tiny_model_cfg() -> ModelConfig:
+    """A fresh copy of TINY_MODEL: a test may change it."""
+    return dataclasses.replace(TINY_MODEL)
+
+
+@pytest.fixture
+def tiny_model(tiny_model_cfg: ModelConfig) -> nn.Module:
+    """The tiny ViT, built with fresh random weights."""
+    return create_model(tiny_model_cfg)
+
+
 TINY = [
-    "model.image_size=16",
-    "model.patch_size=4",
-    "model.in_chans=1",
-    "model.num_classes=10",
-    "model.width=32",
-    "model.depth=2",
-    "model.heads=2",
+    *model_overrides(),
     "train.batch_size=64",
     "train.epochs=1",
     "log.progress=false",

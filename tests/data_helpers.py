@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zipfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-# A model small enough for 8x8 RGB test images, two classes.
-TINY_MODEL = [
-    "model.image_size=8",
-    "model.patch_size=4",
-    "model.in_chans=3",
-    "model.num_classes=2",
-    "model.width=32",
-    "model.depth=1",
-    "model.heads=2",
-]
+from tests.conftest import TINY_MODEL, model_overrides
+
+# The suite's tiny ViT cut to one block for 8x8 RGB test images, two classes: as model.* overrides.
+TREE_MODEL = model_overrides(dataclasses.replace(TINY_MODEL, image_size=8, in_chans=3, num_classes=2, depth=1))
 
 
 def make_tree(

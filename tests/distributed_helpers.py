@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -11,22 +12,18 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from tests.conftest import TINY_MODEL, model_section
 from vitrain.config import Config, load_config
+
+# The suite's tiny ViT on 8x8 colour images of 4 classes.
+MODEL = dataclasses.replace(TINY_MODEL, image_size=8, in_chans=3, num_classes=4)
 
 
 def tiny_config(out_dir: Path, name: str, batch_size: int = 16, **sections: dict[str, Any]) -> Config:
     """A 2-block ViT on 64 synthetic 8x8 images, fp32 on any CPU, no augmentation or dropout: exactly comparable."""
     raw: dict[str, Any] = {
         "name": name,
-        "model": {
-            "image_size": 8,
-            "patch_size": 4,
-            "in_chans": 3,
-            "num_classes": 4,
-            "width": 32,
-            "depth": 2,
-            "heads": 2,
-        },
+        "model": model_section(MODEL),
         "data": {"source": "synthetic", "synthetic_samples": 64},
         "train": {"epochs": 3, "batch_size": batch_size, "max_steps": 5, "threads": 1, "keep_checkpoints": 10},
         # Exact comparisons need the same arithmetic on every machine: auto picks bf16 on CPUs with AMX.

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.data_helpers import TINY_MODEL, make_tree, zip_tree
+from tests.data_helpers import TREE_MODEL, make_tree, zip_tree
 from vitrain.cli import main
 from vitrain.data import prepared as prepared_module
 from vitrain.data.prepare import FAILED, prepare
@@ -216,7 +216,7 @@ def test_training_on_a_changed_prepared_set_stops_before_training(prepared_dir, 
         f"log.out_dir={tmp_path / 'runs'}",
         "data.source=folder",
         f"data.root={prepared_dir}",
-        *TINY_MODEL,
+        *TREE_MODEL,
     ]
     assert main(args) == 2
     err = capsys.readouterr().err

@@ -18,7 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 from torch.multiprocessing.spawn import ProcessRaisedException  # noqa: E402
 
 from tests.distributed_helpers import free_port, losses, run_two_ranks, torchrun_env  # noqa: E402
-from tests.test_face import face_config, make_faces  # noqa: E402
+from tests.face.helpers import face_config, make_faces  # noqa: E402
 from vitrain import checkpoint as ckpt  # noqa: E402
 from vitrain.cli import main  # noqa: E402
 from vitrain.config import CONFIG_DIR, load_config  # noqa: E402

@@ -3,6 +3,7 @@ time-horizon schedule, evaluations on the clock, `vitrain plot` and TensorBoard 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import REPO, run_cli, shared_data
+from tests.conftest import REPO, TINY_MODEL, run_cli, shared_data
 from tests.distributed_helpers import losses, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.config import ModelConfig, load_config, resolve_config_path
@@ -282,7 +283,7 @@ def test_progressive_size_grows_in_patch_steps_over_the_ramp():
 
 @pytest.mark.parametrize("pool", ["cls", "gap"])
 def test_smaller_images_get_resampled_positions_and_the_full_size_is_unchanged(pool):
-    cfg = ModelConfig(image_size=32, patch_size=4, num_classes=10, width=32, depth=1, heads=2, pool=pool)
+    cfg = dataclasses.replace(TINY_MODEL, image_size=32, in_chans=3, depth=1, pool=pool)
     model = create_model(cfg)
     with torch.no_grad():
         model.pos_embed.normal_()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
-from tests.distributed_helpers import free_port, losses, tiny_config, torchrun_env
+from tests.conftest import REPO, model_overrides
+from tests.distributed_helpers import MODEL, free_port, losses, tiny_config, torchrun_env
 from vitrain import checkpoint as ckpt
 from vitrain.engine import Trainer
 from vitrain.engine.step import TrainStep
@@ -162,8 +163,8 @@ def _last_line(stderr: str) -> str:
 
 
 TWO_RANK_ARGS = [
-    "model.image_size=8", "model.patch_size=4", "model.in_chans=3", "model.num_classes=4", "model.width=32",
-    "model.depth=2", "model.heads=2", "data.source=synthetic", "data.synthetic_samples=64", "train.batch_size=8",
+    *model_overrides(MODEL),  # tiny_config's model: a run is resumed with it
+    "data.source=synthetic", "data.synthetic_samples=64", "train.batch_size=8",
     "train.epochs=3", "train.threads=1", "train.checkpoint_every_steps=2", "precision.mode=fp32",
     "log.progress=false", "log.every_steps=1",
 ]  # fmt: skip
@@ -218,8 +219,8 @@ def test_an_unwritable_run_folder_ends_both_ranks_with_one_line(tmp_path):
 # ------------------------------------------------------------------------------------------ SIGKILL anywhere
 
 KILL_ARGS = [
-    "model.image_size=16", "model.patch_size=4", "model.in_chans=3", "model.num_classes=4", "model.width=32",
-    "model.depth=2", "model.heads=2", "model.drop_path=0.1", "model.dropout=0.1", "data.source=synthetic",
+    *model_overrides(dataclasses.replace(MODEL, image_size=16)),
+    "model.drop_path=0.1", "model.dropout=0.1", "data.source=synthetic",
     "data.synthetic_samples=80", "data.crop_padding=2", "data.hflip=0.5", "train.batch_size=8", "train.epochs=12",
     "train.threads=1", "train.checkpoint_every_steps=3", "train.keep_checkpoints=2", "precision.mode=fp32",
     "log.progress=false", "log.every_steps=5",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.data_helpers import TINY_MODEL, make_tree
+from tests.data_helpers import TREE_MODEL, make_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
 from vitrain.data.augment import pad_crop_flip, random_resized_crop
@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 
 
 def _cfg(*overrides: str):
-    return load_config(overrides=[*TINY_MODEL, "log.progress=false", *overrides])
+    return load_config(overrides=[*TREE_MODEL, "log.progress=false", *overrides])
 
 
 def _image_set(n: int = 40, size: int = 8) -> ImageSet:

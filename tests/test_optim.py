@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from vitrain.config import CONFIG_DIR, ModelConfig, OptimConfig, load_config
+from tests.conftest import TINY_MODEL
+from vitrain.config import CONFIG_DIR, OptimConfig, load_config
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.lamb_lars import Lamb, Lars
 
 CPU = torch.device("cpu")
-TINY_VIT = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=10, width=32, depth=3, heads=2)
+TINY_VIT = dataclasses.replace(TINY_MODEL, depth=3)  # three blocks: layer decay has depths to tell apart
 
 
 def group_of(model, groups) -> dict[str, dict]:

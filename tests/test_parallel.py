@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import TINY_MODEL, TRUNK_FIELDS, model_overrides
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain.config import load_config
 from vitrain.engine import Trainer
@@ -87,7 +89,8 @@ def test_two_ranks_evaluate_each_validation_sample_once_like_one_process(runs, n
 
 
 def test_activation_checkpointing_keeps_gradients_and_names():
-    cfg = load_config(overrides=["model.width=32", "model.depth=4", "model.heads=2", "model.image_size=16"])
+    four_blocks = dataclasses.replace(TINY_MODEL, depth=4)  # on 16x16 images in the default 16x16 patches
+    cfg = load_config(overrides=model_overrides(four_blocks, (*TRUNK_FIELDS, "image_size")))
     torch.manual_seed(0)
     plain = create_model(cfg.model)
     checkpointed = create_model(cfg.model)
@@ -132,7 +135,7 @@ def test_sharded_init_needs_an_fsdp_strategy():
 @pytest.mark.parametrize("overrides", [[], ["model.pool=gap", "model.pos_embed=sincos"]])
 @pytest.mark.parametrize("embed_dim", [0, 16])
 def test_a_model_built_on_meta_says_how_every_tensor_starts(overrides, embed_dim):
-    cfg = load_config(overrides=["model.width=32", "model.depth=2", "model.heads=2", *overrides])
+    cfg = load_config(overrides=[*model_overrides(fields=TRUNK_FIELDS), *overrides])
     with torch.device("meta"):
         model = create_model(cfg.model, embed_dim)
     assert hasattr(model, "init_rng_state")  # drawn later, from the state this build started from
@@ -153,7 +156,7 @@ def _my_part(tensor, whole):
 
 def _sharded_face_model_equals_a_whole_build(out_dir):
     """Each rank: a face model (bias-free neck Linear, BatchNorm) built on meta and sharded vs a whole build."""
-    cfg = load_config(overrides=["model.width=32", "model.depth=2", "model.heads=2", "parallel.strategy=zero3"])
+    cfg = load_config(overrides=[*model_overrides(fields=TRUNK_FIELDS), "parallel.strategy=zero3"])
     init_distributed(torch.device("cpu"), "zero3")
     torch.manual_seed(3)
     whole = create_model(cfg.model, embed_dim=16)
@@ -178,7 +181,7 @@ def test_sharded_init_draws_the_whole_builds_weights_for_a_face_model(tmp_path):
 
 def _threads_left_after_shutdown(out_dir):
     """Each rank: a zero3 model's weights gathered through DTensor, then shutdown(): the names of the threads left."""
-    cfg = load_config(overrides=["model.width=32", "model.depth=2", "model.heads=2", "parallel.strategy=zero3"])
+    cfg = load_config(overrides=[*model_overrides(fields=TRUNK_FIELDS), "parallel.strategy=zero3"])
     init_distributed(torch.device("cpu"), "zero3")
     model = create_model(cfg.model)
     parallelize(model, cfg.parallel, torch.device("cpu"))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from vitrain.config import ModelConfig
+import dataclasses
+
+from tests.conftest import TINY_MODEL
 from vitrain.models import create_model
 
-TINY = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=3, width=32, depth=3, heads=2)
+TINY = dataclasses.replace(TINY_MODEL, num_classes=3, depth=3)
 
 
 def test_block_wrap_makes_each_block_a_unit_and_every_block_checkpointable():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import TRUNK_FIELDS, model_overrides
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.config import PrecisionConfig, load_config
@@ -176,7 +177,7 @@ def test_auto_without_bf16_units_stays_fp32_and_measures_nothing(monkeypatch):
 
 
 def test_the_probe_times_both_modes_on_a_copy_of_the_block():
-    cfg = load_config(overrides=["model.width=32", "model.depth=2", "model.heads=2", "model.image_size=16"])
+    cfg = load_config(overrides=model_overrides(fields=(*TRUNK_FIELDS, "image_size")))
     model = create_model(cfg.model)
     plan = model.parallel_plan("block")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

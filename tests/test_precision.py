@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.config import CONFIG_DIR, ModelConfig, OptimConfig, PrecisionConfig, load_config
+from tests.conftest import TINY_MODEL, TRUNK_FIELDS, model_overrides
+from vitrain.config import CONFIG_DIR, OptimConfig, PrecisionConfig, load_config
 from vitrain.device import cpu_description
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
@@ -23,7 +24,6 @@ from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, r
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parent.parent
-TINY_VIT = ModelConfig(image_size=16, patch_size=4, in_chans=1, num_classes=10, width=32, depth=2, heads=2)
 
 
 def tiny_run(tmp_path: Path, *overrides: str):
@@ -34,9 +34,7 @@ def tiny_run(tmp_path: Path, *overrides: str):
             f"log.out_dir={tmp_path}",
             "log.progress=false",
             "log.every_steps=1",
-            "model.width=32",
-            "model.depth=2",
-            "model.heads=2",
+            *model_overrides(fields=TRUNK_FIELDS),
             "train.epochs=1",
             "train.batch_size=32",
             *overrides,
@@ -115,16 +113,15 @@ def test_o2_optimizer_updates_fp32_master_and_refreshes_low_copy():
     assert working.module.fc1.weight.grad is None  # gradients moved to the master, not kept twice
 
 
-def test_o2_vit_layernorms_fp32_other_weights_bf16():
-    model = create_model(TINY_VIT)
-    working = policy("amp_o2").prepare(model).module
+def test_o2_vit_layernorms_fp32_other_weights_bf16(tiny_model):
+    working = policy("amp_o2").prepare(tiny_model).module
     for name, param in working.named_parameters():
         expected = torch.float32 if "norm" in name else torch.bfloat16
         assert param.dtype == expected, name
 
 
-def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls():
-    model = create_model(TINY_VIT)
+def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls(tiny_model):
+    model = tiny_model
     pol = policy("amp_o1")
     forward = pol.prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -138,8 +135,8 @@ def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls():
     assert all(s.dtype == torch.float32 for st in optimizer.state.values() for s in st.values() if s.ndim)
 
 
-def test_pure_casts_every_weight_low_norms_included():
-    model = create_model(TINY_VIT)
+def test_pure_casts_every_weight_low_norms_included(tiny_model):
+    model = tiny_model
     forward = policy("pure").prepare(model)
     assert all(t.dtype == torch.bfloat16 for t in model.state_dict().values() if t.is_floating_point())
     assert forward(torch.randn(2, 1, 16, 16)).dtype == torch.float32  # the loss is computed in fp32
@@ -160,7 +157,7 @@ def test_pure_computes_norms_in_fp32_with_low_weights_and_fp32_statistics():
 def test_pure_norm_gradients_match_fp32():
     """A bf16 LayerNorm backward sums its weight/bias gradients over all tokens in bf16 (~15% off); pure must not."""
     torch.manual_seed(0)
-    reference = create_model(TINY_VIT)
+    reference = create_model(TINY_MODEL)
     images, labels = torch.randn(64, 1, 16, 16), torch.randint(0, 10, (64,))
     grads = {}
     for mode in ("fp32", "pure"):

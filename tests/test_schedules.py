@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from tests.conftest import TINY_MODEL, TRUNK_FIELDS, model_overrides
 from vitrain.cli import main
 from vitrain.config import CONFIG_DIR, ScheduleConfig, load_config
 from vitrain.engine.lr_find import suggest_lr
@@ -69,9 +71,7 @@ def test_lr_find_command_writes_csv_and_suggests_an_lr(tmp_path, capsys):
     code = main(
         [
             "lr-find",
-            "model.width=32",
-            "model.depth=1",
-            "model.heads=2",
+            *model_overrides(dataclasses.replace(TINY_MODEL, depth=1), TRUNK_FIELDS),
             "log.progress=false",
             "train.batch_size=32",
             "--steps",

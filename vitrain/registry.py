@@ -4,7 +4,7 @@
     registry.lookup("model", "mypkg.models:my_vit")   # any importable object, by `module:attribute`
     registry.lookup("model", "timm:vit_small_patch16_224")   # a family that takes the rest as an argument
 
-    @registry.register("task", "mytask")             # or a Python entry point in the group `vitrain.tasks`
+    @registry.register("task", "mytask")             # or a Python entry point (ENTRY_POINT_GROUPS: vitrain.tasks)
     class MyTask: ...
 
 Built-ins are kept as import paths, so naming one imports only its module, and this module imports none of them:
@@ -49,6 +49,13 @@ SECTION_CHECKS = (
 )
 _REGISTERED: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 _CONFIG_KEY = {"model": "model.name", "task": "task.name", "engine": "train.engine", "data": "data.source"}
+# Python entry-point groups a package publishes its components in (pyproject's [project.entry-points."..."]).
+ENTRY_POINT_GROUPS = {
+    "model": "vitrain.models",
+    "task": "vitrain.tasks",
+    "engine": "vitrain.engines",
+    "data": "vitrain.data_sources",
+}
 
 
 def register(kind: str, name: str, component: Any = None) -> Any:
@@ -70,7 +77,7 @@ def section_checks() -> list[Callable[[Any], None]]:
 def names(kind: str) -> list[str]:
     """The names a config may give for `kind` without an import path (built-in, registered, entry points)."""
     _check_kind(kind)
-    points = [ep.name for ep in entry_points(group=f"vitrain.{kind}s")]
+    points = [ep.name for ep in entry_points(group=ENTRY_POINT_GROUPS[kind])]
     return sorted({*_BUILTIN[kind], *_REGISTERED[kind], *points})
 
 
@@ -86,7 +93,7 @@ def lookup(kind: str, name: str) -> Any:
         return _REGISTERED[kind][name]
     if name in _BUILTIN[kind]:
         return _import(_BUILTIN[kind][name], f"{key}={name}")
-    for point in entry_points(group=f"vitrain.{kind}s"):
+    for point in entry_points(group=ENTRY_POINT_GROUPS[kind]):
         if point.name == name:
             return point.load()
     family, colon, argument = name.partition(":")
@@ -95,7 +102,7 @@ def lookup(kind: str, name: str) -> Any:
         return factory(argument)
     if colon:
         return _import(name, f"{key}={name}")
-    known = ", ".join(names(kind))
+    known = ", ".join(names(kind) + [f"{family}:NAME" for family in _FAMILIES.get(kind, {})])
     raise ConfigError(f"{key}={name} is not known; use one of: {known}, or an import path such as mypkg.module:attr")
 
 

@@ -1,1 +1,1 @@
-"""Benchmarks a reader can rerun (`vitrain bench loader|optim`) and cost models (memory per device)."""
+"""Benchmarks a reader can rerun: the training step (engine/step.py) timed, the ladder, peers, loaders, optimizers."""

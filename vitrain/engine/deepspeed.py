@@ -46,7 +46,7 @@ from torch import nn
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config
 from vitrain.device import PhaseTimer
-from vitrain.engine.protocol import HEAD, LossFn
+from vitrain.engine.protocol import HEAD, LossFn, forward_then_backward
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import count_parameters
 from vitrain.optim import build_head_optimizer, build_optimizer, set_lr
@@ -342,13 +342,7 @@ class DeepSpeedEngine:
     def forward_backward(
         self, images: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer | None = None
     ) -> torch.Tensor:
-        loss = loss_fn(images, labels)
-        if timer is not None:
-            timer.lap("forward")
-        self.backward(loss)
-        if timer is not None:
-            timer.lap("backward")
-        return loss.detach()
+        return forward_then_backward(self, images, labels, loss_fn, timer)
 
     def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
         # DeepSpeed skips a step only under fp16 loss scaling (inf/NaN gradients halve the scale); in fp32 and

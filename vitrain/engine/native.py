@@ -13,7 +13,7 @@ from vitrain import checkpoint as ckpt
 from vitrain.config import Config
 from vitrain.device import PhaseTimer
 from vitrain.engine.ema import WeightAverage
-from vitrain.engine.protocol import COMPENSATION, EMA, HEAD, LossFn
+from vitrain.engine.protocol import COMPENSATION, EMA, HEAD, LossFn, forward_then_backward
 from vitrain.errors import ConfigError
 from vitrain.models import count_parameters, plan_of
 from vitrain.optim import build_head_optimizer, set_lr
@@ -104,13 +104,7 @@ class NativeEngine:
             if timer is not None:
                 timer.lap("forward")  # forward and backward together: the schedule interleaves them
             return loss
-        loss = loss_fn(images, labels)
-        if timer is not None:
-            timer.lap("forward")
-        self.backward(loss)
-        if timer is not None:
-            timer.lap("backward")
-        return loss.detach()
+        return forward_then_backward(self, images, labels, loss_fn, timer)
 
     def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
         clip = self.cfg.optim.clip_grad_norm

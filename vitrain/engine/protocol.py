@@ -95,6 +95,19 @@ class Engine(Protocol):
         """Lines for the log's header."""
 
 
+def forward_then_backward(
+    engine: Engine, images: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer | None = None
+) -> torch.Tensor:
+    """The micro-step of an engine without a schedule of its own: the loss, then the engine's backward of it."""
+    loss = loss_fn(images, labels)
+    if timer is not None:
+        timer.lap("forward")
+    engine.backward(loss)
+    if timer is not None:
+        timer.lap("backward")
+    return loss.detach()
+
+
 def build_engine(
     cfg: Config,
     model: nn.Module,

@@ -1,12 +1,11 @@
-"""The face task refuses what it cannot do well in one line: thin pair sets, timm exports, sharded LAMB; and it
-fine-tunes from a classifier's weights, leaving the embedding neck fresh."""
+"""Face refusals in one line (thin pair sets, timm export, sharded LAMB) and fine-tuning from a classifier."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.test_face import face_config, make_faces
+from tests.face.helpers import face_config, make_faces
 from vitrain.cli import main
 from vitrain.config import OptimConfig
 from vitrain.data.faces import open_face_tree, split_identities

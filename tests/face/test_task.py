@@ -1,5 +1,4 @@
-"""The face task end to end: training with a sharded identity head on 1 and 2 ranks, resuming across world sizes,
-verification with a raw-pixel baseline, fp32 export after fp16 amp_o2, and `vitrain eval` on another face folder."""
+"""The face task end to end: sharded-head training on 1 and 2 ranks, resumes, verification, export and eval."""
 
 from __future__ import annotations
 
@@ -10,44 +9,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from tests.distributed_helpers import losses, run_two_ranks
+from tests.face.helpers import face_config, make_faces
 from vitrain.cli import main
-from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import rank
-
-STEPS = {"epochs": 6, "max_steps": 6, "checkpoint_every_steps": 3}  # 40 training images, 16 a step: 2 steps/epoch
-
-
-def make_faces(root, identities=8, per_identity=8, size=16, seed=0):
-    """Grey 'faces': each identity a fixed random pattern, each image that pattern plus noise and a small shift."""
-    rng = np.random.default_rng(seed)
-    for i in range(identities):
-        pattern = rng.uniform(0, 255, (size, size))
-        folder = root / f"person{i:02d}"
-        folder.mkdir(parents=True)
-        for j in range(per_identity):
-            image = np.roll(pattern, rng.integers(-1, 2), axis=1) + rng.normal(0, 40, (size, size))
-            Image.fromarray(image.clip(0, 255).astype(np.uint8), "L").save(folder / f"{j + 1}.png")
-    return root
-
-
-def face_config(out_dir, root, name, batch_size=16, **sections):
-    raw = {
-        "name": name,
-        "task": {"name": "face", "embed_dim": 16, "scale": 8.0, "verify_identities": 3, "generated_pairs": 20},
-        "model": {"image_size": 16, "patch_size": 4, "in_chans": 1, "width": 32, "depth": 2, "heads": 2, "pool": "gap"},
-        "data": {"source": "folder", "root": str(root), "decode_workers": 1},
-        "train": {"batch_size": batch_size, "threads": 1, "keep_checkpoints": 10, **STEPS},
-        "precision": {"mode": "fp32"},
-        "log": {"out_dir": str(out_dir), "every_steps": 1, "progress": False},
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    return load_config(base=raw)
 
 
 def _fork(out_dir, source, name):
