@@ -3,10 +3,11 @@
     git worktree add /tmp/before 8101ab0
     python benchmarks/bench_two_trees.py --before /tmp/before --after . --recipe digits --out results/refactor-bench
 
-Each repeat runs the before tree's and the after tree's `python -m vitrain bench RECIPE` once, in that order, in
-fresh processes (each tree first on PYTHONPATH, run from an empty folder so the installed copy is not picked),
-autotune off so that both run the same precision and attention. Reported: images/s of each run, the median and
-spread per tree, and the ratio of the medians. Runs one benchmark at a time: nothing else should use the CPU.
+Each repeat runs the before tree's and the after tree's `python -m vitrain bench RECIPE` once, the order swapped
+every repeat (ABBA), in fresh processes (each tree first on PYTHONPATH, run from an empty folder so that the
+installed copy is not picked), autotune off so that both run the same precision and attention. Reported: images/s
+of each run, the median and spread per tree, and the ratio of the medians. Run one benchmark at a time: nothing
+else should use the CPU.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main() -> int:
     runs: dict[str, list[float]] = {"before": [], "after": []}
     first = {}
     for repeat in range(args.repeats):
-        for name, tree in (("before", args.before), ("after", args.after)):
+        pair = [("before", args.before), ("after", args.after)]
+        for name, tree in pair if repeat % 2 == 0 else pair[::-1]:  # ABBA: neither tree always runs second
             result = bench_once(tree, args.recipe, args.steps, args.warmup, args.overrides)
             runs[name].append(result["images_per_s"])
             first.setdefault(name, result)

@@ -114,7 +114,7 @@ def test_eval_of_checkpoint_from_another_model_exits_2(trained_run):
 def test_resume_with_another_model_exits_2_and_keeps_checkpoint(trained_run, tmp_path):
     before = snapshot(trained_run / "checkpoints")
     result = run_cli("train", *tiny_overrides(tmp_path, "model.depth=3"), "--resume")
-    assert_one_line_error(result, r"different model")
+    assert_one_line_error(result, r"--resume: model\.depth=3 differs from the run's 2 \(.*config\.yaml\); a checkpoint")
     assert snapshot(trained_run / "checkpoints") == before
 
 

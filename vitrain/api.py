@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vitrain.config import Config, load_config, resolve_config_path
+from vitrain.engine.runs import resumed_config
 from vitrain.engine.trainer import Trainer
 from vitrain.parallel import shutdown
 
@@ -45,11 +46,18 @@ def train(
     (train, val) datasets (ImageSet-like: `classes`, `channels`, `__len__`, `read(index)`) or a function of the
     config returning them; `task`: a task object (vitrain.tasks.Task) instead of `task.name`'s. Under torchrun,
     every process calls it. The process group it opened is closed before it returns.
+
+    `resume` (True: the run `source` and `overrides` name; or a run or step folder) continues that run with its own
+    config (its config.yaml); `overrides` are applied on top, each change printed and logged, and one that a
+    checkpoint cannot honour (the model, the task, the data order) is refused naming the key.
     """
     cfg = config(source, overrides)
+    changes: dict[str, tuple[Any, Any]] = {}
+    if resume:  # the run's own config, the command line's overrides on top (each change said and logged)
+        cfg, changes = resumed_config(cfg, resume, overrides or [])
     trainer = None
     try:
-        trainer = Trainer(cfg, resume=resume, model=model, data=data, task=task)
+        trainer = Trainer(cfg, resume=resume, model=model, data=data, task=task, changes=changes)
         summary = trainer.fit()
         is_main = trainer.is_main
     finally:

@@ -40,7 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitrain", description="Train Vision Transformers fast.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model: vitrain train [CONFIG] [section.key=value ...]")
+    train = sub.add_parser(
+        "train",
+        help="train a model: vitrain train [CONFIG] [section.key=value ...]",
+        epilog="every section.key, its type, default and meaning: vitrain config keys [SECTION]",
+    )
     train.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, then overrides")
     train.add_argument(
         "--resume",
@@ -72,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a step directory (runs/NAME/checkpoints/step_00000100) or a run directory")
     export.add_argument("out", help="output directory")
     export.add_argument("--format", choices=["vitrain", "timm"], default="vitrain", help="parameter names to use")
+    export.add_argument("--overwrite", action="store_true", help="replace an export already in the output folder")
     export.set_defaults(func=_export)
 
     estimate = sub.add_parser("estimate", help="memory per device for a preset (or all) under a parallel strategy")
@@ -197,6 +202,12 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--metric", default="val_top1", help="the evaluation field to draw (default val_top1)")
     plot.set_defaults(func=_plot)
 
+    checkpoint = sub.add_parser("checkpoint", help="inspect checkpoints without loading them")
+    checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    verify = checkpoint_sub.add_parser("verify", help="each step folder: intact (checksums), incomplete or damaged")
+    verify.add_argument("path", metavar="RUN|STEP", help="a run folder or a step folder")
+    verify.set_defaults(func=_checkpoint_verify)
+
     config = sub.add_parser("config", help="inspect configs")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config")
@@ -204,6 +215,9 @@ def _parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_config_show)
     listing = config_sub.add_parser("list", help="the recipes shipped with vitrain: name, path, what each trains")
     listing.set_defaults(func=_config_list)
+    keys = config_sub.add_parser("keys", help="every config key: type, default and what it does")
+    keys.add_argument("section", nargs="?", help="only this section (model, data, train, ...)")
+    keys.set_defaults(func=_config_keys)
     return parser
 
 
@@ -282,7 +296,7 @@ def _export(args: argparse.Namespace) -> int:
     cfg = config_from_dict(ckpt.read_meta(path)["config"])
     model = build_task(cfg).build_model()  # a face model exports its embedding backbone (the neck included)
     load_model_weights(path, model)  # native (DCP) or DeepSpeed checkpoints
-    print(export(model, cfg, Path(args.out), args.format))
+    print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite))
     return 0
 
 
@@ -558,6 +572,36 @@ def _config_list(args: argparse.Namespace) -> int:
         print(f"{name:<{width}}{path}")
         print(f"{'':<{width}}{recipe_description(path)}")
     print("train one: vitrain train NAME; to edit one, copy it out: vitrain config show NAME > my.yaml")
+    return 0
+
+
+def _checkpoint_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitrain.checkpoint import verify_report
+    from vitrain.errors import CheckpointError
+
+    report = verify_report(Path(args.path))
+    for step, _, what in report:
+        print(f"{step}: {what}")
+    bad = [step for step, intact, _ in report if not intact]
+    if not report:
+        raise CheckpointError(f"checkpoint verify: {args.path} holds no step folder")
+    if bad:
+        raise CheckpointError(
+            f"{len(bad)} of {len(report)} step folder(s) in {args.path} are not intact (listed above)"
+        )
+    return 0
+
+
+def _config_keys(args: argparse.Namespace) -> int:
+    from vitrain.config import config_keys
+
+    rows = config_keys(args.section)
+    width = max(len(row.key) for row in rows) + 2
+    kinds = max(len(row.type) for row in rows) + 2
+    for row in rows:
+        print(f"{row.key:<{width}}{row.type:<{kinds}}{row.default:<22} {row.help}")
     return 0
 
 

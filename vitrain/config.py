@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import inspect
+import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,23 +29,24 @@ class ModelConfig:
     # a user's factory, called with this config section, returning an nn.Module (docs/library.md).
     name: str = "vit"
     preset: str | None = None  # a name from `vitrain models`; explicit fields below override it
-    image_size: int = 224
-    patch_size: int = 16
-    in_chans: int = 3
-    num_classes: int = 1000
-    width: int = 192
-    depth: int = 12
-    heads: int = 3
+    image_size: int = 224  # input side in pixels (square)
+    patch_size: int = 16  # side of one patch token in pixels
+    in_chans: int = 3  # input channels: 3 for RGB, 1 for grey
+    num_classes: int = 1000  # classifier outputs
+    width: int = 192  # token width (embedding dimension)
+    depth: int = 12  # transformer blocks
+    heads: int = 3  # attention heads (width must divide by it)
     mlp_dim: int | None = None  # None: 4 x width
-    qkv_bias: bool = True
+    qkv_bias: bool = True  # bias on the attention's query/key/value projection
     # cls: the class token; gap: the mean of the patch tokens; flatten: every patch token, concatenated (the input
     # of a face-recognition embedding neck, as insightface's ViT does)
     pool: Literal["cls", "gap", "flatten"] = "cls"
+    # seq_first: blocks compute on (tokens, batch, width) instead of (batch, tokens, width)
     layout: Literal["batch_first", "seq_first"] = "batch_first"
     # auto: the faster of sdpa and manual for this model, batch, precision and device, timed before training
     # (vitrain/engine/autotune.py, cached per device and shape); the weights are the same either way.
     attention: Literal["auto", "sdpa", "manual"] = "auto"
-    pos_embed: Literal["learned", "sincos"] = "learned"
+    pos_embed: Literal["learned", "sincos"] = "learned"  # learned position table, or a fixed 2-D sine-cosine one
     # linear: one strided conv cuts non-overlapping patches (ViT). conv: a small convolutional stem (3x3 convs, each
     # with BatchNorm and ReLU, then a 1x1 projection to width; Xiao et al. 2021, "Early convolutions help
     # transformers see better"), which learns faster from few images; the same token grid either way.
@@ -50,8 +54,8 @@ class ModelConfig:
     # conv: output channels of each 3x3 conv; the last log2(patch_size) have stride 2, any before them stride 1.
     # Empty: log2(patch_size) convs widening to width (e.g. patch 4, width 192: [96, 192]).
     stem_channels: tuple[int, ...] = ()
-    drop_path: float = 0.0
-    dropout: float = 0.0
+    drop_path: float = 0.0  # stochastic depth: the last block's drop rate (linear from 0)
+    dropout: float = 0.0  # dropout after the position embedding
     init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
 
     @property
@@ -74,19 +78,20 @@ class DataConfig:
     # digits, folder, prepared, synthetic, or a user's mypkg.module:fn taking the config, returning (train, val)
     source: str = "digits"
     root: str = ""  # folder / prepared source: where the data is
-    train_split: str = "train"
+    train_split: str = "train"  # folder source: the training split's folder name
     val_split: str = "test"  # when the folder has no such split, val_fraction of train is held out
-    val_fraction: float = 0.2
-    mean: tuple[float, ...] = (0.5,)
-    std: tuple[float, ...] = (0.5,)
+    val_fraction: float = 0.2  # held out of train when there is no val_split
+    mean: tuple[float, ...] = (0.5,)  # per-channel normalization mean (of pixels in [0, 1])
+    std: tuple[float, ...] = (0.5,)  # per-channel normalization std
     crop_padding: int = 0  # random crop after padding by this many pixels; 0 turns it off
     hflip: float = 0.0  # probability of a horizontal flip
-    decode_workers: int = 2
-    synthetic_samples: int = 1024
+    decode_workers: int = 2  # processes decoding image files once at start
+    synthetic_samples: int = 1024  # synthetic source: random images per split
     # Progressive resizing (FFCV's): > 0 trains at this smaller size first (a multiple of model.patch_size; fewer
     # tokens, a faster step), growing in patch-size steps to model.image_size between the two fractions of the
     # schedule in size_ramp; evaluation is always at model.image_size. 0 turns it off.
     min_size: int = 0
+    # data.min_size: fractions of the run where the size starts and ends growing
     size_ramp: tuple[float, float] = (0.25, 0.75)
     random_resized_crop: bool = False  # replaces crop_padding: a random box of rrc_scale area, resized back
     rrc_scale: tuple[float, float] = (0.08, 1.0)  # fraction of the image area
@@ -104,11 +109,11 @@ class DataConfig:
 class OptimConfig:
     # muon: Muon for the blocks' weight matrices (orthogonalized momentum, AdamW-matched RMS), AdamW for the rest
     name: Literal["adamw", "sgd", "lamb", "lars", "muon"] = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.05
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.05  # decoupled weight decay (not on norms, biases and tokens)
     betas: tuple[float, float] = (0.9, 0.999)  # adamw, lamb, muon's AdamW tensors
     muon_momentum: float = 0.95  # muon: Nesterov momentum of the matrices' updates
-    eps: float = 1e-8
+    eps: float = 1e-8  # adamw, lamb, muon's AdamW tensors: denominator epsilon
     momentum: float = 0.9  # sgd, lars
     nesterov: bool = False  # sgd
     trust_coefficient: float = 0.001  # lars: scales each layer's step by ||w|| / ||g||
@@ -122,9 +127,10 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
+    # the learning-rate schedule's shape
     name: Literal["warmup_cosine", "constant", "onecycle", "cyclic", "step"] = "warmup_cosine"
     warmup_epochs: float = 1.0  # linear warmup before cosine, cyclic and step (onecycle has its own ramp)
-    min_lr: float = 1e-6
+    min_lr: float = 1e-6  # the lr the decay ends at
     onecycle_pct: float = 0.3  # onecycle: fraction of the run spent ramping up from lr / div_factor
     div_factor: float = 25.0  # onecycle: starting lr = lr / div_factor
     final_div_factor: float = 1e4  # onecycle: final lr = lr / div_factor / final_div_factor
@@ -137,20 +143,20 @@ class ScheduleConfig:
     # last evaluation left out), so the decay ends as the budget does on a fast or a slow machine alike.
     horizon: Literal["steps", "time"] = "steps"
     scale_lr: Literal["none", "linear"] = "none"  # linear: lr x global_batch / base_batch_size (Goyal et al.)
-    base_batch_size: int = 256
+    base_batch_size: int = 256  # scale_lr=linear: the batch the configured lr is for
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10
+    epochs: int = 10  # passes over the training data
     batch_size: int = 128  # per device, per micro-step
-    accum_steps: int = 1
-    label_smoothing: float = 0.1
-    seed: int = 0
+    accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    label_smoothing: float = 0.1  # classification: cross-entropy label smoothing
+    seed: int = 0  # weights, data order and augmentation follow from it
     device: str = "auto"  # auto: cuda when available, else cpu
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
-    compile: bool = False
-    eval_every_epochs: int = 1
+    compile: bool = False  # torch.compile the model (the first step's time is logged as compile_s)
+    eval_every_epochs: int = 1  # evaluate (and checkpoint) every this many epochs, and at the end
     eval_at_s: tuple[float, ...] = ()  # also evaluate at the first step past each of these wall-clock seconds
     checkpoint_every_steps: int = 0  # 0: checkpoint at the end of each epoch only
     max_steps: int = 0  # 0: no limit; otherwise stop after this many optimizer steps
@@ -185,7 +191,7 @@ class PrecisionConfig:
     # fp16 dynamic loss scaling (bf16 and fp32 use none).
     init_scale: float = 65536.0
     growth_interval: int = 2000  # double the scale after this many steps without an overflow
-    min_scale: float = 1.0
+    min_scale: float = 1.0  # fp16: the loss scale never goes below this
     max_overflows_at_min: int = 20  # this many consecutive overflows at min_scale stop the run
     # fp32 / bf16: a step whose loss or gradients hold inf/NaN is skipped (weights untouched, logged); more than
     # this many in a row stop the run with its last good checkpoint kept. 0: stop at the first.
@@ -211,7 +217,9 @@ class ParallelConfig:
     # The class name of the repeated block that is a sharding unit and what activation checkpointing recomputes, for
     # a model other than vitrain's ViT; empty: the longest ModuleList/Sequential of one class (vitrain/models/plan.py).
     block: str = ""
+    # params: zero2/zero3 keep shards, gradients and optimizer state in host memory
     offload: Literal["none", "optimizer", "params"] = "none"
+    # recompute each block's activations in backward (or every k-th block)
     activation_checkpointing: Literal["none", "block", "every_k"] = "none"
     checkpoint_every_k: int = 2  # activation_checkpointing=every_k: recompute blocks 0, k, 2k, ...
     # zero2/zero3: gather the next unit's parameters during this unit's backward (overlap on GPUs, one more
@@ -229,14 +237,15 @@ class ParallelConfig:
     # form the data-parallel dimension of a 2-D (pipeline x data) mesh. 1: no pipelining.
     pipeline_stages: int = 1
     microbatches: int = 0  # micro-batches per step's batch under pipelining; 0: twice the number of stages
+    # the order of the stages' micro-batch forward and backward passes
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
 
 
 @dataclass
 class LogConfig:
-    out_dir: str = "runs"
-    every_steps: int = 10
-    progress: bool = True
+    out_dir: str = "runs"  # runs are written to out_dir/<name>/
+    every_steps: int = 10  # a metrics record (loss, lr, images/s) every this many steps
+    progress: bool = True  # a progress bar per epoch on stderr
     # Also write every metrics.jsonl record as TensorBoard scalars under RUN/tensorboard (pip install
     # 'vitrain[tensorboard]'); `vitrain plot RUN` draws the same curves without it.
     tensorboard: bool = False
@@ -251,6 +260,7 @@ class TaskConfig:
     # the identity centres live in a margin head outside the backbone, with optim.head_lr_scale and
     # optim.head_weight_decay as its own lr and weight decay.
     embed_dim: int = 512
+    # face: the margin softmax of the identity head
     margin: Literal["arcface", "cosface", "combined", "softmax"] = "cosface"
     scale: float = 64.0  # s: logits are s x cos(angle), margins applied to the true identity's cosine
     arcface_m: float = 0.5  # arcface: cos(theta + m)
@@ -262,6 +272,7 @@ class TaskConfig:
     # Identities held out of training for verification: how many, and how they are picked (seeded: at random by
     # train.seed-independent SPLIT_SEED; last: the last ones in sorted order, e.g. CFP's 451-500).
     verify_identities: int = 10
+    # seeded: held-out identities drawn at random; last: the last ones in sorted order
     identity_split: Literal["seeded", "last"] = "seeded"
     # Verification pair sets: generated (balanced, seeded, over the held-out identities), cfp-ff / cfp-fp (CFP's
     # official protocol, restricted to the held-out identities), or the path of an LFW-format pairs file.
@@ -337,10 +348,88 @@ def resolve_config_path(name: str) -> Path:
     for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
         if candidate.exists():
             return candidate
+    section, dot, key = name.partition(".")
+    if dot and key in _section_keys().get(section, ()):  # `vitrain train model.depth`: a key without its value
+        raise ConfigError(f"{name} is a config key without a value; write {name}=VALUE")
+    close = difflib.get_close_matches(name, recipe_names(), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
     raise ConfigError(
-        f"config file {name} not found; give a YAML path or a recipe name: {', '.join(recipe_names())} "
+        f"config file {name} not found; {hint}give a YAML path or a recipe name: {', '.join(recipe_names())} "
         "(`vitrain config list` describes them)"
     )
+
+
+def _section_keys() -> dict[str, list[str]]:
+    """Each section's field names: {"model": ["name", "preset", ...], ...}."""
+    hints = typing.get_type_hints(Config)
+    return {
+        f.name: [g.name for g in dataclasses.fields(hints[f.name])]
+        for f in dataclasses.fields(Config)
+        if dataclasses.is_dataclass(hints[f.name])
+    }
+
+
+@dataclass(frozen=True)
+class KeyHelp:
+    key: str  # section.key
+    type: str
+    default: str
+    help: str  # the field's comment in this file, its first sentence
+
+
+def config_keys(section: str | None = None) -> list[KeyHelp]:
+    """Every key of the typed config (or of one section) with its type, default and the comment beside it here:
+    read from the dataclasses and this file's source, so the listing cannot drift from the config."""
+    hints = typing.get_type_hints(Config)
+    rows = []
+    for top in dataclasses.fields(Config):
+        cls = hints[top.name]
+        if not dataclasses.is_dataclass(cls):
+            if section is None:
+                rows.append(KeyHelp(top.name, _type_name(cls), repr(top.default), "the run's name: runs/<name>/"))
+            continue
+        if section is not None and top.name != section:
+            continue
+        comments, defaults, field_hints = _field_comments(cls), cls(), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(defaults, f.name)
+            shown = list(default) if isinstance(default, tuple) else default
+            rows.append(KeyHelp(f"{top.name}.{f.name}", _type_name(field_hints[f.name]), json.dumps(shown),
+                                comments.get(f.name, "")))  # fmt: skip
+    if section is not None and not rows:
+        close = difflib.get_close_matches(section, list(_section_keys()), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(_section_keys())}"
+        raise ConfigError(f"config section {section} does not exist; {hint}")
+    return rows
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is tuple:
+        return f"list of {_type_name(args[0])}"
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The comment on each field's line, or else the comment lines just above it, first sentence only."""
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        match = re.match(r"(\w+): ", text)
+        if match and not text.startswith(("def ", "return ")):
+            beside = text.partition("  # ")[2]
+            note = beside or " ".join(above)
+            comments[match.group(1)] = re.split(r"(?<=\.)\s", note, maxsplit=1)[0]
+        above = []
+    return comments
 
 
 def recipe_names() -> list[str]:
@@ -432,9 +521,13 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         if key not in names:
+            elsewhere = [f"{section}.{key}" for section, fields in _section_keys().items() if key in fields]
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key {prefix}{key}; {hint}")
+            if elsewhere and prefix:  # the right key in another section: data.batch_size -> train.batch_size
+                hint = f"did you mean {' or '.join(elsewhere)}?"
+            else:
+                hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {prefix}{key}; {hint} (`vitrain config keys` lists them all)")
         hint_type = hints[key]
         if dataclasses.is_dataclass(hint_type):
             kwargs[key] = _build(hint_type, value, prefix=f"{prefix}{key}.")

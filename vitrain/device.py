@@ -72,6 +72,8 @@ def cpu_description() -> str:
             fields.setdefault(key.strip(), value.strip())
     model = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
     vendor = f" ({fields['vendor_id']})" if fields.get("vendor_id") else ""
+    if fields.get("cpu family") and fields.get("model"):  # "AMD EPYC" alone names several generations
+        vendor += f" family {fields['cpu family']} model {fields['model']}"
     units = "yes" if cpu_has_bf16_matmul_units() else "no"
     if BF16_UNITS_ENV in os.environ:
         probe = "yes" if amx_probe() else "no"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from torch import nn
 
 from vitrain.config import Config, ModelConfig, to_yaml
 from vitrain.errors import CheckpointError
+from vitrain.files import atomic_write
 
 FORMATS = ("vitrain", "timm")
 WEIGHTS_FILE = "model.safetensors"
@@ -48,8 +50,11 @@ def timm_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain") -> Path:
-    """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm)."""
+def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", overwrite: bool = False) -> Path:
+    """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm).
+
+    An OUT that is a file, or that already holds an export (without `overwrite`), or that cannot be written is
+    refused in one line before anything is written; each file appears whole or not at all."""
     import json
 
     from safetensors.torch import save_file
@@ -61,18 +66,40 @@ def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain") -
             f"task.name={cfg.task.name} model.pool={cfg.model.pool} has no timm VisionTransformer equivalent "
             "(embedding neck or flattened tokens); use --format vitrain"
         )
+    out_dir = Path(out_dir)
+    path = out_dir / WEIGHTS_FILE
+    _check_export_folder(out_dir, overwrite)
     state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / WEIGHTS_FILE
     tmp = out_dir / f".{WEIGHTS_FILE}.tmp"
-    save_file(state, str(tmp), metadata={"format": fmt, "producer": "vitrain"})
-    tmp.replace(path)
-    (out_dir / "config.yaml").write_text(to_yaml(cfg))
-    if fmt == "timm":
-        (out_dir / "timm.json").write_text(json.dumps(timm_kwargs(cfg.model), indent=2) + "\n")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(tmp), metadata={"format": fmt, "producer": "vitrain"})
+        tmp.replace(path)
+        atomic_write(out_dir / "config.yaml", to_yaml(cfg).encode())
+        if fmt == "timm":
+            atomic_write(out_dir / "timm.json", (json.dumps(timm_kwargs(cfg.model), indent=2) + "\n").encode())
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"export: cannot write to {out_dir} ({error.strerror}); choose a writable folder"
+        ) from None
     return path
+
+
+def _check_export_folder(out_dir: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written, an output that is a file, already holds an export, or is not writable."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"export: {out_dir} is a file, not a folder; give a folder to write {WEIGHTS_FILE} into")
+    if (out_dir / WEIGHTS_FILE).exists() and not overwrite:
+        raise CheckpointError(
+            f"export: {out_dir} already holds {WEIGHTS_FILE}; pass --overwrite to replace it or choose another folder"
+        )
+    existing = out_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is not writable); choose another folder")
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -34,6 +34,7 @@ from vitrain.data.sources import (
     location,
 )
 from vitrain.errors import DataError
+from vitrain.files import atomic_write
 
 PLAN = "plan.json"
 FAILED = "failed.txt"
@@ -297,6 +298,4 @@ def _finish(
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from vitrain.errors import DataError
+from vitrain.files import atomic_write
 
 FORMAT = "vitrain-prepared/1"
 MANIFEST = "manifest.json"
@@ -101,9 +101,7 @@ def verify_files(root: Path, files: dict[str, dict[str, Any]], always_hash: bool
             fresh[name] = identity
     if fresh != stamp:
         try:
-            tmp = stamp_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(fresh))
-            os.replace(tmp, stamp_path)
+            atomic_write(stamp_path, json.dumps(fresh).encode())
         except OSError:
             pass  # a read-only copy of the data still loads; it is just hashed again next time
     return hashed

@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from vitrain.checkpoint import atomic_write
 from vitrain.config import Config, PrecisionConfig, to_dict
 from vitrain.device import available_bytes, cpu_description, synchronize
 from vitrain.engine.native import NativeEngine
 from vitrain.engine.step import TrainStep
+from vitrain.files import atomic_write
 from vitrain.models.memory import estimate
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
 from vitrain.precision import LOW_DTYPES, Resolved

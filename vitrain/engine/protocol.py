@@ -126,6 +126,7 @@ def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
     """A checkpoint's fp32 weights into a single-device `model` (one process), whichever engine wrote it; returns
     the checkpoint's meta."""
     meta = ckpt.read_meta(path)
+    ckpt.verify(path)  # a damaged file is named, never loaded
     registry.lookup("engine", meta.get("engine", "native")).load_weights(path, meta, model)
     return meta
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from vitrain import checkpoint as ckpt
@@ -34,6 +35,11 @@ def header_lines(trainer: Trainer) -> list[str]:
         f"{cfg.train.accum_steps} accumulation), {trainer.steps_per_epoch} steps/epoch x {cfg.train.epochs} epochs, "
         f"{len(trainer.train_loader.data)} train images / {trainer.task.describe_data()}, run dir {trainer.run_dir}"
     ]
+    if p.strategy != "single" and dist.world_size == 1 and "WORLD_SIZE" not in os.environ:
+        lines.append(
+            f"parallel.strategy={p.strategy} without a distributed launch runs as one process; launch with "
+            "torchrun --nproc_per_node N to use N processes"
+        )
     if trainer.head is not None:
         lines.append(f"head: {trainer.head.extra_repr()}")
     if trainer.pipeline is not None:

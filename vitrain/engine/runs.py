@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from vitrain import checkpoint as ckpt
-from vitrain.config import Config, config_from_dict, to_dict
+from vitrain.config import Config, config_from_dict, load_config, to_dict, to_yaml
 from vitrain.errors import CheckpointError
+from vitrain.files import atomic_write
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
 
@@ -89,7 +92,7 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
     """
     notes = [f"{what} in {run_dir / ckpt.CHECKPOINT_DIR}" for what in ckpt.clean_leftovers(run_dir)]
     if checkpoint is None:
-        checkpoint = ckpt.latest(run_dir)
+        checkpoint = _newest_intact(run_dir, notes)
         if checkpoint is None:
             if not (run_dir / RUN_FILE).exists():
                 raise CheckpointError(
@@ -99,8 +102,23 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
             return RunChoice(run_dir, None, notes=notes)
     if not checked:
         check(checkpoint, ckpt.read_meta(checkpoint))
+    ckpt.verify(checkpoint)  # a step named on the command line that is damaged is refused, naming the file
     notes += _supersede_newer(run_dir, checkpoint)
     return RunChoice(run_dir, checkpoint, notes=notes)
+
+
+def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
+    """The newest complete step whose files match their checksums; each damaged newer one is noted (and later moved
+    aside with the other newer ones)."""
+    for step in reversed(ckpt.step_dirs(run_dir)):
+        try:
+            ckpt.verify(step)
+        except ckpt.CheckpointDamaged as damaged:
+            notes.append(f"checkpoint {step} is damaged ({damaged.file} does not match its CRC-32): resuming from the "
+                         "step before it")  # fmt: skip
+            continue
+        return step
+    return None
 
 
 def _supersede_newer(run_dir: Path, checkpoint: Path) -> list[str]:
@@ -243,3 +261,83 @@ def restore(trainer: Trainer, path: Path) -> None:
     note = rng_note(path, meta.get("world_size", 1), trainer.dist.world_size, restored)
     if note:
         trainer.notes.append(note)
+
+
+# What a checkpoint cannot continue under another value: the model's shape, the task, and the data order.
+FROZEN_ON_RESUME = ("model.", "task.", "data.source", "data.root", "data.train_split", "data.val_split",
+                    "data.val_fraction", "train.seed", "train.batch_size")  # fmt: skip
+FREE_ON_RESUME = ("model.attention", "model.init_from", "name", "log.out_dir")  # same weights, or where it lives
+CONFIG_HISTORY = "config_history.jsonl"
+
+
+def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tuple[Config, dict[str, tuple]]:
+    """The config a resume continues: the run's own config.yaml with `overrides` on top, and what they changed
+    ({key: (run's value, new value)}). A change a checkpoint cannot honour is refused naming the key; a run with
+    no config.yaml yet (it never started) is resumed with `cfg`."""
+    path = cfg.run_dir if resume is True else Path(resume)
+    run_dir = ckpt.run_dir_of(path) if ckpt.is_step_dir(path) else path
+    if run_dir.name == ckpt.CHECKPOINT_DIR:
+        run_dir = run_dir.parent
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.is_file():
+        return cfg, {}
+    try:
+        saved_raw = yaml.safe_load(saved_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise CheckpointError(
+            f"--resume: {saved_file} is not readable YAML ({error}); restore it from a copy"
+        ) from None
+    saved = load_config(base=saved_raw)
+    resumed = load_config(base=saved_raw, overrides=overrides)
+    before, after = _flat(to_dict(saved)), _flat(to_dict(resumed))
+    changes = {key: (before.get(key), after[key]) for key in after if after[key] != before.get(key)}
+    for key, (old, new) in changes.items():
+        if key.startswith(FROZEN_ON_RESUME) and key not in FREE_ON_RESUME:
+            raise CheckpointError(
+                f"--resume: {key}={_shown(new)} differs from the run's {_shown(old)} ({saved_file}); a checkpoint "
+                f"continues only its own model, task and data order: drop {key} from the command line or start a "
+                "new run without --resume"
+            )
+    return resumed, {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
+
+
+def change_lines(changes: dict[str, tuple]) -> list[str]:
+    return [f"{key}: {_shown(old)} -> {_shown(new)} (command line)" for key, (old, new) in changes.items()]
+
+
+def write_run_files(trainer: Trainer) -> None:
+    """Rank 0, as a run starts or resumes: the run's marker, config.yaml (the old one kept where a resume changed
+    it), and autotune's decision."""
+    run_dir = trainer.run_dir
+    mark_run(run_dir, trainer.is_new_run, trainer.resume_path)
+    if trainer.changes:
+        keep_config_history(run_dir, trainer.resume_path, trainer.changes)
+    atomic_write(run_dir / "config.yaml", to_yaml(trainer.cfg).encode())
+    if trainer.tuned is not None:
+        atomic_write(run_dir / "autotune.json", (json.dumps(trainer.tuned.to_json(), indent=2) + "\n").encode())
+
+
+def keep_config_history(run_dir: Path, checkpoint: Path | None, changes: dict[str, tuple]) -> None:
+    """Before a resume's changed config replaces config.yaml: the old one kept beside it, the change appended to
+    config_history.jsonl."""
+    old = run_dir / "config.yaml"
+    at = checkpoint.name if checkpoint is not None else "step_00000000"
+    if old.is_file():
+        atomic_write(run_dir / f"config.before-resume-at-{at}.yaml", old.read_bytes())
+    record = {"resumed_from": str(checkpoint), "changes": {k: [old, new] for k, (old, new) in changes.items()}}
+    with open(run_dir / CONFIG_HISTORY, "a") as history:
+        history.write(json.dumps(record) + "\n")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value)

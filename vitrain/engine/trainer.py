@@ -14,17 +14,16 @@ from typing import Any
 
 import torch
 
-from vitrain.config import Config, to_yaml
+from vitrain.config import Config
 from vitrain.data.augment import progressive_size, resize_batch
 from vitrain.data.loader import WaitTimer, first_batch
 from vitrain.device import resolve_device
-from vitrain.engine import report
+from vitrain.engine import report, runs
 from vitrain.engine.autotune import autotune
 from vitrain.engine.protocol import build_engine
 from vitrain.engine.runlog import RunLog, Speed, progress_bar
-from vitrain.engine.runs import agree_on_run, check_same_model, checkpoint_meta, mark_run, restore
 from vitrain.engine.step import TrainStep
-from vitrain.errors import ConfigError
+from vitrain.errors import ConfigError, VitrainError
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none
@@ -42,7 +41,13 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: Config, resume: bool | str = False, model: Any = None, data: Any = None, task: Task | None = None
+        self,
+        cfg: Config,
+        resume: bool | str = False,
+        model: Any = None,
+        data: Any = None,
+        task: Task | None = None,
+        changes: dict[str, tuple] | None = None,
     ):
         self.started = time.perf_counter()  # the run's wall clock (train.time_limit_s, wall_s): setup counts
         self.cfg, self.run_dir = cfg, cfg.run_dir
@@ -51,10 +56,11 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.dist = init_distributed(resolve_device(cfg.train.device), cfg.parallel.strategy, cfg.parallel.backend)
         self.device, self.is_main = self.dist.device, self.dist.is_main
-        check = lambda path, meta: check_same_model(path, meta, cfg)  # noqa: E731
-        choice = agree_on_run(self.run_dir, resume, self.is_main, check)
+        check = lambda path, meta: runs.check_same_model(path, meta, cfg)  # noqa: E731
+        choice = runs.agree_on_run(self.run_dir, resume, self.is_main, check)
         self.run_dir, self.resume_path, self.is_new_run = choice.run_dir, choice.checkpoint, choice.is_new
-        self.notes = choice.notes  # what choosing the run folder and loading did, logged once the log is open
+        self.changes = changes or {}  # what a resume's command line changed in the run's config (engine/runs.py)
+        self.notes = choice.notes + runs.change_lines(self.changes)  # logged once the log is open
         t = cfg.train
         # The task owns data, model, head, loss, evaluation and the best metric (vitrain/tasks).
         self.task = task if task is not None else build_task(cfg, model, data)
@@ -117,10 +123,10 @@ class Trainer:
         gc.collect()
 
     def meta(self, is_best: bool = False) -> dict[str, Any]:
-        return checkpoint_meta(self, is_best)
+        return runs.checkpoint_meta(self, is_best)
 
     def load(self, path: Path) -> None:
-        restore(self, path)
+        runs.restore(self, path)
 
     @property
     def global_micro_batch(self) -> int:
@@ -139,20 +145,18 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         with all_or_none(f"writing to the run folder {self.run_dir}"):
             if self.is_main:
-                mark_run(self.run_dir, self.is_new_run, self.resume_path)
-                (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-                if self.tuned is not None:
-                    (self.run_dir / "autotune.json").write_text(json.dumps(self.tuned.to_json(), indent=2) + "\n")
+                runs.write_run_files(self)
             log = RunLog(self.run_dir, enabled=self.is_main, tensorboard=self.cfg.log.tensorboard)
         try:
             return self._fit(log)
+        except VitrainError as error:  # the line the user sees is in the run's log too
+            log.info(f"vitrain: error: {error}")
+            raise
         finally:
             log.close()
             # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
             # where a thread still inside torch aborts the process.
-            close = getattr(self.epoch_batches, "close", None)
-            if close is not None:
-                close()
+            getattr(self.epoch_batches, "close", lambda: None)()
 
     def _fit(self, log: RunLog) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
