@@ -102,6 +102,10 @@ class DataConfig:
     loader: Literal["fast", "plain"] = "fast"  # plain: per-sample PIL decoding in DataLoader workers (baseline)
     loader_workers: int = 2  # plain loader: DataLoader worker processes
     prefetch: int = 2  # fast loader: batches prepared ahead in a background thread; 0 turns it off
+    # folder source (a tree or a zip): up to this many image files that do not decode are skipped, each named in
+    # log.txt and counted in summary.json; one more stops the run naming it. Files without an image suffix are
+    # never read: they are counted and named too, not silently ignored.
+    skip_bad: int = 0
     verify: Literal["once", "always"] = "once"  # prepared data: sha256 once per file change, or every load
 
 

@@ -98,7 +98,9 @@ def _check_export_folder(out_dir: Path, overwrite: bool) -> None:
     existing = out_dir
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
+        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is a file); choose another folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is not writable); choose another folder")
 
 

@@ -53,7 +53,7 @@ def check(cfg: Config) -> None:
         )
     if not 0.0 < d.rrc_ratio[0] <= d.rrc_ratio[1]:
         raise ConfigError(f"data.rrc_ratio={list(d.rrc_ratio)} must be aspect ratios with 0 < low <= high")
-    for name in ("mixup_alpha", "cutmix_alpha", "prefetch", "loader_workers"):
+    for name in ("mixup_alpha", "cutmix_alpha", "prefetch", "loader_workers", "skip_bad"):
         if getattr(d, name) < 0:
             raise ConfigError(f"data.{name}={getattr(d, name)} must be >= 0")
     if not 0.0 <= d.cutmix_prob <= 1.0:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -26,12 +27,29 @@ SPLIT_SEED = 0
 
 
 @dataclass
+class Skipped:
+    """Files of a source that did not become samples: images that did not decode (location, reason), and files
+    without an image suffix (locations)."""
+
+    undecodable: list[tuple[str, str]] = field(default_factory=list)
+    non_images: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        lines = [f"data: skipped {where}: {reason}" for where, reason in self.undecodable]
+        if self.non_images:
+            shown = ", ".join(self.non_images[:5]) + (", ..." if len(self.non_images) > 5 else "")
+            lines.append(f"data: {len(self.non_images)} file(s) without an image suffix not read: {shown}")
+        return lines
+
+
+@dataclass
 class ImageSet:
     """A whole split in memory: images (N, C, H, W) uint8, labels (N,) int64, and class names."""
 
     images: torch.Tensor
     labels: torch.Tensor
     classes: list[str]
+    skipped: Skipped = field(default_factory=Skipped)  # what the source passed over (the train set carries it)
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -45,7 +63,7 @@ class ImageSet:
         return self.images[index], self.labels[index]
 
     def subset(self, index: torch.Tensor) -> ImageSet:
-        return ImageSet(self.images[index], self.labels[index], self.classes)
+        return ImageSet(self.images[index], self.labels[index], self.classes, self.skipped)
 
 
 def build_datasets(cfg: Config, source: Any = None) -> tuple[ImageSet | PreparedSet, ImageSet | PreparedSet]:
@@ -141,6 +159,16 @@ class ImageTree:
     def location(self, name: str) -> str:
         return location(self.root, self.is_zip, name)
 
+    def non_images(self) -> list[str]:
+        """Files in class folders (split/class/file, also one folder down) that have no image suffix: never read."""
+        found = []
+        for name in self.names:
+            parts = name.split("/")
+            if name.endswith("/") or len(parts) < 3 or parts[-1].lower().endswith(IMAGE_SUFFIXES):
+                continue
+            found.append(self.location(name))
+        return found
+
 
 def location(root: str | Path, is_zip: bool, name: str) -> str:
     """How a file of a tree is named in messages: `archive.zip:inner/path` or the path on disk."""
@@ -166,9 +194,10 @@ def folder_source(cfg: Config) -> tuple[ImageSet | PreparedSet, ImageSet | Prepa
     if root.is_dir() and not any(root.iterdir()):
         raise DataError(f"data.root={root} is empty; it needs <split>/<class>/<image> files")
     tree = ImageTree(root)
-    train = _read_split(tree, cfg.data.train_split, cfg, required=True)
+    skipped = Skipped(non_images=tree.non_images())
+    train = _read_split(tree, cfg.data.train_split, cfg, skipped, required=True)
     assert train is not None
-    val = _read_split(tree, cfg.data.val_split, cfg, required=False, classes=train.classes)
+    val = _read_split(tree, cfg.data.val_split, cfg, skipped, required=False, classes=train.classes)
     if val is None:
         train_rows, val_rows = held_out_split(len(train), cfg.data.val_fraction)
         return train.subset(train_rows), train.subset(val_rows)
@@ -215,23 +244,30 @@ def held_out_split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Ten
 
 
 def _read_split(
-    tree: ImageTree, split: str, cfg: Config, required: bool, classes: list[str] | None = None
+    tree: ImageTree, split: str, cfg: Config, skipped: Skipped, required: bool, classes: list[str] | None = None
 ) -> ImageSet | None:
     listing = list_split(tree, split, required, classes)
     if listing is None:
         return None
     names, labels, classes = listing
-    images = _decode_all(tree, names, cfg)
-    return ImageSet(images, torch.tensor(labels, dtype=torch.long), classes)
-
-
-def _decode_all(tree: ImageTree, names: list[str], cfg: Config) -> torch.Tensor:
     mode = "L" if cfg.model.in_chans == 1 else "RGB"
-    return decode_files(tree.root, tree.is_zip, names, mode, cfg.model.image_size, cfg.data.decode_workers)
+    allowed = cfg.data.skip_bad - len(skipped.undecodable)  # the limit counts both splits' files
+    images, kept, bad = decode_some(tree.root, tree.is_zip, names, mode, cfg.model.image_size,
+                                    cfg.data.decode_workers, allowed)  # fmt: skip
+    skipped.undecodable += bad
+    return ImageSet(images, torch.tensor(labels, dtype=torch.long)[kept], classes, skipped)
 
 
 def decode_files(root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int) -> torch.Tensor:
     """(N, C, size, size) uint8 of a tree's files, decoded in chunks by `workers` processes; a bad file is an error."""
+    return decode_some(root, is_zip, names, mode, size, workers, skip_bad=0)[0]
+
+
+def decode_some(
+    root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int, skip_bad: int
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, str]]]:
+    """(images of the files that decoded, their rows in `names`, [(location, reason)] of up to `skip_bad` that did
+    not); one more undecodable file is a DataError naming it and the switch."""
     workers = max(1, workers)
     chunks = [names[i : i + 2048] for i in range(0, len(names), 2048)]
     jobs = [(str(root), is_zip, chunk, mode, size) for chunk in chunks]
@@ -240,10 +276,19 @@ def decode_files(root: str | Path, is_zip: bool, names: list[str], mode: str, si
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(_decode_chunk, jobs))
-    for result in results:
-        if isinstance(result, str):
-            raise DataError(result)
-    return torch.from_numpy(np.concatenate(results))
+    bad = [(start + i, reason) for start, (_, failed) in zip(range(0, len(names), 2048), results, strict=True)
+           for i, reason in failed]  # fmt: skip
+    if len(bad) > skip_bad:
+        row, reason = bad[skip_bad]
+        allowed = f"data.skip_bad={skip_bad} allows {skip_bad}" if skip_bad else "data.skip_bad=0 allows none"
+        raise DataError(
+            f"cannot decode image {location(root, is_zip, names[row])} ({reason}); fix or remove the file, or let "
+            f"the run skip undecodable images: {allowed}, this is number {skip_bad + 1}"
+        )
+    failed_rows = {row for row, _ in bad}
+    kept = torch.tensor([i for i in range(len(names)) if i not in failed_rows], dtype=torch.long)
+    images = torch.from_numpy(np.concatenate([array for array, _ in results]))[kept]
+    return images, kept, [(location(root, is_zip, names[row]), reason) for row, reason in bad]
 
 
 def decode_image(raw: bytes, mode: str, size: int) -> np.ndarray:
@@ -258,17 +303,28 @@ def decode_image(raw: bytes, mode: str, size: int) -> np.ndarray:
     return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
 
 
-def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> np.ndarray | str:
-    """Decode one chunk to (n, C, size, size) uint8; on a bad file return the error line instead."""
+def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> tuple[np.ndarray, list[tuple[int, str]]]:
+    """Decode one chunk to (n, C, size, size) uint8 (a bad file's row left zero) and [(row, reason)] of bad files."""
     root, is_zip, names, mode, size = job
-    out = np.empty((len(names), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
+    out = np.zeros((len(names), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
+    failed = []
     with file_reader(root, is_zip) as read:
         for i, name in enumerate(names):
             try:
                 out[i] = decode_image(read(name), mode, size)
             except Exception as exc:  # PIL raises many types for bad files
-                return f"cannot decode image {location(root, is_zip, name)}: {exc}; fix or remove the file"
-    return out
+                failed.append((i, decode_failure(exc)))
+    return out, failed
+
+
+def decode_failure(exc: Exception) -> str:
+    """Why a file did not decode, in words: no Python object reprs (`<_io.BytesIO object at 0x...>`)."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image PIL can read"
+    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the file", str(exc)).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------- prepared
@@ -284,10 +340,16 @@ def prepared_source(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
             f"set data.train_split"
         )
     train = splits[d.train_split]
-    if d.val_split in splits:
-        return train, splits[d.val_split]
-    train_rows, val_rows = held_out_split(len(train), d.val_fraction)
-    return train.subset(train_rows), train.subset(val_rows)
+    val = splits.get(d.val_split)
+    if val is None:
+        train_rows, val_rows = held_out_split(len(train), d.val_fraction)
+        train, val = train.subset(train_rows), train.subset(val_rows)
+    # `vitrain data prepare` skipped what did not decode and listed it (failed.txt): named in the run's log too.
+    failed = Path(d.root).expanduser() / "failed.txt"
+    if failed.is_file():
+        listed = [line.partition("\t") for line in failed.read_text().splitlines() if line.strip()]
+        train.skipped = Skipped(undecodable=[(where, f"{reason} (when prepared)") for where, _, reason in listed])
+    return train, val
 
 
 # ---------------------------------------------------------------------------------------------- synthetic

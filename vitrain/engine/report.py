@@ -40,6 +40,9 @@ def header_lines(trainer: Trainer) -> list[str]:
             f"parallel.strategy={p.strategy} without a distributed launch runs as one process; launch with "
             "torchrun --nproc_per_node N to use N processes"
         )
+    skipped = getattr(trainer.train_loader.data, "skipped", None)  # a folder source's undecodable and other files
+    if skipped is not None:
+        lines += skipped.lines()
     if trainer.head is not None:
         lines.append(f"head: {trainer.head.extra_repr()}")
     if trainer.pipeline is not None:
@@ -78,6 +81,9 @@ def summary(trainer: Trainer, wall_s: float, images_per_s: float, compile_s: flo
         "precision": engine.precision_label,
         **engine.scaler_fields(),
     }
+    skipped = getattr(trainer.train_loader.data, "skipped", None)
+    if skipped is not None:
+        fields |= {"skipped_files": len(skipped.undecodable), "non_image_files": len(skipped.non_images)}
     if compile_s is not None:
         fields["compile_s"] = compile_s
     return fields

@@ -25,10 +25,12 @@ class RunLog:
             if tensorboard:
                 self.events = tensorboard_writer(run_dir / "tensorboard")
 
-    def info(self, message: str) -> None:
+    def info(self, message: str, echo: bool = True) -> None:
+        """A line for log.txt, and for stderr unless `echo` is off (the line is printed elsewhere)."""
         if not self.enabled:
             return
-        tqdm.write(message, file=sys.stderr)
+        if echo:
+            tqdm.write(message, file=sys.stderr)
         self.text.write(message + "\n")
         self.text.flush()
 

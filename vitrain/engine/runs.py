@@ -114,8 +114,8 @@ def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
         try:
             ckpt.verify(step)
         except ckpt.CheckpointDamaged as damaged:
-            notes.append(f"checkpoint {step} is damaged ({damaged.file} does not match its CRC-32): resuming from the "
-                         "step before it")  # fmt: skip
+            notes.append(f"checkpoint {step} is damaged ({damaged.file} does not match its checksum): resuming from "
+                         "the step before it")  # fmt: skip
             continue
         return step
     return None

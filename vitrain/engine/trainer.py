@@ -150,7 +150,7 @@ class Trainer:
         try:
             return self._fit(log)
         except VitrainError as error:  # the line the user sees is in the run's log too
-            log.info(f"vitrain: error: {error}")
+            log.info(f"vitrain: error: {error}", echo=False)  # the CLI prints it
             raise
         finally:
             log.close()

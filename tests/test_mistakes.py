@@ -1,0 +1,250 @@
+"""A user's mistakes: one line naming the value and the fix, exit 2, and nothing the user had changed or lost.
+
+Also the cases that are not mistakes but used to surprise: a resume continues the run's own config (a changed value
+is said and logged), a damaged checkpoint is named, a few bad images are skipped when allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import tiny_overrides
+from tests.test_trainer import snapshot
+from vitrain import checkpoint as ckpt
+from vitrain.cli import main
+from vitrain.config import Config, config_keys
+
+TINY_RUN = ["train.epochs=1", "name=run"]
+
+
+def error_line(capsys, argv: list[str]) -> str:
+    """Run the CLI in process; it must exit 2 with exactly one error line and no traceback: that line."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("vitrain: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0].removeprefix("vitrain: error: ")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished 1-epoch run with two checkpoints (steps 10 and 16)."""
+    out = tmp_path_factory.mktemp("mistakes")
+    overrides = tiny_overrides(out, *TINY_RUN, "train.checkpoint_every_steps=10", "train.batch_size=90")
+    assert main(["train", *overrides]) == 0
+    return out / "runs" / "run"
+
+
+def fresh_copy(trained: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "runs" / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def test_resume_continues_the_runs_own_config_and_logs_a_changed_value(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    steps = json.loads((run / "summary.json").read_text())["steps"]
+    # The recipe on the command line (digits: 30 epochs) does not replace the run's train.epochs=1.
+    assert main(["train", "--resume", str(run), "log.progress=false"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == steps
+    assert not (run / "config_history.jsonl").exists()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.epochs=3"]) == 0
+    assert "train.epochs: 1 -> 3 (command line)" in capsys.readouterr().err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3 * steps
+    assert "train.epochs: 1 -> 3 (command line)" in (run / "log.txt").read_text()
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert history[0]["changes"] == {"train.epochs": [1, 3]}
+    kept = next(run.glob("config.before-resume-at-step_*.yaml"))
+    assert "  epochs: 1\n" in kept.read_text() and "  epochs: 3\n" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "override, first_words",
+    [
+        ("model.depth=3", "--resume: model.depth=3 differs from the run's 2"),
+        ("train.seed=7", "--resume: train.seed=7 differs from the run's 0"),
+        ("data.source=synthetic", '--resume: data.source="synthetic" differs from the run\'s "digits"'),
+    ],
+)
+def test_resume_refuses_what_a_checkpoint_cannot_continue_and_changes_nothing(
+    trained, tmp_path, capsys, override, first_words
+):
+    run = fresh_copy(trained, tmp_path)
+    before = snapshot(run)
+    assert error_line(capsys, ["train", "--resume", str(run), override]).startswith(first_words)
+    assert snapshot(run) == before
+
+
+# ---------------------------------------------------------------------------------------------- damage
+
+
+def flip_one_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def data_files(step: Path) -> list[str]:
+    return sorted(json.loads((step / ckpt.COMPLETE_FILE).read_text())["files"])
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_a_flipped_byte_in_the_newest_step_is_named_and_resume_falls_back(trained, tmp_path, capsys, which):
+    run = fresh_copy(trained, tmp_path)
+    newest, previous = ckpt.step_dirs(run)[-1], ckpt.step_dirs(run)[-2]
+    name = data_files(newest)[which]  # the DCP shard, its index, meta.json
+    flip_one_byte(newest / name)
+    main(["checkpoint", "verify", str(run)])
+    out = capsys.readouterr().out
+    assert f"{newest}: damaged: {name} does not match its checksum" in out and f"{previous}: intact" in out
+    assert error_line(capsys, ["eval", str(run)]).startswith(f"checkpoint {newest} is damaged: {name} does not match")
+    exported = tmp_path / "export"
+    assert error_line(capsys, ["export", str(run), str(exported)]).startswith(f"checkpoint {newest} is damaged")
+    assert not exported.exists()
+    assert main(["train", "--resume", str(run), "train.epochs=2"]) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged ({name} does not match its checksum): resuming from the step" in err
+    assert f"resumed from {previous}" in err
+    assert (run / "checkpoints" / f"superseded-{newest.name}" / name).is_file()  # kept aside, not deleted
+
+
+def test_checkpoint_verify_says_what_each_step_is(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    newest = ckpt.step_dirs(run)[-1]
+    (newest / ckpt.COMPLETE_FILE).unlink()
+    assert main(["checkpoint", "verify", str(run)]) == 2
+    captured = capsys.readouterr()
+    assert f"{newest}: incomplete: no COMPLETE marker (its write was interrupted)" in captured.out
+    assert "1 of 2 step folder(s)" in captured.err
+    line = error_line(capsys, ["eval", str(newest)])
+    assert line.startswith(f"checkpoint {newest} is incomplete (no valid COMPLETE marker")
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def test_export_never_replaces_an_export_without_overwrite(trained, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["export", str(trained), str(out)]) == 0
+    before = snapshot(out)
+    line = error_line(capsys, ["export", str(trained), str(out)])
+    assert (
+        line
+        == f"export: {out} already holds model.safetensors; pass --overwrite to replace it or choose another folder"
+    )
+    assert snapshot(out) == before
+    assert main(["export", str(trained), str(out), "--overwrite"]) == 0
+
+
+def test_export_to_a_file_or_under_one_is_one_line(trained, tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert error_line(capsys, ["export", str(trained), str(a_file)]).startswith(f"export: {a_file} is a file")
+    under = a_file / "sub"
+    assert error_line(capsys, ["export", str(trained), str(under)]).startswith(f"export: cannot write to {under}")
+    assert a_file.read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------- bad samples
+
+
+def zip_with_bad_images(path: Path, bad: int) -> Path:
+    draw = np.random.default_rng(0)
+    with zipfile.ZipFile(path, "w") as archive:
+        for split in ("train", "test"):
+            for label in ("a", "b"):
+                for i in range(12):
+                    buffer = io.BytesIO()
+                    Image.fromarray(draw.integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
+                    archive.writestr(f"{split}/{label}/{i}.png", buffer.getvalue())
+        for i in range(bad):
+            archive.writestr(f"train/a/broken{i}.png", b"this is not a png")
+        archive.writestr("train/b/notes.txt", b"a stray file")
+    return path
+
+
+def folder_run(tmp_path: Path, root: Path, *extra: str) -> list[str]:
+    return ["train", *tiny_overrides(tmp_path, "data.source=folder", f"data.root={root}", "model.image_size=8",
+                                     "model.num_classes=2", "train.batch_size=8", "name=zip", *extra)]  # fmt: skip
+
+
+def test_undecodable_images_are_skipped_up_to_the_limit_named_and_counted(tmp_path, capsys):
+    root = zip_with_bad_images(tmp_path / "bad.zip", bad=3)
+    assert main(folder_run(tmp_path, root, "data.skip_bad=3")) == 0
+    log = (tmp_path / "runs" / "zip" / "log.txt").read_text()
+    for i in range(3):
+        assert f"data: skipped {root}:train/a/broken{i}.png: not an image PIL can read" in log
+    assert f"1 file(s) without an image suffix not read: {root}:train/b/notes.txt" in log
+    summary = json.loads((tmp_path / "runs" / "zip" / "summary.json").read_text())
+    assert summary["skipped_files"] == 3 and summary["non_image_files"] == 1
+    capsys.readouterr()
+    line = error_line(capsys, folder_run(tmp_path, root, "data.skip_bad=2", "name=zip2"))
+    assert line == (
+        f"cannot decode image {root}:train/a/broken2.png (not an image PIL can read); fix or remove the file, or "
+        "let the run skip undecodable images: data.skip_bad=2 allows 2, this is number 3"
+    )
+    assert not (tmp_path / "runs" / "zip2").exists()
+
+
+# ---------------------------------------------------------------------------------------------- finding keys
+
+
+def test_config_keys_lists_every_key_of_the_typed_config(capsys):
+    assert main(["config", "keys"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    sections = [f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type) or f.name != "name"]
+    expected = ["name"] + [
+        f"{section.name}.{key.name}"
+        for section in sections
+        for key in dataclasses.fields(getattr(Config(), section.name))
+    ]
+    assert listed == expected
+    assert all(row.help for row in config_keys()), [row.key for row in config_keys() if not row.help]
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["config", "show", "digits", "data.batch_size=3"],
+            "unknown config key data.batch_size; did you mean train.batch_size?",
+        ),
+        (["train", "model.depth"], "model.depth is a config key without a value; write model.depth=VALUE"),
+        (["config", "show", "digitz"], "config file digitz not found; did you mean digits?"),
+        (["config", "keys", "trian"], "config section trian does not exist; did you mean train?"),
+        (["train", "task.name=nosuchtask"], "task.name=nosuchtask is not known; use one of: classification, face"),
+        (["train", "model.name=timmm:vit"], "model.name=timmm:vit: cannot import timmm"),
+    ],
+)
+def test_a_misspelt_name_gets_a_suggestion(capsys, argv, line):
+    assert error_line(capsys, argv).startswith(line)
+
+
+def test_a_distributed_strategy_without_a_launch_says_it_runs_as_one_process(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", *tiny_overrides(tmp_path, "parallel.strategy=ddp", "train.max_steps=1", "name=ddp")]) == 0
+    log = (tmp_path / "runs" / "ddp" / "log.txt").read_text()
+    assert "parallel.strategy=ddp without a distributed launch runs as one process" in log
+
+
+def test_an_error_that_ends_a_run_is_in_its_log(tmp_path, capsys, monkeypatch):
+    from tests.test_faults import _nan_loss_at
+
+    _nan_loss_at(monkeypatch, set(range(1, 100)))
+    line = error_line(capsys, ["train", *tiny_overrides(tmp_path, "name=nan", "precision.max_nonfinite_skips=0")])
+    assert f"vitrain: error: {line}" in (tmp_path / "runs" / "nan" / "log.txt").read_text()
