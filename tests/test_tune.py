@@ -204,3 +204,33 @@ def test_a_checkpoint_resumes_whichever_attention_auto_picks(tmp_path, monkeypat
         assert again.fit()["steps"] == 2
     finally:
         again.close()
+
+
+def _face_autotune_on_two_ranks(out_dir, faces, cache):
+    import os
+
+    from tests.face.helpers import face_config
+
+    os.environ["VITRAIN_AUTOTUNE"], os.environ["VITRAIN_CACHE_DIR"] = "1", str(cache)
+    cfg = face_config(out_dir, faces, "tuned", parallel={"strategy": "ddp"}, precision={"mode": "auto"},
+                      model={"attention": "auto"}, train={"max_steps": 2})  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        decision = trainer.tuned
+        assert set(decision.values) == {"precision.mode", "model.attention"}
+        assert trainer.precision.resolved.mode == decision.values["precision.mode"]
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary["steps"] == 2
+    (out_dir / f"decision{torch.distributed.get_rank()}.json").write_text(json.dumps(decision.values))
+
+
+def test_every_rank_races_the_face_task_with_its_collective_head_and_agrees(tmp_path):
+    from tests.distributed_helpers import run_two_ranks
+    from tests.face.helpers import make_faces
+
+    faces = make_faces(tmp_path / "faces")
+    run_two_ranks(_face_autotune_on_two_ranks, tmp_path, faces, tmp_path / "cache")
+    decisions = [json.loads((tmp_path / f"decision{rank}.json").read_text()) for rank in (0, 1)]
+    assert decisions[0] == decisions[1]

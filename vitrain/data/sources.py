@@ -259,15 +259,16 @@ def _read_split(
 
 
 def decode_files(root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int) -> torch.Tensor:
-    """(N, C, size, size) uint8 of a tree's files, decoded in chunks by `workers` processes; a bad file is an error."""
-    return decode_some(root, is_zip, names, mode, size, workers, skip_bad=0)[0]
+    """(N, C, size, size) uint8 of a tree's files, decoded in chunks by `workers` processes; a bad file is an error
+    (face folders: their verification pairs name every image, so none may be skipped)."""
+    return decode_some(root, is_zip, names, mode, size, workers, skip_bad=None)[0]
 
 
 def decode_some(
-    root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int, skip_bad: int
+    root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int, skip_bad: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, str]]]:
     """(images of the files that decoded, their rows in `names`, [(location, reason)] of up to `skip_bad` that did
-    not); one more undecodable file is a DataError naming it and the switch."""
+    not); one more undecodable file is a DataError naming it and the switch (None: no file may be skipped)."""
     workers = max(1, workers)
     chunks = [names[i : i + 2048] for i in range(0, len(names), 2048)]
     jobs = [(str(root), is_zip, chunk, mode, size) for chunk in chunks]
@@ -278,13 +279,13 @@ def decode_some(
             results = list(pool.map(_decode_chunk, jobs))
     bad = [(start + i, reason) for start, (_, failed) in zip(range(0, len(names), 2048), results, strict=True)
            for i, reason in failed]  # fmt: skip
-    if len(bad) > skip_bad:
-        row, reason = bad[skip_bad]
+    if len(bad) > (skip_bad or 0):
+        row, reason = bad[skip_bad or 0]
+        where = f"cannot decode image {location(root, is_zip, names[row])} ({reason}); fix or remove the file"
+        if skip_bad is None:
+            raise DataError(where)
         allowed = f"data.skip_bad={skip_bad} allows {skip_bad}" if skip_bad else "data.skip_bad=0 allows none"
-        raise DataError(
-            f"cannot decode image {location(root, is_zip, names[row])} ({reason}); fix or remove the file, or let "
-            f"the run skip undecodable images: {allowed}, this is number {skip_bad + 1}"
-        )
+        raise DataError(f"{where}, or let the run skip undecodable images: {allowed}, this is number {skip_bad + 1}")
     failed_rows = {row for row, _ in bad}
     kept = torch.tensor([i for i in range(len(names)) if i not in failed_rows], dtype=torch.long)
     images = torch.from_numpy(np.concatenate([array for array, _ in results]))[kept]
