@@ -194,3 +194,56 @@ def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):
         data=(data.subset(torch.arange(32)), data.subset(torch.arange(32, 48))),
     )
     assert summary["steps"] == 2 and summary["params"] == sum(p.numel() for p in UserNet(1, 4).parameters())
+
+
+class FlatNet(nn.Module):
+    """A model with no repeated block: one unit for every strategy; what needs blocks refuses in one line."""
+
+    def __init__(self, cfg):  # noqa: ANN001
+        super().__init__()
+        self.conv = nn.Conv2d(cfg.in_chans, 8, kernel_size=4, stride=4)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, cfg.num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.conv(images).flatten(2).mean(dim=2)))
+
+
+def test_a_model_without_repeated_blocks_trains_and_checkpointing_it_is_refused(tmp_path, capsys):
+    overrides = ["model.name=tests.test_bring_your_own:FlatNet", "train.max_steps=2", "train.epochs=1"]
+    overrides += ["log.progress=false", f"log.out_dir={tmp_path}", "precision.mode=amp_o2"]
+    assert main(["train", "digits", *overrides]) == 0
+    assert main(["train", "digits", *overrides, "parallel.activation_checkpointing=block", "name=ac"]) == 2
+    assert "recomputes repeated blocks, and this model has no ModuleList of one class; name its block class with " \
+        "parallel.block=NAME" in capsys.readouterr().err  # fmt: skip
+
+
+def test_autotune_never_steps_a_module_handed_to_the_library(tmp_path, monkeypatch):
+    import vitrain
+
+    monkeypatch.setenv("VITRAIN_AUTOTUNE", "1")
+    net = UserNet(1, 10)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    cfg = vitrain.load_config("digits", ["train.max_steps=1", f"log.out_dir={tmp_path}", "log.progress=false"])
+    trainer = vitrain.Trainer(cfg, model=net)
+    try:
+        assert trainer.tuned is not None and trainer.tuned.images_per_s  # the candidates ran
+        for name, tensor in net.state_dict().items():
+            assert torch.equal(tensor.float(), before[name].float()), name
+    finally:
+        trainer.close()
+
+
+def test_layers_named_in_fp32_modules_stay_fp32_inside_and_out_under_amp_o2(tmp_path):
+    from vitrain.engine import Trainer
+
+    cfg = tiny_config(tmp_path, "fp32mods", model={"name": "tests.test_bring_your_own:user_net"},
+                      precision={"mode": "amp_o2", "dtype": "bf16", "fp32_modules": ["UserBlock"]})  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        working = trainer.forward.module  # the low-dtype working copy behind the casts
+        assert working.layers[0].fc1.weight.dtype == torch.float32  # inside a kept UserBlock
+        assert working.stem.weight.dtype == torch.bfloat16 and working.classifier.weight.dtype == torch.bfloat16
+        assert trainer.fit()["steps"] == 5
+    finally:
+        trainer.close()

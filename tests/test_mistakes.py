@@ -248,3 +248,31 @@ def test_an_error_that_ends_a_run_is_in_its_log(tmp_path, capsys, monkeypatch):
     _nan_loss_at(monkeypatch, set(range(1, 100)))
     line = error_line(capsys, ["train", *tiny_overrides(tmp_path, "name=nan", "precision.max_nonfinite_skips=0")])
     assert f"vitrain: error: {line}" in (tmp_path / "runs" / "nan" / "log.txt").read_text()
+
+
+def test_resume_checks_the_overrides_against_the_runs_config_not_the_recipes(tmp_path, capsys):
+    overrides = tiny_overrides(tmp_path, "name=z3", "parallel.strategy=zero3", "train.max_steps=2")
+    assert main(["train", *overrides]) == 0
+    run = tmp_path / "runs" / "z3"
+    # The recipe (digits) says parallel.strategy=single, under which offload=params is refused; the run is zero3.
+    assert main(["train", "--resume", str(run), "parallel.offload=params", "train.max_steps=3"]) == 0
+    assert 'parallel.offload: "none" -> "params" (command line)' in capsys.readouterr().err
+
+
+def test_resume_refuses_a_run_whose_every_checkpoint_is_damaged_and_keeps_them(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    for step in ckpt.step_dirs(run):
+        flip_one_byte(step / data_files(step)[0])
+    before = snapshot(run)
+    line = error_line(capsys, ["train", "--resume", str(run)])
+    assert line.startswith(f"--resume: every checkpoint of {run} is damaged")
+    assert snapshot(run) == before
+
+
+def test_the_skip_limit_counts_both_splits(tmp_path, capsys):
+    root = tmp_path / "both.zip"
+    zip_with_bad_images(root, bad=2)
+    with zipfile.ZipFile(root, "a") as archive:
+        archive.writestr("test/a/broken-val.png", b"not a png either")
+    line = error_line(capsys, folder_run(tmp_path, root, "data.skip_bad=2"))
+    assert line.endswith("data.skip_bad=2 allows 2, this is number 3") and "test/a/broken-val.png" in line

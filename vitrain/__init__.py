@@ -16,7 +16,6 @@ __version__ = "0.1.0"
 
 _NAMES = {
     "train": "vitrain.api",
-    "config": "vitrain.api",
     "Config": "vitrain.config",
     "Trainer": "vitrain.engine.trainer",
     "TrainStep": "vitrain.engine.step",

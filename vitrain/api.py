@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vitrain.config import Config, load_config, resolve_config_path
+from vitrain.config import Config, load_config, resolve_config_path, to_dict
 from vitrain.engine.runs import resumed_config
 from vitrain.engine.trainer import Trainer
 from vitrain.parallel import shutdown
@@ -20,15 +20,15 @@ from vitrain.parallel import shutdown
 DEFAULT_RECIPE = "digits"
 
 
-def config(source: str | Path | dict | Config | None = None, overrides: list[str] | None = None) -> Config:
+def config(
+    source: str | Path | dict | Config | None = None, overrides: list[str] | None = None, check: bool = True
+) -> Config:
     """A validated config from a recipe name or YAML path, a dict of sections, or a Config (with overrides)."""
     if isinstance(source, Config):
-        from vitrain.config import to_dict
-
-        return load_config(overrides=overrides, base=to_dict(source))
+        return load_config(overrides=overrides, base=to_dict(source), check=check)
     if isinstance(source, dict):
-        return load_config(overrides=overrides, base=source)
-    return load_config(resolve_config_path(str(source or DEFAULT_RECIPE)), overrides)
+        return load_config(overrides=overrides, base=source, check=check)
+    return load_config(resolve_config_path(str(source or DEFAULT_RECIPE)), overrides, check=check)
 
 
 def train(
@@ -51,10 +51,11 @@ def train(
     config (its config.yaml); `overrides` are applied on top, each change printed and logged, and one that a
     checkpoint cannot honour (the model, the task, the data order) is refused naming the key.
     """
-    cfg = config(source, overrides)
     changes: dict[str, tuple[Any, Any]] = {}
     if resume:  # the run's own config, the command line's overrides on top (each change said and logged)
-        cfg, changes = resumed_config(cfg, resume, overrides or [])
+        cfg, changes = resumed_config(config(source, overrides, check=False), resume, overrides or [])
+    else:
+        cfg = config(source, overrides)
     trainer = None
     try:
         trainer = Trainer(cfg, resume=resume, model=model, data=data, task=task, changes=changes)

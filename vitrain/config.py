@@ -308,9 +308,13 @@ class Config:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, Any] | None = None
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+    check: bool = True,
 ) -> Config:
-    """Resolve a config: defaults <- model preset <- YAML file (or `base` dict) <- `section.key=value` overrides."""
+    """Resolve a config: defaults <- model preset <- YAML file (or `base` dict) <- `section.key=value` overrides;
+    validated unless `check` is off (a resume reads only where the run is from it, and checks the run's own)."""
     raw: dict[str, Any] = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         raw = _read_yaml(Path(path))
@@ -318,7 +322,8 @@ def load_config(
         _merge(raw, _parse_override(item))
     _apply_preset(raw)
     cfg = _build(Config, raw, prefix="")
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
@@ -612,14 +617,10 @@ def _is_intlike(value: Any) -> bool:
 
 
 def validate(cfg: Config) -> None:
-    """Hand each section to its owner's check (registry.SECTION_CHECKS), then the named task, engine, model and data
-    source their own `check(cfg)` where they have one: a bad value gets one line that names it and the fix."""
+    """Hand each section to its owner's check and the named engine, task, model and data source to their own
+    `check(cfg)` where they have one (registry.CHECK_ORDER): a bad value gets one line naming it and the fix."""
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty run name without '/'")
-    for check in registry.section_checks():
+    names = {"engine": cfg.train.engine, "task": cfg.task.name, "model": cfg.model.name, "data": cfg.data.source}
+    for check in registry.checks(names):
         check(cfg)
-    for kind, name in (("engine", cfg.train.engine), ("task", cfg.task.name), ("model", cfg.model.name),
-                       ("data", cfg.data.source)):  # fmt: skip
-        own = getattr(registry.lookup(kind, name), "check", None)
-        if callable(own):
-            own(cfg)

@@ -513,19 +513,23 @@ def _working_copy(
 ) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
     """amp_o2's low-dtype copy of `model` and its (working, master) parameter pairs.
 
-    Norm layers are not copied: the copy shares the master's fp32 parameters and running statistics and runs them
-    in fp32 (inputs upcast, outputs cast back to `dtype`).
+    Norm layers (and the classes named in precision.fp32_modules, with everything inside them) are not copied: the
+    copy shares the master's fp32 parameters and running statistics and runs them in fp32 (inputs upcast on entry,
+    outputs cast back to `dtype`).
     """
     working = copy.deepcopy(model)
     pairs = []
+    kept = {id(m) for top in model.modules() if keeps_fp32(top, fp32_modules) for m in top.modules()}
+    inner = {id(m) for top in model.modules() if keeps_fp32(top, fp32_modules) for m in list(top.modules())[1:]}
     for work_mod, master_mod in zip(working.modules(), model.modules(), strict=True):
-        if keeps_fp32(work_mod, fp32_modules):
+        if id(master_mod) in kept:
             for name, param in master_mod.named_parameters(recurse=False):
                 setattr(work_mod, name, param)
             for name, buf in master_mod.named_buffers(recurse=False):
                 work_mod._buffers[name] = buf
-            work_mod.register_forward_pre_hook(_norm_in_fp32)
-            work_mod.register_forward_hook(norm_output_to(dtype))
+            if id(master_mod) not in inner:  # the top of a kept subtree: fp32 in, the low dtype out
+                work_mod.register_forward_pre_hook(_norm_in_fp32)
+                work_mod.register_forward_hook(norm_output_to(dtype))
             continue
         for name, param in list(work_mod.named_parameters(recurse=False)):
             low = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
@@ -592,6 +596,11 @@ def check_finite(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
 def check(cfg: Config) -> None:
     """The precision section (and which strategies a mode runs under): one line naming the value and the fix."""
     p = cfg.precision
+    if p.fp32_modules and p.mode == "pure":
+        raise ConfigError(
+            f"precision.fp32_modules={list(p.fp32_modules)} keeps layers in fp32 under amp_o2; precision.mode=pure "
+            "casts every weight (norms compute in fp32 already): use precision.mode=amp_o2 or drop fp32_modules"
+        )
     if p.mode == "pure" and cfg.parallel.strategy not in ("single", "ddp"):
         raise ConfigError(
             f"precision.mode=pure steps low-precision weights in place, which parallel.strategy="

@@ -15,6 +15,7 @@ the registry is the floor every layer may stand on. A name with a colon whose pa
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -38,14 +39,19 @@ _BUILTIN: dict[str, dict[str, str]] = {
 }
 # Families: `NAME:ARGUMENT` calls the factory with ARGUMENT (it returns the component itself).
 _FAMILIES: dict[str, dict[str, str]] = {"model": {"timm": "vitrain.models.external:timm_model"}}
-# Each config section's owner checks it: config.validate calls these, then the named components' own `check`.
-SECTION_CHECKS = (
+# The order config.validate checks a config in (the first error is the one a user sees): each section by its
+# owner, and "engine"/"task"/"model"/"data" by the component the config names (its static `check(cfg)`, if any).
+CHECK_ORDER = (
     "vitrain.models:check",
     "vitrain.data:check",
     "vitrain.engine.protocol:check_train",
     "vitrain.parallel:check",
+    "engine",
+    "task",
     "vitrain.optim:check",
     "vitrain.precision:check",
+    "model",
+    "data",
 )
 _REGISTERED: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 _CONFIG_KEY = {"model": "model.name", "task": "task.name", "engine": "train.engine", "data": "data.source"}
@@ -69,9 +75,20 @@ def register(kind: str, name: str, component: Any = None) -> Any:
     return add if component is None else add(component)
 
 
-def section_checks() -> list[Callable[[Any], None]]:
-    """The section owners' check functions, imported on first use."""
-    return [_import(path, "config checks") for path in SECTION_CHECKS]
+def checks(names: dict[str, str]) -> list[Callable[[Any], None]]:
+    """The checks of a config in CHECK_ORDER: section owners' functions and the named components' own `check`
+    (`names`: kind -> the config's name for it). A component's `check` counts only as a static or class method
+    (or a module-level function): an instance method of a user's class is not a config check."""
+    found = []
+    for entry in CHECK_ORDER:
+        if entry not in KINDS:
+            found.append(_import(entry, "config checks"))
+            continue
+        component = lookup(entry, names[entry])
+        own = inspect.getattr_static(component, "check", None) if inspect.isclass(component) else None
+        if isinstance(own, staticmethod | classmethod):
+            found.append(component.check)
+    return found
 
 
 def names(kind: str) -> list[str]:

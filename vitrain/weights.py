@@ -61,6 +61,11 @@ def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", o
 
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format {fmt} is unknown; choose one of: {', '.join(FORMATS)}")
+    if fmt == "timm" and cfg.model.name != "vit":
+        raise CheckpointError(
+            f"export --format timm renames vitrain's ViT; model.name={cfg.model.name} keeps its own names: use "
+            "--format vitrain"
+        )
     if fmt == "timm" and (cfg.task.name != "classification" or cfg.model.pool == "flatten"):
         raise CheckpointError(
             f"task.name={cfg.task.name} model.pool={cfg.model.pool} has no timm VisionTransformer equivalent "

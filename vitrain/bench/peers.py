@@ -197,7 +197,7 @@ def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
 
     trainer = Trainer(cfg)
     engine = trainer.engine
-    batch = [(images, labels)]
+    batch = [(images, labels)] * cfg.train.accum_steps  # the same images for each micro-step of the recipe
 
     def body() -> None:  # the trainer's own step, as `fit` runs it
         trainer.train_step(batch, cfg.optim.lr)

@@ -113,18 +113,20 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
     step_seconds: list[float] = []
     if profile is not None and dist.world_size > 1:  # one trace per rank
         profile = profile / f"rank{dist.rank}"
-    for i in range(warmup + steps):
-        timing = i >= warmup
-        timer = PhaseTimer(device)
-        with _profiler(profile if timing and i == warmup else None):
-            start = time.perf_counter()
-            trainer.train_step(itertools.islice(batches, accum), cfg.optim.lr, timer)
-            end = time.perf_counter()
-        if timing:
-            step_seconds.append(end - start)
-            for key in PHASES:
-                seconds[key] += timer.seconds.get(key, 0.0)
-    batches.close()
+    try:
+        for i in range(warmup + steps):
+            timing = i >= warmup
+            timer = PhaseTimer(device)
+            with _profiler(profile if timing and i == warmup else None):
+                start = time.perf_counter()
+                trainer.train_step(itertools.islice(batches, accum), cfg.optim.lr, timer)
+                end = time.perf_counter()
+            if timing:
+                step_seconds.append(end - start)
+                for key in PHASES:
+                    seconds[key] += timer.seconds.get(key, 0.0)
+    finally:
+        batches.close()  # the loader's prefetch thread stops here, also when a step fails
 
     images_per_step = cfg.train.batch_size * accum * dist.data_size
     timed_s = sum(step_seconds)

@@ -29,6 +29,7 @@ from vitrain.data.sources import (
     IMAGE_SUFFIXES,
     ImageTree,
     checked_class_folders,
+    decode_failure,
     decode_image,
     file_reader,
     location,
@@ -237,7 +238,7 @@ def _convert_shard(job: tuple) -> int:
             try:
                 out[len(kept)] = decode_image(read(f), mode, size)
             except Exception as exc:  # PIL raises many types for bad files; report and keep going
-                failed.append((location(root, is_zip, f), f"{type(exc).__name__}: {exc}"))
+                failed.append((location(root, is_zip, f), decode_failure(exc)))
                 continue
             kept.append(label)
             kept_names.append(f)

@@ -96,8 +96,8 @@ def build_datasets(cfg: Config, source: Any = None) -> tuple[ImageSet | Prepared
 
 
 def digits_source(cfg: Config) -> tuple[ImageSet, ImageSet]:
-    image_size = cfg.model.image_size
     """scikit-learn's bundled 1,797 handwritten 8x8 digits, upsampled, 80/20 stratified split."""
+    image_size = cfg.model.image_size
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -251,9 +251,8 @@ def _read_split(
         return None
     names, labels, classes = listing
     mode = "L" if cfg.model.in_chans == 1 else "RGB"
-    allowed = cfg.data.skip_bad - len(skipped.undecodable)  # the limit counts both splits' files
     images, kept, bad = decode_some(tree.root, tree.is_zip, names, mode, cfg.model.image_size,
-                                    cfg.data.decode_workers, allowed)  # fmt: skip
+                                    cfg.data.decode_workers, cfg.data.skip_bad, len(skipped.undecodable))  # fmt: skip
     skipped.undecodable += bad
     return ImageSet(images, torch.tensor(labels, dtype=torch.long)[kept], classes, skipped)
 
@@ -265,10 +264,18 @@ def decode_files(root: str | Path, is_zip: bool, names: list[str], mode: str, si
 
 
 def decode_some(
-    root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int, skip_bad: int | None
+    root: str | Path,
+    is_zip: bool,
+    names: list[str],
+    mode: str,
+    size: int,
+    workers: int,
+    skip_bad: int | None,
+    already: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, str]]]:
     """(images of the files that decoded, their rows in `names`, [(location, reason)] of up to `skip_bad` that did
-    not); one more undecodable file is a DataError naming it and the switch (None: no file may be skipped)."""
+    not, counting `already` skipped by an earlier split); one more is a DataError naming it and the switch (None: no
+    file may be skipped)."""
     workers = max(1, workers)
     chunks = [names[i : i + 2048] for i in range(0, len(names), 2048)]
     jobs = [(str(root), is_zip, chunk, mode, size) for chunk in chunks]
@@ -279,13 +286,15 @@ def decode_some(
             results = list(pool.map(_decode_chunk, jobs))
     bad = [(start + i, reason) for start, (_, failed) in zip(range(0, len(names), 2048), results, strict=True)
            for i, reason in failed]  # fmt: skip
-    if len(bad) > (skip_bad or 0):
-        row, reason = bad[skip_bad or 0]
+    room = max((skip_bad or 0) - already, 0)
+    if len(bad) > room:
+        row, reason = bad[room]
         where = f"cannot decode image {location(root, is_zip, names[row])} ({reason}); fix or remove the file"
         if skip_bad is None:
             raise DataError(where)
         allowed = f"data.skip_bad={skip_bad} allows {skip_bad}" if skip_bad else "data.skip_bad=0 allows none"
-        raise DataError(f"{where}, or let the run skip undecodable images: {allowed}, this is number {skip_bad + 1}")
+        number = already + room + 1
+        raise DataError(f"{where}, or let the run skip undecodable images: {allowed}, this is number {number}")
     failed_rows = {row for row, _ in bad}
     kept = torch.tensor([i for i in range(len(names)) if i not in failed_rows], dtype=torch.long)
     images = torch.from_numpy(np.concatenate([array for array, _ in results]))[kept]

@@ -136,7 +136,7 @@ def autotune(
     # run fills the memory and timings are steadier), one at a time instead. The processes of a node share it.
     available = broadcast_object(available_bytes(device))
     together = sum(need(labels[label][0]) for label in labels) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    interleave = device.type == "cpu" and (available is None or together < available)
+    interleave = broadcast_object(device.type == "cpu" and (available is None or together < available))
     with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
         race = _Race(cfg, task, dist, sample())
         mode, attention = _race(race, labels, steps, seconds, notes, rounds, interleave)
@@ -181,7 +181,10 @@ class _Race:
         )
         task = copy.copy(self.task)  # the run's task (its data), building the candidate's model and head
         task.cfg = cfg
-        model = task.build_model().to(self.device)
+        model = task.build_model()
+        if model is getattr(self.task, "model", None):  # a module handed to the library: never stepped in place
+            model = copy.deepcopy(model)
+        model = model.to(self.device)
         head = task.build_head(self.device)
         engine = NativeEngine(cfg, model, self.dist, head=head)
         step = TrainStep(engine, task.loss, accum_steps=1)

@@ -82,9 +82,9 @@ class Speed:
         self.train_s = self.wait_s = 0.0
         self.train_images = 0
         self.compile_s: float | None = None
-        self._open_window()
+        self.open_window()
 
-    def _open_window(self) -> None:
+    def open_window(self) -> None:
         self.window_start, self.window_images, self.window_wait_s, self.window_steps = time.perf_counter(), 0, 0.0, 0
 
     def add(self, step_s: float, images: int, wait_s: float, timed: bool) -> None:
@@ -104,7 +104,7 @@ class Speed:
             "data_wait_s": self.window_wait_s / max(self.window_steps, 1),  # mean per step over the window
             "data_wait_frac": self.window_wait_s / elapsed,  # share of the window's step time spent waiting for data
         }
-        self._open_window()
+        self.open_window()
         return fields
 
     def images_per_s(self) -> float:

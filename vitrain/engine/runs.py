@@ -93,6 +93,11 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
     notes = [f"{what} in {run_dir / ckpt.CHECKPOINT_DIR}" for what in ckpt.clean_leftovers(run_dir)]
     if checkpoint is None:
         checkpoint = _newest_intact(run_dir, notes)
+        if checkpoint is None and ckpt.step_dirs(run_dir):  # every complete step damaged: refuse, keep them all
+            raise CheckpointError(
+                f"--resume: every checkpoint of {run_dir} is damaged (`vitrain checkpoint verify {run_dir}` names "
+                "the files); restore them from a copy, or start a new run without --resume"
+            )
         if checkpoint is None:
             if not (run_dir / RUN_FILE).exists():
                 raise CheckpointError(
@@ -279,8 +284,8 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
     if run_dir.name == ckpt.CHECKPOINT_DIR:
         run_dir = run_dir.parent
     saved_file = run_dir / "config.yaml"
-    if not saved_file.is_file():
-        return cfg, {}
+    if not saved_file.is_file():  # a run that never started (or no run: choose_run says so): the given config
+        return load_config(base=to_dict(cfg)), {}
     try:
         saved_raw = yaml.safe_load(saved_file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -312,7 +317,10 @@ def write_run_files(trainer: Trainer) -> None:
     mark_run(run_dir, trainer.is_new_run, trainer.resume_path)
     if trainer.changes:
         keep_config_history(run_dir, trainer.resume_path, trainer.changes)
-    atomic_write(run_dir / "config.yaml", to_yaml(trainer.cfg).encode())
+    cfg = trainer.cfg
+    if trainer.tuned is not None and "model.attention" in trainer.tuned.values:  # a resume tunes again
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="auto"))
+    atomic_write(run_dir / "config.yaml", to_yaml(cfg).encode())
     if trainer.tuned is not None:
         atomic_write(run_dir / "autotune.json", (json.dumps(trainer.tuned.to_json(), indent=2) + "\n").encode())
 

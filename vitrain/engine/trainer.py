@@ -178,6 +178,7 @@ class Trainer:
             # Only whole optimizer steps: leftover micro-batches would leak gradients into the next epoch.
             remaining = self.steps_per_epoch * t.accum_steps - self.batch_in_epoch
             self.epoch_batches = self.train_loader.epoch(self.epoch, self.batch_in_epoch)
+            speed.open_window()  # the last epoch's evaluation is not in this epoch's images/s
             batches = WaitTimer(itertools.islice(self.epoch_batches, remaining))
             for _ in range(remaining // t.accum_steps):
                 step_start = time.perf_counter()

@@ -71,3 +71,11 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
     if m.name == "vit":
         check_vit(m)
+        return
+    p = cfg.parallel
+    if p.pipeline_stages > 1 or p.sharded_init:
+        what = f"parallel.pipeline_stages={p.pipeline_stages}" if p.pipeline_stages > 1 else "parallel.sharded_init"
+        raise ConfigError(
+            f"{what} splits or draws vitrain's ViT by its anatomy; model.name={m.name} is not it: set "
+            "parallel.pipeline_stages=1 and parallel.sharded_init=false"
+        )

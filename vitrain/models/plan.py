@@ -8,10 +8,13 @@ run of same-class children of one ModuleList/Sequential). Only modules are retur
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
+
+from vitrain.errors import ConfigError
 
 # Layers that low precision keeps in fp32 (parameters, running statistics and arithmetic); _NormBase covers every
 # BatchNorm and InstanceNorm.
@@ -84,7 +87,9 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
     """
     own = getattr(model, "parallel_plan", None)
     if own is not None:
-        return own(wrap)
+        plan = own(wrap)
+        named = [m for m in model.modules() if type(m).__name__ in fp32_modules and not keeps_fp32(m)]
+        return dataclasses.replace(plan, norm_groups=[*plan.norm_groups, *([m] for m in named)]) if named else plan
     blocks = repeated_blocks(model, block)
     units = list(blocks) if wrap in ("block", "sublayer") else []
     in_blocks = [[m for m in b.modules() if keeps_fp32(m, fp32_modules)] for b in blocks]
@@ -100,12 +105,12 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
 
 def repeated_blocks(model: nn.Module, block: str = "") -> list[nn.Module]:
     """The modules of class `block` in order; without a name, the longest run of one class in a ModuleList or
-    Sequential (a ViT's, a Swin stage's blocks). Raises ValueError naming what was found when there is none."""
+    Sequential (a ViT's, a Swin stage's blocks), or none: the model is then one unit (what needs blocks refuses)."""
     if block:
         found = [m for m in model.modules() if type(m).__name__ == block]
         if not found:
             names = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"parallel.block={block} names no module class of this model; it has: {', '.join(names)}")
+            raise ConfigError(f"parallel.block={block} names no module class of this model; it has: {', '.join(names)}")
         return found
     best: list[nn.Module] = []
     for module in model.modules():
@@ -113,6 +118,4 @@ def repeated_blocks(model: nn.Module, block: str = "") -> list[nn.Module]:
             children = list(module.children())
             if len(children) > len(best) and len({type(c) for c in children}) == 1:
                 best = children
-    if len(best) < 2:
-        raise ValueError("found no repeated block (a ModuleList of one class); name its class with parallel.block=NAME")
-    return best
+    return best if len(best) >= 2 else []

@@ -54,8 +54,14 @@ def parallelize(
 def prepare_layers(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> None:
     """What every engine does to the model's layers before wrapping it: activation checkpointing on the blocks the
     model's plan names (vitrain/models/plan.py) and, on several ranks, BatchNorm over the global batch."""
-    plan = plan_of(model, cfg.wrap, cfg.block)
-    apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
+    if cfg.activation_checkpointing != "none":
+        plan = plan_of(model, cfg.wrap, cfg.block)
+        if not plan.checkpoint_units:
+            raise ConfigError(
+                f"parallel.activation_checkpointing={cfg.activation_checkpointing} recomputes repeated blocks, and "
+                "this model has no ModuleList of one class; name its block class with parallel.block=NAME"
+            )
+        apply_activation_checkpointing(plan.checkpoint_units, cfg.activation_checkpointing, cfg.checkpoint_every_k)
     if cfg.strategy == "single" or not cfg.sync_batchnorm:
         return
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
