@@ -19,7 +19,7 @@ from tests.distributed_helpers import losses, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.config import ModelConfig, load_config, resolve_config_path
 from vitrain.data.augment import progressive_size
-from vitrain.engine import Trainer
+from vitrain.engine import Trainer, runs
 from vitrain.engine.ema import WeightAverage
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
@@ -115,7 +115,7 @@ def test_ema_is_evaluated_checkpointed_and_resumed_exactly(tmp_path):
     fresh = Trainer(
         tiny_config(tmp_path, "again", train={**ema, "max_steps": 10}), resume=str(ckpt.latest(whole.run_dir))
     )
-    fresh.load(fresh.resume_path)
+    runs.restore(fresh, fresh.resume_path)  # the collective load `fit` starts with
     for name, tensor in fresh.engine.ema.state().items():
         assert torch.equal(tensor, state[name]), name
 

@@ -16,7 +16,7 @@ from torch import nn
 from tests.conftest import TINY_MODEL, TRUNK_FIELDS, model_overrides
 from vitrain.config import CONFIG_DIR, OptimConfig, PrecisionConfig, load_config
 from vitrain.device import cpu_description
-from vitrain.engine import Trainer
+from vitrain.engine import Trainer, runs
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.optim import build_optimizer
@@ -415,7 +415,7 @@ def test_resume_restores_the_loss_scale_and_the_working_copy(tmp_path):
     first.precision.scaler.scale = 1234.0  # as if overflows had lowered it
     first.fit()
     resumed = Trainer(cfg, resume=True)
-    resumed.load(resumed.resume_path)
+    runs.restore(resumed, resumed.resume_path)
     assert resumed.precision.scaler.scale == 1234.0
     assert torch.equal(resumed.forward.module.head.weight, first.model.head.weight.detach().to(torch.float16))
 

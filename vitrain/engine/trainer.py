@@ -26,7 +26,7 @@ from vitrain.engine.step import TrainStep
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
-from vitrain.parallel.distributed import all_or_none
+from vitrain.parallel.distributed import all_or_none, max_over_ranks
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.tasks import Task, build_task, is_better
 from vitrain.weights import load_pretrained
@@ -125,9 +125,6 @@ class Trainer:
     def meta(self, is_best: bool = False) -> dict[str, Any]:
         return runs.checkpoint_meta(self, is_best)
 
-    def load(self, path: Path) -> None:
-        runs.restore(self, path)
-
     @property
     def global_micro_batch(self) -> int:
         return self.cfg.train.batch_size * self.dist.data_size
@@ -161,7 +158,7 @@ class Trainer:
     def _fit(self, log: RunLog) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         if self.resume_path is not None:
-            self.load(self.resume_path)
+            runs.restore(self, self.resume_path)
         for note in self.notes:
             log.info(note)
         if self.resume_path is not None:
@@ -183,7 +180,7 @@ class Trainer:
             for _ in range(remaining // t.accum_steps):
                 step_start = time.perf_counter()
                 if self.setup_s is None:
-                    self.setup_s = self.wall_s()
+                    self.setup_s = max_over_ranks(self.wall_s(), self.device)
                 position = self.schedule_position()
                 lr, size = self.schedule(position), self.image_size(position)
                 result = self.train_step(self._micro_batches(batches, size), lr)
@@ -207,12 +204,14 @@ class Trainer:
                     resized = {"image_size": size} if cfg.data.min_size else {}  # progressive resizing's size
                     log.record(step=self.step, epoch=self.epoch, loss=loss, lr=lr, grad_norm=result.grad_norm,
                                **window, wall_s=self.wall_s(), **resized, **self.engine.scaler_fields())  # fmt: skip
-                if marks and self.wall_s() >= marks[0]:  # train.eval_at_s: a point on the time-to-accuracy curve
-                    marks = [m for m in marks if m > self.wall_s()]
+                # The clock decides evaluations and the stop: every rank reads the same (the slowest rank's).
+                now = max_over_ranks(self.wall_s(), self.device) if marks or t.time_limit_s else 0.0
+                if marks and now >= marks[0]:  # train.eval_at_s: a point on the time-to-accuracy curve
+                    marks = [m for m in marks if m > now]
                     self._evaluate_and_save(log, final=False)
                 elif t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
                     self.save()
-                stop = bool(t.max_steps and self.step >= t.max_steps) or self._out_of_time(log)
+                stop = bool(t.max_steps and self.step >= t.max_steps) or self._out_of_time(log, now)
                 if stop:
                     break
             bar.close()
@@ -242,12 +241,12 @@ class Trainer:
             self.batch_in_epoch += 1
             yield images, labels
 
-    def _out_of_time(self, log: RunLog) -> bool:
+    def _out_of_time(self, log: RunLog, now: float) -> bool:
         limit = self.cfg.train.time_limit_s
-        if not limit or self.wall_s() + self.last_eval_s < limit:
+        if not limit or now + self.last_eval_s < limit:
             return False
         log.info(
-            f"train.time_limit_s={limit:g}: stopping at step {self.step} after {self.wall_s():.0f} s, leaving "
+            f"train.time_limit_s={limit:g}: stopping at step {self.step} after {now:.0f} s, leaving "
             f"{self.last_eval_s:.0f} s for the last evaluation"
         )
         return True
@@ -262,7 +261,8 @@ class Trainer:
         if self.cfg.schedule.horizon != "time":
             return self.step
         budget = self.cfg.train.time_limit_s - self.setup_s - self.last_eval_s
-        spent = (self.wall_s() - self.setup_s) / max(budget, 1e-9)
+        now = max_over_ranks(self.wall_s(), self.device)  # one lr on every rank: the slowest rank's clock
+        spent = (now - self.setup_s) / max(budget, 1e-9)
         return max(float(self.step), min(spent, 1.0) * self.total_steps)
 
     def image_size(self, position: float) -> int:
