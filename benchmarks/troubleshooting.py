@@ -8,19 +8,18 @@ and a zip with undecodable images. Paths in the printed lines are shown as RUN, 
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the test suite's image-zip maker: the doc's cases are the tests' cases
+
+from tests.data_helpers import zip_with_bad_images  # noqa: E402
+
 TINY = ["model.image_size=16", "model.patch_size=4", "model.width=32", "model.depth=2", "model.heads=2",
         "train.epochs=1", "train.batch_size=90", "train.checkpoint_every_steps=10", "log.progress=false",
         "precision.mode=fp32"]  # fmt: skip
@@ -29,19 +28,6 @@ TINY = ["model.image_size=16", "model.patch_size=4", "model.width=32", "model.de
 def vitrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "VITRAIN_AUTOTUNE": "0", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "vitrain", *args], capture_output=True, text=True, cwd=cwd, env=env)
-
-
-def bad_zip(path: Path) -> Path:
-    draw = np.random.default_rng(0)
-    with zipfile.ZipFile(path, "w") as archive:
-        for split in ("train", "test"):
-            for label in ("a", "b"):
-                for i in range(12):
-                    buffer = io.BytesIO()
-                    Image.fromarray(draw.integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
-                    archive.writestr(f"{split}/{label}/{i}.png", buffer.getvalue())
-        archive.writestr("train/a/broken.png", b"not a png")
-    return path
 
 
 def main() -> int:
@@ -61,7 +47,7 @@ def main() -> int:
         shutil.copytree(run, cut)
         cut_step = sorted((cut / "checkpoints").glob("step_*"))[-1]
         (cut_step / "COMPLETE").unlink()
-        zip_path = bad_zip(work / "images.zip")
+        zip_path = zip_with_bad_images(work / "images.zip", bad=1)
         out = work / "out"
         assert vitrain("export", str(run), str(out), cwd=work).returncode == 0
         a_file = work / "notes.txt"

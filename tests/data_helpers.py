@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import zipfile
 from pathlib import Path
 
@@ -46,3 +47,20 @@ def zip_tree(root: Path, archive: Path, top: str = "data") -> Path:
         for path in sorted(root.rglob("*")):
             z.write(path, f"{top}/{path.relative_to(root).as_posix()}")
     return archive
+
+
+def zip_with_bad_images(path: Path, bad: int) -> Path:
+    """A zip of train/test splits of 8x8 grey PNGs in classes a and b, `bad` files named .png that are not
+    images (train/a/broken<i>.png), and one file without an image suffix (train/b/notes.txt)."""
+    draw = np.random.default_rng(0)
+    with zipfile.ZipFile(path, "w") as archive:
+        for split in ("train", "test"):
+            for label in ("a", "b"):
+                for i in range(12):
+                    buffer = io.BytesIO()
+                    Image.fromarray(draw.integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
+                    archive.writestr(f"{split}/{label}/{i}.png", buffer.getvalue())
+        for i in range(bad):
+            archive.writestr(f"train/a/broken{i}.png", b"this is not a png")
+        archive.writestr("train/b/notes.txt", b"a stray file")
+    return path

@@ -7,16 +7,14 @@ is said and logged), a damaged checkpoint is named, a few bad images are skipped
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tests.conftest import tiny_overrides
+from tests.data_helpers import zip_with_bad_images
 from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
 from vitrain.cli import main
@@ -161,21 +159,6 @@ def test_export_to_a_file_or_under_one_is_one_line(trained, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------- bad samples
-
-
-def zip_with_bad_images(path: Path, bad: int) -> Path:
-    draw = np.random.default_rng(0)
-    with zipfile.ZipFile(path, "w") as archive:
-        for split in ("train", "test"):
-            for label in ("a", "b"):
-                for i in range(12):
-                    buffer = io.BytesIO()
-                    Image.fromarray(draw.integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
-                    archive.writestr(f"{split}/{label}/{i}.png", buffer.getvalue())
-        for i in range(bad):
-            archive.writestr(f"train/a/broken{i}.png", b"this is not a png")
-        archive.writestr("train/b/notes.txt", b"a stray file")
-    return path
 
 
 def folder_run(tmp_path: Path, root: Path, *extra: str) -> list[str]:

@@ -130,7 +130,7 @@ def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypat
 
 def test_candidates_that_would_not_fit_together_run_one_at_a_time(tmp_path, autotune_on, monkeypatch):
     cfg = auto_cfg(tmp_path)
-    one = tune._memory_check(cfg, CPU)[1]("amp_o2")
+    one = tune._memory_check(cfg, None)[1]("amp_o2")
     monkeypatch.setattr(tune, "available_bytes", lambda device: 2 * one)  # each fits, six together do not
     seconds = {(m, a): 0.02 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
     ran = fake_steps(monkeypatch, {**seconds, ("amp_o2", "manual"): 0.01})

@@ -12,12 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vitrain.config import Config, load_config, resolve_config_path, to_dict
+from vitrain.config import DEFAULT_RECIPE, Config, load_config, resolve_config_path, to_dict
 from vitrain.engine.runs import resumed_config
 from vitrain.engine.trainer import Trainer
 from vitrain.parallel import shutdown
-
-DEFAULT_RECIPE = "digits"
 
 
 def config(

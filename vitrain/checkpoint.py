@@ -106,8 +106,7 @@ class CheckpointDamaged(CheckpointError):
         self.path, self.file = path, name
         super().__init__(
             f"checkpoint {path} is damaged: {name} does not match the checksum written with it (XXH3-64 {actual} != "
-            f"{expected}); "
-            f"use an earlier step (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
+            f"{expected}); use an earlier step (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
         )
 
 

@@ -7,9 +7,8 @@ import json
 import sys
 import warnings
 
+from vitrain.config import DEFAULT_RECIPE
 from vitrain.errors import VitrainError
-
-DEFAULT_RECIPE = "digits"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from vitrain.errors import ConfigError
 
 # Recipes ship inside the package (package data), so a regular install finds them from any working directory.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_RECIPE = "digits"  # what `vitrain train` and `vitrain.train()` train when no recipe is named
 
 
 @dataclass

@@ -519,8 +519,9 @@ def _working_copy(
     """
     working = copy.deepcopy(model)
     pairs = []
-    kept = {id(m) for top in model.modules() if keeps_fp32(top, fp32_modules) for m in top.modules()}
-    inner = {id(m) for top in model.modules() if keeps_fp32(top, fp32_modules) for m in list(top.modules())[1:]}
+    tops = [m for m in model.modules() if keeps_fp32(m, fp32_modules)]
+    inner = {id(m) for top in tops for m in list(top.modules())[1:]}
+    kept = inner | {id(top) for top in tops}
     for work_mod, master_mod in zip(working.modules(), model.modules(), strict=True):
         if id(master_mod) in kept:
             for name, param in master_mod.named_parameters(recurse=False):

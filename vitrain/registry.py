@@ -98,10 +98,6 @@ def names(kind: str) -> list[str]:
     return sorted({*_BUILTIN[kind], *_REGISTERED[kind], *points})
 
 
-def is_builtin(kind: str, name: str) -> bool:
-    return name in _BUILTIN[kind]
-
-
 def lookup(kind: str, name: str) -> Any:
     """The component `name` stands for, or a ConfigError naming the config key, the value and the fix."""
     _check_kind(kind)

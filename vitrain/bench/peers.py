@@ -38,6 +38,7 @@ from vitrain.config import Config
 from vitrain.device import cpu_description, peak_flops, synchronize
 from vitrain.errors import ConfigError
 from vitrain.models import external
+from vitrain.optim import optimizer_kernel
 
 PEERS_EXTRA = "pip install 'vitrain[peers]'"
 DEFAULT_BASE = [
@@ -192,7 +193,6 @@ def transformers_contender(cfg: Config, images, labels, device, warmup: int) -> 
 
 
 def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
-    from vitrain.bench.step import _optimizer_impl
     from vitrain.engine.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -205,7 +205,7 @@ def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
     c = trainer.cfg
 
     setting = (
-        f"{engine.precision_label}, AdamW {_optimizer_impl(c, trainer.device)}, attention {c.model.attention} "
+        f"{engine.precision_label}, AdamW {optimizer_kernel(c, trainer.device)}, attention {c.model.attention} "
         f"(default recipe: auto values by autotune)"
     )
     return Contender("vitrain", setting, _timed(trainer.device, body), dtype_key(engine.precision_label)), trainer

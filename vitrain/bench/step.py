@@ -27,6 +27,7 @@ from vitrain.config import Config
 from vitrain.data.loader import endless
 from vitrain.device import PhaseTimer, device_name, peak_flops, peak_memory_bytes
 from vitrain.models import model_complexity
+from vitrain.optim import optimizer_kernel
 from vitrain.parallel import unwrap
 from vitrain.parallel.distributed import max_over_ranks
 
@@ -157,7 +158,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "pool": cfg.model.pool,
         "layout": cfg.model.layout,
         "compile": cfg.train.compile,
-        "optimizer": f"{cfg.optim.name}[{_optimizer_impl(cfg, device)}]",
+        "optimizer": f"{cfg.optim.name}[{optimizer_kernel(cfg, device)}]",
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "data": cfg.data.source,
@@ -194,14 +195,6 @@ def _model_label(cfg: Config) -> str:
     m = cfg.model
     name = m.preset or f"ViT w{m.width} d{m.depth} h{m.heads}"
     return f"{name}/{m.patch_size} @ {m.image_size}px"
-
-
-def _optimizer_impl(cfg: Config, device: torch.device) -> str:
-    from vitrain.optim import resolve_impl
-
-    if cfg.train.engine == "deepspeed":
-        return "deepspeed"
-    return resolve_impl(cfg.optim.impl, device, cfg.optim.name, cfg.parallel.strategy)
 
 
 def format_result(result: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from vitrain.data.faces import FaceTree, open_face_tree
-from vitrain.data.prepared import FORMAT, IDENTITIES, IDENTITIES_SPLIT, MANIFEST, sha256_file
+from vitrain.data.prepared import FAILED, FORMAT, IDENTITIES, IDENTITIES_SPLIT, MANIFEST, sha256_file
 from vitrain.data.sources import (
     IMAGE_SUFFIXES,
     ImageTree,
@@ -38,7 +38,6 @@ from vitrain.errors import DataError
 from vitrain.files import atomic_write
 
 PLAN = "plan.json"
-FAILED = "failed.txt"
 KNOWN_SPLITS = ("train", "val", "valid", "validation", "test")
 GREY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 

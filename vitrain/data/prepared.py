@@ -107,6 +107,18 @@ def verify_files(root: Path, files: dict[str, dict[str, Any]], always_hash: bool
     return hashed
 
 
+FAILED = "failed.txt"  # files that did not decode when the data was prepared: path <TAB> reason, one a line
+
+
+def failed_files(root: Path) -> list[tuple[str, str]]:
+    """(path, reason) of each file `vitrain data prepare` could not decode into the prepared folder `root`."""
+    listing = Path(root) / FAILED
+    if not listing.is_file():
+        return []
+    rows = [line.partition("\t") for line in listing.read_text().splitlines() if line.strip()]
+    return [(where, reason) for where, _, reason in rows]
+
+
 class PreparedSet:
     """One split of prepared data: uint8 shards memory-mapped, labels in memory; `read` gathers a batch."""
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from vitrain import registry
 from vitrain.config import Config
-from vitrain.data.prepared import PreparedSet, is_prepared, open_prepared
+from vitrain.data.prepared import PreparedSet, failed_files, is_prepared, open_prepared
 from vitrain.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".pgm", ".ppm", ".bmp")
@@ -355,10 +355,9 @@ def prepared_source(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
         train_rows, val_rows = held_out_split(len(train), d.val_fraction)
         train, val = train.subset(train_rows), train.subset(val_rows)
     # `vitrain data prepare` skipped what did not decode and listed it (failed.txt): named in the run's log too.
-    failed = Path(d.root).expanduser() / "failed.txt"
-    if failed.is_file():
-        listed = [line.partition("\t") for line in failed.read_text().splitlines() if line.strip()]
-        train.skipped = Skipped(undecodable=[(where, f"{reason} (when prepared)") for where, _, reason in listed])
+    failed = failed_files(Path(d.root).expanduser())
+    if failed:
+        train.skipped = Skipped(undecodable=[(where, f"{reason} (when prepared)") for where, reason in failed])
     return train, val
 
 

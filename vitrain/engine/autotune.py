@@ -118,7 +118,8 @@ def autotune(
     cached = broadcast_object(cached)
     if cached is not None:
         return cached
-    fits, need = _memory_check(cfg, device)
+    available = broadcast_object(available_bytes(device))  # rank 0's: every rank decides alike
+    fits, need = _memory_check(cfg, available)
     seconds: dict[str, float] = {}
     notes: dict[str, str] = {}
     rounds: list[str] = []
@@ -134,7 +135,6 @@ def autotune(
                 labels[label] = (mode, attention)
     # Taking turns keeps every candidate in memory at once: where they would not all fit (or on a GPU, where a
     # run fills the memory and timings are steadier), one at a time instead. The processes of a node share it.
-    available = broadcast_object(available_bytes(device))
     together = sum(need(labels[label][0]) for label in labels) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     interleave = broadcast_object(device.type == "cpu" and (available is None or together < available))
     with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
@@ -284,9 +284,8 @@ def _label(mode: str | None, attention: str | None) -> str:
     return " + ".join(part for part in (mode and f"{mode}{'' if mode == 'fp32' else ' bf16'}", attention) if part)
 
 
-def _memory_check(cfg: Config, device: torch.device) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
-    """(mode -> why it cannot fit on this device by the memory estimate or None, mode -> its estimated bytes)."""
-    available = broadcast_object(available_bytes(device))
+def _memory_check(cfg: Config, available: int | None) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
+    """(mode -> why it cannot fit in `available` bytes by the memory estimate or None, mode -> its estimated bytes)."""
 
     def need(mode: str | None) -> int:
         precision = "bf16" if mode == "amp_o2" else "fp32"

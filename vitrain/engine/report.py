@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vitrain import checkpoint as ckpt
 from vitrain.models import model_complexity
-from vitrain.optim import resolve_impl
+from vitrain.optim import optimizer_kernel
 from vitrain.parallel import unwrap
 
 if TYPE_CHECKING:
@@ -20,11 +20,7 @@ def header_lines(trainer: Trainer) -> list[str]:
     cost = model_complexity(unwrap(trainer.model))
     p = cfg.parallel
     global_batch = cfg.train.batch_size * dist.data_size * cfg.train.accum_steps
-    impl = (
-        "deepspeed"
-        if trainer.engine.name == "deepspeed"
-        else resolve_impl(cfg.optim.impl, trainer.device, cfg.optim.name, cfg.parallel.strategy)
-    )
+    impl = optimizer_kernel(cfg, trainer.device)
     gflops = f"{cost.flops / 1e9:.3f}" if cost is not None else "? (no FLOP count for this model)"
     lines = [
         f"vitrain: {trainer.parameters / 1e6:.2f}M params, {gflops} GFLOPs/image, "

@@ -105,9 +105,8 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
                 )
             notes.append(f"{run_dir} holds no complete checkpoint yet: starting it over from step 0")
             return RunChoice(run_dir, None, notes=notes)
-    if not checked:
+    if not checked:  # read_meta (here or the caller's) verifies the checksums: a damaged step is refused by name
         check(checkpoint, ckpt.read_meta(checkpoint))
-    ckpt.verify(checkpoint)  # a step named on the command line that is damaged is refused, naming the file
     notes += _supersede_newer(run_dir, checkpoint)
     return RunChoice(run_dir, checkpoint, notes=notes)
 
@@ -292,7 +291,7 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
         raise CheckpointError(
             f"--resume: {saved_file} is not readable YAML ({error}); restore it from a copy"
         ) from None
-    saved = load_config(base=saved_raw)
+    saved = load_config(base=saved_raw, check=False)  # what the run had; the config that runs is checked below
     resumed = load_config(base=saved_raw, overrides=overrides)
     before, after = _flat(to_dict(saved)), _flat(to_dict(resumed))
     changes = {key: (before.get(key), after[key]) for key in after if after[key] != before.get(key)}

@@ -53,7 +53,9 @@ def build_model(cfg: ModelConfig, embed_dim: int = 0, model: Any = None) -> nn.M
         return made
     built = made(cfg, embed_dim) if embed_dim else made(cfg)
     if not isinstance(built, nn.Module):
-        raise TypeError(f"model.name={cfg.name} returned {type(built).__name__}, not a torch.nn.Module")
+        raise ConfigError(
+            f"model.name={cfg.name} returned a {type(built).__name__}, not a torch.nn.Module; fix the factory"
+        )
     return built
 
 

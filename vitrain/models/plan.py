@@ -46,10 +46,7 @@ def vit_plan(model: nn.Module, wrap: str) -> ParallelPlan:
         units += [sub for block in blocks for sub in (block.attn, block.mlp)]
     if wrap in ("block", "sublayer"):
         units += blocks
-    in_blocks = [[m for m in block.modules() if isinstance(m, NORM_TYPES)] for block in blocks]
-    grouped = {id(m) for group in in_blocks for m in group}
-    rest = [m for m in model.modules() if isinstance(m, NORM_TYPES) and id(m) not in grouped]
-    norm_groups = [group for group in [*in_blocks, rest] if group]
+    norm_groups = fp32_groups(model, blocks)
     # From the config: a later pipeline stage holds no position table.
     tokens = (model.cfg.image_size // model.cfg.patch_size) ** 2 + model.num_prefix_tokens
     width = model.cfg.width
@@ -64,6 +61,15 @@ def vit_plan(model: nn.Module, wrap: str) -> ParallelPlan:
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks in order: a ModuleList in the model, a ModuleDict keyed by block index in a stage."""
     return list(model.blocks.values()) if isinstance(model.blocks, nn.ModuleDict) else list(model.blocks)
+
+
+def fp32_groups(model: nn.Module, blocks: list[nn.Module], names: tuple[str, ...] = ()) -> list[list[nn.Module]]:
+    """The layers low precision keeps in fp32 (`keeps_fp32`), grouped by where they sit: each block's, then the
+    rest; empty groups left out."""
+    in_blocks = [[m for m in block.modules() if keeps_fp32(m, names)] for block in blocks]
+    grouped = {id(m) for group in in_blocks for m in group}
+    rest = [m for m in model.modules() if keeps_fp32(m, names) and id(m) not in grouped]
+    return [group for group in [*in_blocks, rest] if group]
 
 
 def stage_blocks(depth: int, stages: int) -> list[range]:
@@ -92,10 +98,7 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
         return dataclasses.replace(plan, norm_groups=[*plan.norm_groups, *([m] for m in named)]) if named else plan
     blocks = repeated_blocks(model, block)
     units = list(blocks) if wrap in ("block", "sublayer") else []
-    in_blocks = [[m for m in b.modules() if keeps_fp32(m, fp32_modules)] for b in blocks]
-    grouped = {id(m) for group in in_blocks for m in group}
-    rest = [m for m in model.modules() if keeps_fp32(m, fp32_modules) and id(m) not in grouped]
-    groups = [group for group in [*in_blocks, rest] if group]
+    groups = fp32_groups(model, blocks, fp32_modules)
 
     def no_probe(n: int) -> tuple[int, ...]:
         raise NotImplementedError("a model without its own parallel plan has no block input shape to probe")

@@ -1,5 +1,7 @@
 """Optimizers and learning-rate schedules."""
 
+import torch
+
 from vitrain.config import Config
 from vitrain.errors import ConfigError
 from vitrain.optim.optimizers import build_head_optimizer, build_optimizer, param_groups, resolve_impl
@@ -9,12 +11,21 @@ __all__ = [
     "Schedule",
     "build_head_optimizer",
     "check",
+    "optimizer_kernel",
     "build_optimizer",
     "param_groups",
     "resolve_impl",
     "scaled_lr",
     "set_lr",
 ]
+
+
+def optimizer_kernel(cfg: Config, device: torch.device) -> str:
+    """The kernel a run's optimizer steps with, for logs and benchmarks: `optim.impl` resolved on `device`, or
+    `deepspeed` (DeepSpeed owns the step)."""
+    if cfg.train.engine == "deepspeed":
+        return "deepspeed"
+    return resolve_impl(cfg.optim.impl, device, cfg.optim.name, cfg.parallel.strategy)
 
 
 def check(cfg: Config) -> None:
