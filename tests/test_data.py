@@ -139,7 +139,7 @@ def test_order_depends_only_on_seed_and_epoch():
 
 def test_resume_mid_epoch_replays_the_same_batches():
     full = [y.tolist() for _, y in loader().epoch(2)]
-    resumed = [y.tolist() for _, y in loader().epoch(2, start_batch=4)]
+    resumed = [y.tolist() for _, y in loader().epoch(2, 4)]
     assert resumed == full[4:]
 
 

@@ -80,7 +80,7 @@ def test_order_depends_only_on_seed_and_epoch():
 def test_resuming_mid_epoch_replays_the_same_batches():
     loader = _loader(_image_set(), crop_padding=2, hflip=0.5, mixup_alpha=0.4)
     full = list(loader.epoch(1))
-    resumed = list(loader.epoch(1, start_batch=3))
+    resumed = list(loader.epoch(1, 3))
     assert len(resumed) == len(full) - 3
     for (x, y), (rx, ry) in zip(full[3:], resumed, strict=True):
         assert torch.equal(x, rx) and torch.equal(y, ry)

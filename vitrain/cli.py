@@ -8,7 +8,7 @@ import sys
 import warnings
 
 from vitrain.config import DEFAULT_RECIPE
-from vitrain.errors import VitrainError
+from vitrain.errors import ConfigError, VitrainError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +133,20 @@ def _parser() -> argparse.ArgumentParser:
         help="SRC is a face set (one folder per identity, as task.name=face reads it): one split 'all', names kept",
     )
     prepare.set_defaults(func=_data_prepare)
+    pack = data_sub.add_parser(
+        "pack", help="copy an ImageFolder tree, face identity folders or a .zip into tar shards or RecordIO files"
+    )
+    pack.add_argument("src", metavar="SRC", help="ImageFolder tree (<split>/<class>/<image>), identity folders, a .zip")
+    pack.add_argument("out", metavar="OUT", help="output folder; rerun the same command to resume (shards)")
+    pack.add_argument("--format", choices=("shards", "recordio"), required=True, help="WebDataset tars or RecordIO")
+    pack.add_argument("--shard-samples", type=int, default=10_000, help="samples per tar shard (default 10000)")
+    pack.add_argument("--workers", type=int, default=2, help="processes writing shards in parallel (default 2)")
+    pack.add_argument("--identities", action="store_true", help="SRC is a face set: one folder per identity")
+    pack.set_defaults(func=_data_pack)
+    index = data_sub.add_parser("index", help="count the samples of tar shards into an index.json (once per set)")
+    index.add_argument("shards", metavar="SHARDS", help="a folder, list file, brace pattern or pipe:COMMAND")
+    index.add_argument("--out", default=None, help="index file (default: index.json beside local shards)")
+    index.set_defaults(func=_data_index)
 
     bench = sub.add_parser(
         "bench", help="benchmarks a reader can rerun: vitrain bench [CONFIG] [overrides] [--ladder | --peers]"
@@ -416,6 +430,41 @@ def _data_prepare(args: argparse.Namespace) -> int:
         f"prepared {result.images} images into {args.dst} ({result.shards_converted} shards converted, "
         f"{result.shards_done_before} already done from an earlier run, {len(result.failed)} failed)"
     )
+    return 0
+
+
+def _data_pack(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitrain.data.pack import list_source, pack_recordio, pack_shards
+
+    if args.shard_samples < 1 or args.workers < 1:
+        raise ConfigError("--shard-samples and --workers must be >= 1")
+    listing = list_source(Path(args.src), args.identities)
+    out = Path(args.out)
+    if args.format == "shards":
+        totals = pack_shards(listing, out, args.shard_samples, args.workers)
+    else:
+        totals = pack_recordio(listing, out)
+    counts = ", ".join(f"{split} {n}" for split, n in totals.items())
+    print(
+        f"packed {counts} samples of {len(listing.classes)} {listing.layout} into {out} ({args.format}, counted back)"
+    )
+    return 0
+
+
+def _data_index(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitrain.data.shards import index_path, scan_index, shard_urls, write_index
+
+    urls = shard_urls(args.shards, "SHARDS")
+    out = Path(args.out) if args.out else index_path(urls)
+    if out is None:
+        raise ConfigError("pipe: shards have no folder to hold their index; give --out index.json")
+    index = scan_index(urls)
+    write_index(out, index)
+    print(f"indexed {index.total} samples in {len(urls)} shards ({len(index.classes)} classes) -> {out}")
     return 0
 
 

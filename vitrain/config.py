@@ -75,10 +75,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # folder: an ImageFolder tree, a .zip of one, or a folder made by `vitrain data prepare` (read as prepared)
-    # digits, folder, prepared, synthetic, or a user's mypkg.module:fn taking the config, returning (train, val)
+    # folder: an ImageFolder tree, a .zip of one, or a folder made by `vitrain data prepare` (read as prepared);
+    # shards: WebDataset tar shards, streamed; recordio: MXNet/insightface .rec files (docs/data.md)
+    # digits, folder, prepared, shards, recordio, synthetic, or a user's mypkg.module:fn returning (train, val)
     source: str = "digits"
-    root: str = ""  # folder / prepared source: where the data is
+    # where the data is: a folder or zip; shards: a folder of .tar files, a list file, a brace pattern
+    # `train-{000000..000099}.tar` or `pipe:COMMAND` (e.g. `pipe:aws s3 cp s3://b/train-{000..099}.tar -`);
+    # recordio: a folder with train.rec (+ .idx, property) or a .rec file
+    root: str = ""
+    val_root: str = ""  # shards: the validation shards (same forms as root); empty: the split's or held out
+    shard_index: str = ""  # shards: index.json with each shard's sample count (needed for pipe: shards)
+    shuffle_buffer: int = 1000  # shards: each loader worker shuffles windows of this many consecutive samples
     train_split: str = "train"  # folder source: the training split's folder name
     val_split: str = "test"  # when the folder has no such split, val_fraction of train is held out
     val_fraction: float = 0.2  # held out of train when there is no val_split
@@ -87,6 +94,9 @@ class DataConfig:
     crop_padding: int = 0  # random crop after padding by this many pixels; 0 turns it off
     hflip: float = 0.0  # probability of a horizontal flip
     decode_workers: int = 2  # processes decoding image files once at start
+    # JPEG files at least twice model.image_size decode at the smallest DCT scale (1/8 steps) still >= it, then
+    # resize: several times less decoding work, pixels slightly unlike a full decode's. false: full-size decode.
+    decode_reduce: bool = True
     synthetic_samples: int = 1024  # synthetic source: random images per split
     # Progressive resizing (FFCV's): > 0 trains at this smaller size first (a multiple of model.patch_size; fewer
     # tokens, a faster step), growing in patch-size steps to model.image_size between the two fractions of the
@@ -101,7 +111,7 @@ class DataConfig:
     cutmix_alpha: float = 0.0  # > 0: paste a box of the reversed batch, area ~ Beta(alpha, alpha)
     cutmix_prob: float = 0.5  # with both mixup and cutmix on, the chance that a batch uses cutmix
     loader: Literal["fast", "plain"] = "fast"  # plain: per-sample PIL decoding in DataLoader workers (baseline)
-    loader_workers: int = 2  # plain loader: DataLoader worker processes
+    loader_workers: int = 2  # plain loader and shards: DataLoader worker processes decoding samples
     prefetch: int = 2  # fast loader: batches prepared ahead in a background thread; 0 turns it off
     # folder source (a tree or a zip): up to this many image files that do not decode are skipped, each named in
     # log.txt and counted in summary.json; one more stops the run naming it. Files without an image suffix are

@@ -34,6 +34,8 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "digits": "vitrain.data.sources:digits_source",
         "folder": "vitrain.data.sources:folder_source",
         "prepared": "vitrain.data.sources:prepared_source",
+        "recordio": "vitrain.data.records:recordio_source",
+        "shards": "vitrain.data.stream:shards_source",
         "synthetic": "vitrain.data.sources:synthetic_source",
     },
 }

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from vitrain.data.prepared import IDENTITIES, IDENTITIES_SPLIT, PreparedSet, is_prepared, read_manifest, verify_files
+from vitrain.data.recordio import read_insightface
+from vitrain.data.records import RecordSet, class_names
 from vitrain.data.sources import IMAGE_SUFFIXES, ImageSet, decode_files, file_reader, location
 from vitrain.errors import DataError
 
@@ -148,8 +150,8 @@ class FaceImages:
     in_chans: int
     size: int
     workers: int = 2
-    prepared: PreparedSet | None = None  # `vitrain data prepare --identities`: every image, memory-mapped
-    row_of: dict[str, int] | None = None  # prepared: image name -> row
+    prepared: PreparedSet | RecordSet | None = None  # prepared (memory-mapped) or RecordIO (decoded per batch)
+    row_of: dict[str, int] | None = None  # prepared or RecordIO: image name -> row
     failed: int = 0  # prepared: images that failed to decode when the set was prepared (they have no row)
 
     def read(self, names: list[str]) -> torch.Tensor:
@@ -172,6 +174,8 @@ def open_face_images(root: str | Path, in_chans: int, size: int, workers: int = 
     """The face set at `root`: identity folders (see `open_face_tree`), or a folder made from them by
     `vitrain data prepare SRC DST --identities`, whose listing holds the names the images had in SRC."""
     root = Path(root).expanduser()
+    if is_recordio(root):
+        return _recordio_faces(root, in_chans, size, workers)
     if not is_prepared(root):
         return FaceImages(open_face_tree(root), in_chans, size, workers)
     manifest = read_manifest(root)
@@ -196,6 +200,26 @@ def open_face_images(root: str | Path, in_chans: int, size: int, workers: int = 
     tree = FaceTree(root, False, [i for i in prepared.classes if i in files], files)
     rows = {name: row for row, name in enumerate(names)}
     return FaceImages(tree, in_chans, size, workers, prepared, rows, int(manifest.get("failed", 0)))
+
+
+def is_recordio(root: Path) -> bool:
+    return root.suffix == ".rec" or (root.is_dir() and (root / "train.rec").is_file())
+
+
+def _recordio_faces(root: Path, in_chans: int, size: int, workers: int) -> FaceImages:
+    """A face set packed as RecordIO (insightface's layout): identities from the labels (named by identities.txt
+    when `vitrain data pack` wrote one), images named by the .lst (else `<identity>/<key>`), decoded per batch."""
+    records = read_insightface(root)
+    identities = class_names(root, records)
+    labels = records.labels.tolist()
+    names = records.names or [f"{identities[label]}/{key}" for label, key in zip(labels, records.keys, strict=True)]
+    files: dict[str, list[str]] = {}
+    for name, label in zip(names, labels, strict=True):
+        files.setdefault(identities[label], []).append(name)
+    folder = root if root.is_dir() else root.parent
+    tree = FaceTree(folder, False, [i for i in identities if i in files], files)
+    data = RecordSet(records, identities, in_chans, size, reduce=False, workers=workers)
+    return FaceImages(tree, in_chans, size, workers, data, {name: row for row, name in enumerate(names)})
 
 
 # ---------------------------------------------------------------------------------------------- pairs

@@ -6,10 +6,12 @@ PreparedSet. A background thread reads, pins, copies and augments the next batch
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -23,6 +25,43 @@ class BatchSource(Protocol):
     def __len__(self) -> int: ...
 
     def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class Position:
+    """Where a loader stands in an epoch: what a checkpoint keeps so that a resume continues with the samples an
+    uninterrupted run would have seen, and, on another world size, with none of the epoch's seen ones again.
+
+    Random-access sources: `samples` of the epoch's permutation consumed (always a prefix, on any world size).
+    Streams: `segments`, the layouts that ran in this epoch (world size, workers, batch size) with the batches each
+    consumed; what they consumed is recomputed from the seed, nothing per rank needs saving (vitrain/data/stream.py).
+    """
+
+    epoch: int = 0
+    samples: int = 0
+    segments: list[dict[str, int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(saved: dict[str, Any] | None) -> Position | None:
+        return None if saved is None else Position(int(saved["epoch"]), int(saved.get("samples", 0)),
+                                                   [dict(s) for s in saved.get("segments", [])])  # fmt: skip
+
+
+TRACE_ENV = "VITRAIN_SAMPLE_TRACE"  # a file: each consumed batch's sample keys appended as one line (tests, audits)
+
+
+def trace(batches: Iterator[tuple[Any, Any, list]]) -> Iterator[tuple[Any, Any]]:
+    """(images, labels) of (images, labels, keys) batches; with VITRAIN_SAMPLE_TRACE set, each batch's keys are
+    appended to that file as the consumer takes it (what a training step consumed, not what prefetch read ahead)."""
+    path = os.environ.get(TRACE_ENV)
+    for images, labels, keys in batches:
+        if path:
+            with open(path, "a") as f:
+                f.write(" ".join(str(k) for k in keys) + "\n")
+        yield images, labels
 
 
 # The label of a sample that pads a rank's share (cross_entropy's default ignore_index: it adds no loss).
@@ -62,6 +101,39 @@ def mask_padding(labels: torch.Tensor, first: int, n: int, rank: int, world_size
 def batches_per_epoch(n: int, batch_size: int, world_size: int, drop_last: bool) -> int:
     per_rank = n // world_size if drop_last else -(-n // world_size)
     return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+
+
+def consumed(start: int | Position | None, batch_size: int, world_size: int) -> tuple[int, int]:
+    """(samples of the epoch's permutation consumed, the batch number this rank continues at) at `start`: a batch
+    number of this layout, or a checkpoint's Position (written by any layout)."""
+    if isinstance(start, Position):
+        return start.samples, start.samples // (batch_size * world_size)
+    return (start or 0) * batch_size * world_size, start or 0
+
+
+def resume_order(
+    n: int,
+    epoch: int,
+    seed: int,
+    shuffle: bool,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    drop_last: bool,
+    start: int | Position | None,
+) -> tuple[torch.Tensor, int, int]:
+    """(this rank's sample indices, the number of its first batch, how many batches) for `epoch` from `start`.
+
+    After a resume the rest of the epoch's permutation is shared out over this run's ranks: the same samples an
+    uninterrupted run sees on the same world size, and none already consumed on another one.
+    """
+    skip, first = consumed(start, batch_size, world_size)
+    if not skip:
+        index = epoch_order(n, epoch, seed, shuffle, rank, world_size, drop_last)
+        return index, 0, batches_per_epoch(n, batch_size, world_size, drop_last)
+    rest = epoch_order(n, epoch, seed, shuffle, 0, 1, drop_last=False)[skip:]
+    index = rest[: len(rest) - len(rest) % world_size][rank::world_size]
+    return index, first, len(index) // batch_size
 
 
 def batch_generator(seed: int, epoch: int, batch: int, rank: int = 0) -> torch.Generator:
@@ -105,19 +177,36 @@ class BatchLoader:
         n = len(self.data)
         return epoch_order(n, epoch, self.seed, self.shuffle, self.rank, self.world_size, self.drop_last)
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        index = self.order(epoch)
-        batches = (self._batch(index, epoch, b) for b in range(start_batch, len(self)))
-        return in_background(batches, self.prefetch) if self.prefetch else batches
+    def epoch(self, epoch: int, start: int | Position | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches of `epoch`, from batch `start` of this layout or from a checkpoint's Position."""
+        index, first, count = self.plan(epoch, start)
+        batches = (self._batch(index, epoch, b, first + b) for b in range(count))
+        batches = in_background(batches, self.prefetch) if self.prefetch else batches
+        return trace(batches)
 
-    def _batch(self, index: torch.Tensor, epoch: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels = self.data.read(index[b * self.batch_size : (b + 1) * self.batch_size])
+    def plan(self, epoch: int, start: int | Position | None) -> tuple[torch.Tensor, int, int]:
+        return resume_order(len(self.data), epoch, self.seed, self.shuffle, self.rank, self.world_size,
+                            self.batch_size, self.drop_last, start)  # fmt: skip
+
+    def batches_left(self, start: int | Position | None = None) -> int:
+        """How many batches `epoch(e, start)` yields."""
+        return self.plan(0, start)[2]
+
+    def position(self, epoch: int, start: int | Position | None, batches: int) -> Position:
+        """Where this loader stands after `batches` more batches of `epoch` from `start`."""
+        skip, _ = consumed(start, self.batch_size, self.world_size)
+        return Position(epoch, skip + batches * self.batch_size * self.world_size)
+
+    def _batch(self, index: torch.Tensor, epoch: int, b: int, number: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+        rows = index[b * self.batch_size : (b + 1) * self.batch_size]
+        images, labels = self.data.read(rows)
         labels = mask_padding(labels, b * self.batch_size, len(self.data), self.rank, self.world_size)
         if self.pin:
             images, labels = images.pin_memory(), labels.pin_memory()
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        return self.augment(images, labels, batch_generator(self.seed, epoch, b, self.rank))
+        images, labels = self.augment(images, labels, batch_generator(self.seed, epoch, number, self.rank))
+        return images, labels, rows.tolist()
 
 
 _DONE = object()

@@ -1,4 +1,4 @@
-"""Builds the train and val loaders the config asks for: the fast batched path, or the plain per-sample one."""
+"""Builds the train and val loaders the config asks for: the fast batched path, a stream of shards, or the plain one."""
 
 from __future__ import annotations
 
@@ -9,19 +9,38 @@ import torch
 from vitrain.config import Config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.loader import BatchLoader
-from vitrain.data.plain import PlainLoader, build_plain_loaders
+from vitrain.data.plain import build_plain_loaders
 from vitrain.data.sources import build_datasets
+from vitrain.data.stream import StreamLoader
 
 
 def build_loaders(
     cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1, source: Any = None
-) -> tuple[BatchLoader | PlainLoader, BatchLoader | PlainLoader]:
+) -> tuple[Any, Any]:
     """(train, val) loaders, each yielding this rank's disjoint share (validation's padded to equal shares).
     `source`: datasets (or a function of the config making them) instead of data.source's (build_datasets)."""
     if cfg.data.loader == "plain":
         return build_plain_loaders(cfg, device, rank, world_size)
     train_set, val_set = build_datasets(cfg, source)
     d, m, t = cfg.data, cfg.model, cfg.train
+    if getattr(train_set, "streamed", False):  # shards: read front to back by worker processes (data/stream.py)
+        return tuple(
+            StreamLoader(
+                data,
+                t.batch_size,
+                BatchAugment(d, m.in_chans, train, m.image_size, m.num_classes),
+                device,
+                shuffle=train,
+                seed=t.seed,
+                rank=rank,
+                world_size=world_size,
+                drop_last=train,
+                prefetch=d.prefetch,
+                workers=d.loader_workers,
+                window=d.shuffle_buffer,
+            )  # fmt: skip
+            for data, train in ((train_set, True), (val_set, False))
+        )
     train = BatchLoader(
         train_set,
         t.batch_size,

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.config import Config, DataConfig
 from vitrain.data.augment import BatchAugment, _per_channel
-from vitrain.data.loader import batch_generator, batches_per_epoch, epoch_order, mask_padding
+from vitrain.data.loader import Position, batch_generator, batches_per_epoch, consumed, mask_padding, resume_order
 from vitrain.data.prepared import is_prepared
 from vitrain.data.sources import ImageTree, held_out_split, list_split
 from vitrain.errors import DataError
@@ -135,10 +135,21 @@ class PlainLoader:
     def __len__(self) -> int:
         return batches_per_epoch(len(self.data), self.batch_size, self.world_size, self.drop_last)
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def plan(self, epoch: int, start: int | Position | None) -> tuple[torch.Tensor, int, int]:
+        return resume_order(len(self.data), epoch, self.data.seed, self.shuffle, self.rank, self.world_size,
+                            self.batch_size, self.drop_last, start)  # fmt: skip
+
+    def batches_left(self, start: int | Position | None = None) -> int:
+        return self.plan(0, start)[2]
+
+    def position(self, epoch: int, start: int | Position | None, batches: int) -> Position:
+        skip, _ = consumed(start, self.batch_size, self.world_size)
+        return Position(epoch, skip + batches * self.batch_size * self.world_size)
+
+    def epoch(self, epoch: int, start: int | Position | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.data)
-        index = epoch_order(n, epoch, self.data.seed, self.shuffle, self.rank, self.world_size, self.drop_last)
-        keys = [(epoch, int(i)) for i in index[start_batch * self.batch_size : len(self) * self.batch_size]]
+        index, start_batch, count = self.plan(epoch, start)
+        keys = [(epoch, int(i)) for i in index[: count * self.batch_size]]
         loader = DataLoader(
             self.data,
             batch_size=self.batch_size,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import re
 import zipfile
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from vitrain import registry
 from vitrain.config import Config
+from vitrain.data.decode import decode_image
 from vitrain.data.prepared import PreparedSet, failed_files, is_prepared, open_prepared
 from vitrain.errors import DataError
 
@@ -252,15 +252,18 @@ def _read_split(
     names, labels, classes = listing
     mode = "L" if cfg.model.in_chans == 1 else "RGB"
     images, kept, bad = decode_some(tree.root, tree.is_zip, names, mode, cfg.model.image_size,
-                                    cfg.data.decode_workers, cfg.data.skip_bad, len(skipped.undecodable))  # fmt: skip
+                                    cfg.data.decode_workers, cfg.data.skip_bad, len(skipped.undecodable),
+                                    cfg.data.decode_reduce)  # fmt: skip
     skipped.undecodable += bad
     return ImageSet(images, torch.tensor(labels, dtype=torch.long)[kept], classes, skipped)
 
 
-def decode_files(root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int) -> torch.Tensor:
+def decode_files(
+    root: str | Path, is_zip: bool, names: list[str], mode: str, size: int, workers: int, reduce: bool = False
+) -> torch.Tensor:
     """(N, C, size, size) uint8 of a tree's files, decoded in chunks by `workers` processes; a bad file is an error
     (face folders: their verification pairs name every image, so none may be skipped)."""
-    return decode_some(root, is_zip, names, mode, size, workers, skip_bad=None)[0]
+    return decode_some(root, is_zip, names, mode, size, workers, skip_bad=None, reduce=reduce)[0]
 
 
 def decode_some(
@@ -272,13 +275,14 @@ def decode_some(
     workers: int,
     skip_bad: int | None,
     already: int = 0,
+    reduce: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, str]]]:
     """(images of the files that decoded, their rows in `names`, [(location, reason)] of up to `skip_bad` that did
     not, counting `already` skipped by an earlier split); one more is a DataError naming it and the switch (None: no
-    file may be skipped)."""
+    file may be skipped). `reduce`: JPEGs may decode at a smaller DCT scale (vitrain/data/decode.py)."""
     workers = max(1, workers)
     chunks = [names[i : i + 2048] for i in range(0, len(names), 2048)]
-    jobs = [(str(root), is_zip, chunk, mode, size) for chunk in chunks]
+    jobs = [(str(root), is_zip, chunk, mode, size, reduce) for chunk in chunks]
     if workers == 1 or len(chunks) == 1:
         results = [_decode_chunk(job) for job in jobs]
     else:
@@ -301,27 +305,15 @@ def decode_some(
     return images, kept, [(location(root, is_zip, names[row]), reason) for row, reason in bad]
 
 
-def decode_image(raw: bytes, mode: str, size: int) -> np.ndarray:
-    """Encoded bytes -> (C, size, size) uint8 in PIL `mode` (L or RGB), resized with bicubic when needed."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(raw)) as img:
-        img = img.convert(mode)
-        if img.size != (size, size):
-            img = img.resize((size, size), Image.BICUBIC)
-        array = np.asarray(img, dtype=np.uint8)
-    return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
-
-
-def _decode_chunk(job: tuple[str, bool, list[str], str, int]) -> tuple[np.ndarray, list[tuple[int, str]]]:
+def _decode_chunk(job: tuple[str, bool, list[str], str, int, bool]) -> tuple[np.ndarray, list[tuple[int, str]]]:
     """Decode one chunk to (n, C, size, size) uint8 (a bad file's row left zero) and [(row, reason)] of bad files."""
-    root, is_zip, names, mode, size = job
+    root, is_zip, names, mode, size, reduce = job
     out = np.zeros((len(names), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
     failed = []
     with file_reader(root, is_zip) as read:
         for i, name in enumerate(names):
             try:
-                out[i] = decode_image(read(name), mode, size)
+                out[i] = decode_image(read(name), mode, size, reduce)
             except Exception as exc:  # PIL raises many types for bad files
                 failed.append((i, decode_failure(exc)))
     return out, failed

@@ -14,6 +14,7 @@ import yaml
 
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, load_config, to_dict, to_yaml
+from vitrain.data.loader import Position
 from vitrain.errors import CheckpointError
 from vitrain.files import atomic_write
 from vitrain.parallel import broadcast_object
@@ -176,15 +177,9 @@ def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
         )
 
 
-def check_resumable(path: Path, meta: dict, cfg: Config, global_micro_batch: int, engine: str) -> None:
-    """Refuse, in one line, a checkpoint this run cannot continue: another model, data position or engine."""
+def check_resumable(path: Path, meta: dict, cfg: Config, engine: str) -> None:
+    """Refuse, in one line, a checkpoint this run cannot continue: another model or engine."""
     check_same_model(path, meta, cfg)
-    samples = meta["samples_in_epoch"]
-    if samples % global_micro_batch:
-        raise CheckpointError(
-            f"checkpoint {path} stopped {samples} samples into an epoch, not a multiple of this run's "
-            f"{global_micro_batch} per micro-step; keep train.batch_size x processes unchanged to resume"
-        )
     saved_engine = meta.get("engine", "native")
     if saved_engine != engine:
         raise CheckpointError(
@@ -228,14 +223,15 @@ def agree_on_run(base: Path, resume: bool | str, is_main: bool, check: Checkpoin
 
 
 def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
-    """Everything but the tensors; the data position is in samples so another world size can resume it."""
+    """Everything but the tensors; the loader's Position is the layout-free data position (vitrain/data/loader.py),
+    so the same world size resumes with the same samples and another one with none of the epoch's seen ones."""
     return {
         "config": to_dict(trainer.cfg),
         "engine": trainer.engine.name,
         "precision": trainer.engine.state_dict(),
         "step": trainer.step,
         "epoch": trainer.epoch,
-        "samples_in_epoch": trainer.batch_in_epoch * trainer.global_micro_batch,
+        "loader": trainer.train_loader.position(trainer.epoch, trainer.resume_at, trainer.batch_in_epoch).to_dict(),
         "best_metric": trainer.best_metric,
         "best_metric_name": trainer.task.best_metric,
         "last_eval": trainer.last_eval,
@@ -252,10 +248,12 @@ def restore(trainer: Trainer, path: Path) -> None:
     # Every rank reads and checks before the collective load: one rank's failure stops all of them.
     with all_or_none(f"reading checkpoint {path}"):
         meta = ckpt.read_meta(path)
-        check_resumable(path, meta, trainer.cfg, trainer.global_micro_batch, trainer.engine.name)
+        check_resumable(path, meta, trainer.cfg, trainer.engine.name)
     restored = trainer.engine.load(path, meta)
     trainer.step, trainer.epoch = meta["step"], meta["epoch"]
-    trainer.batch_in_epoch = meta["samples_in_epoch"] // trainer.global_micro_batch
+    # Checkpoints before the loader kept its Position held the epoch's consumed samples as samples_in_epoch.
+    saved = meta.get("loader") or {"epoch": meta["epoch"], "samples": meta.get("samples_in_epoch", 0)}
+    trainer.resume_at, trainer.batch_in_epoch = Position.from_dict(saved), 0
     # Checkpoints before the task seam kept the classifier's best top-1 as best_top1 (-1.0: no evaluation yet).
     old_best = meta["best_top1"] if meta.get("best_top1", -1.0) >= 0 else None
     trainer.best_metric = meta["best_metric"] if "best_metric" in meta else old_best

@@ -109,7 +109,8 @@ class Trainer:
         self.precision = getattr(self.engine, "precision", None)  # the native engine's policy (tools and tests)
         self.step = self.epoch = 0
         self.epoch_batches: Any = None  # the current epoch's batch iterator
-        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
+        self.resume_at: Any = None  # the loader Position a resume continues this epoch from (None: its start)
+        self.batch_in_epoch = 0  # micro-batches of the current epoch consumed since then
         self.best_metric: float | None = None  # the task's best_metric at the best evaluation so far
         self.last_eval: dict[str, Any] = {}
         self.last_eval_s = 0.0  # how long the last evaluation took: train.time_limit_s leaves room for one more
@@ -171,10 +172,11 @@ class Trainer:
         stop = False
         while self.epoch < t.epochs and not stop:
             desc, shown = f"epoch {self.epoch + 1}/{t.epochs}", cfg.log.progress and self.is_main
-            bar = progress_bar(self.steps_per_epoch, self.batch_in_epoch // t.accum_steps, desc, shown)
             # Only whole optimizer steps: leftover micro-batches would leak gradients into the next epoch.
-            remaining = self.steps_per_epoch * t.accum_steps - self.batch_in_epoch
-            self.epoch_batches = self.train_loader.epoch(self.epoch, self.batch_in_epoch)
+            left = self.train_loader.batches_left(self.resume_at)
+            remaining = left - left % t.accum_steps
+            bar = progress_bar(self.steps_per_epoch, self.steps_per_epoch - remaining // t.accum_steps, desc, shown)
+            self.epoch_batches = self.train_loader.epoch(self.epoch, self.resume_at)
             speed.open_window()  # the last epoch's evaluation is not in this epoch's images/s
             batches = WaitTimer(itertools.islice(self.epoch_batches, remaining))
             for _ in range(remaining // t.accum_steps):
@@ -217,7 +219,7 @@ class Trainer:
             bar.close()
             if not stop:
                 self.epoch += 1
-                self.batch_in_epoch = 0
+                self.batch_in_epoch, self.resume_at = 0, None
             final = stop or self.epoch == t.epochs
             if final or self.epoch % t.eval_every_epochs == 0:
                 self._evaluate_and_save(log, final)

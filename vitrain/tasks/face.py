@@ -119,10 +119,10 @@ class FaceTask:
             raise ConfigError(f"task.generated_pairs={k.generated_pairs} must be >= 10 (10 folds of matched pairs)")
         if not k.pairs:
             raise ConfigError("task.pairs is empty; use [generated], cfp-ff, cfp-fp or an LFW-format pairs file")
-        if cfg.data.source != "folder":
+        if cfg.data.source not in ("folder", "recordio"):
             raise ConfigError(
-                "task.name=face reads identity folders: set data.source=folder and data.root=PATH, not "
-                f"{cfg.data.source}"
+                "task.name=face reads identity folders or an insightface RecordIO set: set data.source=folder or "
+                f"recordio and data.root=PATH, not {cfg.data.source}"
             )
         if cfg.data.mixup_alpha or cfg.data.cutmix_alpha:
             raise ConfigError(

@@ -1,0 +1,172 @@
+"""`vitrain data pack`: an image folder or zip (classes, or face identities) into tar shards or RecordIO files.
+
+The encoded image bytes are copied unchanged (no decode, no re-encode), so a packed set gives the same images as
+its source. Shards: each split's samples are shuffled once (seed 0: a window of consecutive samples then mixes
+classes) and written as `<split>-NNNNNN.tar` with `<key>.<ext>` image, `<key>.cls` label and `<key>.json` (label and
+source path) members, in parallel processes, one shard file each; a rerun skips the shards already complete, and
+index.json (counts, classes) is written last, after every shard's count was read back from the tar. RecordIO:
+`<split>.rec/.idx/.lst` in im2rec's layout for classes, `train.rec/.idx/.lst` + `property` in insightface's layout
+for identities (vitrain/data/recordio.py); a face set's other files (protocol and pair lists) are copied beside.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from vitrain.data.faces import open_face_tree
+from vitrain.data.shards import FORMAT, INDEX, ShardIndex, ShardWriter, read_samples, write_index
+from vitrain.data.sources import ImageTree, file_reader, list_split
+from vitrain.errors import DataError
+from vitrain.files import atomic_write
+
+PACK_SEED = 0
+
+
+@dataclass
+class Listing:
+    """What to pack: per split, (relative name in the source, label); the class or identity names."""
+
+    root: Path
+    is_zip: bool
+    splits: dict[str, list[tuple[str, int]]]
+    classes: list[str]
+    layout: str  # "classes" or "identities"
+
+
+def list_source(src: Path, identities: bool) -> Listing:
+    src = Path(src).expanduser()
+    if not src.exists():
+        raise DataError(f"{src} does not exist; give an image folder tree or a .zip of one")
+    if identities:
+        tree = open_face_tree(src)
+        rows = [(name, label) for label, identity in enumerate(tree.identities) for name in tree.files[identity]]
+        return Listing(tree.root, tree.is_zip, {"train": rows}, list(tree.identities), "identities")
+    tree = ImageTree(src)
+    splits, classes = {}, None
+    tops = sorted({PurePosixPath(n).parts[0] for n in tree.names if "/" in n})
+    candidates = sorted({p for t in tops for p in (t, *[n.split("/")[1] for n in tree.names if n.startswith(t + "/")])})
+    for split in candidates:
+        prefix = tree.split_prefix(split)
+        if prefix is None or split in splits:
+            continue
+        try:
+            listing = list_split(tree, split, required=True, classes=classes)
+        except DataError:
+            continue
+        names, labels, classes = listing
+        splits[split] = list(zip(names, labels, strict=True))
+    if not splits:
+        raise DataError(f"{src} holds no <split>/<class>/<image> tree; for face identity folders add --identities")
+    return Listing(tree.root, tree.is_zip, splits, classes, "classes")
+
+
+def _write_shard(job: tuple[str, bool, str, list[tuple[int, str, int]]]) -> tuple[str, int]:
+    root, is_zip, path, rows = job
+    writer = ShardWriter(path, max_count=len(rows) + 1)
+    with file_reader(root, is_zip) as read:
+        for number, name, label in rows:
+            ext = PurePosixPath(name).suffix.lower().lstrip(".") or "img"
+            meta = json.dumps({"label": label, "path": name}).encode()
+            writer.write(f"{number:09d}", {ext: read(name), "cls": str(label).encode(), "json": meta})
+    writer.close()
+    return path, len(rows)
+
+
+def pack_shards(listing: Listing, out: Path, shard_samples: int, workers: int, progress=None) -> dict[str, int]:
+    """Write each split as shards of `shard_samples` (resumable); return samples per split, counts verified."""
+    out.mkdir(parents=True, exist_ok=True)
+    totals = {}
+    for split, rows in listing.splits.items():
+        order = list(range(len(rows)))
+        random.Random(PACK_SEED).shuffle(order)
+        jobs = []
+        for k, first in enumerate(range(0, len(order), shard_samples)):
+            path = out / f"{split}-{k:06d}.tar"
+            chosen = [(i, rows[i][0], rows[i][1]) for i in order[first : first + shard_samples]]
+            if path.is_file():  # written whole by an earlier run (shards appear under their name only when done)
+                continue
+            jobs.append((str(listing.root), listing.is_zip, str(path), chosen))
+        if workers > 1 and len(jobs) > 1:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                for done in pool.map(_write_shard, jobs):
+                    progress and progress(done)
+        else:
+            for job in jobs:
+                progress and progress(_write_shard(job))
+        urls = [str(out / f"{split}-{k:06d}.tar") for k in range(-(-len(order) // shard_samples))]
+        counts = [sum(1 for _ in read_samples(u, labels_only=True)) for u in urls]
+        expected = [min(shard_samples, len(order) - k * shard_samples) for k in range(len(urls))]
+        if counts != expected:
+            bad = next(u for u, c, e in zip(urls, counts, expected, strict=True) if c != e)
+            raise DataError(f"shard {bad} holds a different number of samples than packed; delete it and pack again")
+        write_index(out / INDEX, ShardIndex(urls, counts, listing.classes, listing.layout), {"format": FORMAT})
+        totals[split] = sum(counts)
+    return totals
+
+
+def pack_recordio(listing: Listing, out: Path) -> dict[str, int]:
+    """Write each split as RecordIO (im2rec layout, or insightface's for identities); face sets' text files too."""
+    from vitrain.data import recordio
+
+    out.mkdir(parents=True, exist_ok=True)
+    totals = {}
+    with file_reader(listing.root, listing.is_zip) as read:
+        if listing.layout == "identities":
+            rows = listing.splits["train"]
+            images = ((label, read(name), name) for name, label in rows)
+            size = _image_size(read(rows[0][0]))
+            recordio.write_insightface(out, images, len(listing.classes), size)
+            (out / "identities.txt").write_text("\n".join(listing.classes) + "\n")
+            _copy_side_files(listing, out, read)
+            totals["train"] = len(rows)
+        else:
+            for split, rows in listing.splits.items():
+                recordio.write_im2rec(out, split, ((label, read(name), name) for name, label in rows))
+                totals[split] = len(rows)
+            (out / "classes.txt").write_text("\n".join(listing.classes) + "\n")
+    for split, n in totals.items():  # read every record's header back: the counts must match
+        found = len(recordio.read_insightface(out / f"{split}.rec"))
+        if found != n:
+            raise DataError(f"{out / split}.rec holds {found} images but {n} were packed; delete it and pack again")
+    return totals
+
+
+def _image_size(raw: bytes) -> tuple[int, int]:
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(raw)) as img:
+        return img.height, img.width
+
+
+def _copy_side_files(listing: Listing, out: Path, read) -> None:
+    """A face set's non-image files (protocols, pair lists, READMEs) keep their paths beside the records, so the
+    task reads its verification pairs (e.g. CFP's Protocol folder) from the packed folder as from the source."""
+    from vitrain.data.sources import IMAGE_SUFFIXES
+
+    if listing.is_zip:
+        import zipfile
+
+        with zipfile.ZipFile(listing.root) as archive:
+            names = [n for n in archive.namelist() if not n.endswith("/")]
+    else:
+        names = [p.relative_to(listing.root).as_posix() for p in listing.root.rglob("*") if p.is_file()]
+    for name in names:
+        if name.lower().endswith(IMAGE_SUFFIXES) or "__MACOSX" in name:
+            continue
+        target = out / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, read(name))
+
+
+def remove_partial(out: Path) -> None:
+    """Temporary files an interrupted pack left (never complete shards)."""
+    for path in out.glob("*.partial"):
+        path.unlink()
+    _ = shutil  # noqa: B018
