@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -77,7 +76,7 @@ def _write_shard(job: tuple[str, bool, str, list[tuple[int, str, int]]]) -> tupl
     return path, len(rows)
 
 
-def pack_shards(listing: Listing, out: Path, shard_samples: int, workers: int, progress=None) -> dict[str, int]:
+def pack_shards(listing: Listing, out: Path, shard_samples: int, workers: int) -> dict[str, int]:
     """Write each split as shards of `shard_samples` (resumable); return samples per split, counts verified."""
     out.mkdir(parents=True, exist_ok=True)
     totals = {}
@@ -93,11 +92,10 @@ def pack_shards(listing: Listing, out: Path, shard_samples: int, workers: int, p
             jobs.append((str(listing.root), listing.is_zip, str(path), chosen))
         if workers > 1 and len(jobs) > 1:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                for done in pool.map(_write_shard, jobs):
-                    progress and progress(done)
+                list(pool.map(_write_shard, jobs))
         else:
             for job in jobs:
-                progress and progress(_write_shard(job))
+                _write_shard(job)
         urls = [str(out / f"{split}-{k:06d}.tar") for k in range(-(-len(order) // shard_samples))]
         counts = [sum(1 for _ in read_samples(u, labels_only=True)) for u in urls]
         expected = [min(shard_samples, len(order) - k * shard_samples) for k in range(len(urls))]
@@ -163,10 +161,3 @@ def _copy_side_files(listing: Listing, out: Path, read) -> None:
         target = out / name
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(target, read(name))
-
-
-def remove_partial(out: Path) -> None:
-    """Temporary files an interrupted pack left (never complete shards)."""
-    for path in out.glob("*.partial"):
-        path.unlink()
-    _ = shutil  # noqa: B018

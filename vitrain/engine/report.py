@@ -80,6 +80,24 @@ def summary(trainer: Trainer, wall_s: float, images_per_s: float, compile_s: flo
     skipped = getattr(trainer.train_loader.data, "skipped", None)
     if skipped is not None:
         fields |= {"skipped_files": len(skipped.undecodable), "non_image_files": len(skipped.non_images)}
+    bad = _bad_samples(trainer)
+    if bad is not None:
+        fields["skipped_samples"] = len(bad)
     if compile_s is not None:
         fields["compile_s"] = compile_s
     return fields
+
+
+def _bad_samples(trainer: Trainer) -> dict[str, str] | None:
+    """Samples a stream or RecordIO set replaced as it read them (data.skip_bad): where -> why; None elsewhere."""
+    loader = trainer.train_loader
+    found = getattr(loader, "skipped", None)
+    return found if isinstance(found, dict) else getattr(getattr(loader, "data", None), "bad", None)
+
+
+def skipped_samples(trainer: Trainer) -> list[str]:
+    """One log line per sample data.skip_bad let the run skip (this rank's), then their count."""
+    bad = _bad_samples(trainer) or {}
+    lines = [f"data: skipped sample {where}: {why} (its place in the batch went to another sample)" for where, why
+             in list(bad.items())[:20]]  # fmt: skip
+    return lines + ([f"data: {len(bad)} bad sample(s) skipped on this rank (data.skip_bad)"] if bad else [])

@@ -127,10 +127,6 @@ class Trainer:
         return runs.checkpoint_meta(self, is_best)
 
     @property
-    def global_micro_batch(self) -> int:
-        return self.cfg.train.batch_size * self.dist.data_size
-
-    @property
     def parameters(self) -> int:
         """The whole model's parameter count, also where a rank holds only a part (a pipeline stage, ZeRO-3)."""
         return self.engine.parameter_count()
@@ -226,6 +222,8 @@ class Trainer:
 
         wall_s = time.perf_counter() - wall_start
         summary = report.summary(self, wall_s, speed.images_per_s(), speed.compile_s) | speed.data_wait()
+        for line in report.skipped_samples(self):  # streams and RecordIO find bad samples as they read them
+            log.info(line)
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metric = self.task.best_metric

@@ -1,0 +1,350 @@
+"""Streaming shards and RecordIO sets: reading, packing, the per-rank/worker split, exact resume and bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import REPO, TINY, run_cli, shared_data
+from tests.data_helpers import TREE_MODEL, make_tree
+from tests.distributed_helpers import free_port
+from vitrain.config import DataConfig, load_config
+from vitrain.data.augment import BatchAugment
+from vitrain.data.loader import TRACE_ENV, Position
+from vitrain.data.pipeline import build_loaders
+from vitrain.data.shards import ShardIndex, ShardWriter, expand_braces, read_samples, scan_index, shard_urls
+from vitrain.data.stream import Run, StreamLoader, StreamSet
+
+TREE = [*TINY, *TREE_MODEL, "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]"]
+
+
+def _jpeg(value: int, fmt: str = "JPEG") -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def _shards(folder: Path, counts: list[int], classes: int = 2) -> list[str]:
+    """Shards of 8x8 JPEGs with .cls labels, `counts[k]` samples in shard k; sample keys number them all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for k, count in enumerate(counts):
+        writer = ShardWriter(str(folder / f"s-{k:02d}.tar"), max_count=count + 1)
+        for _ in range(count):
+            writer.write(f"{n:05d}", {"jpg": _jpeg(n % 250), "cls": str(n % classes).encode()})
+            n += 1
+        writer.close()
+    return [str(folder / f"s-{k:02d}.tar") for k in range(len(counts))]
+
+
+def _stream(urls: list[str], counts: list[int], **kw) -> StreamLoader:
+    data = StreamSet(ShardIndex(urls, counts, ["a", "b"]), [Run(i, 0, c) for i, c in enumerate(counts)], 3, 8)
+    args = {"batch_size": 4, "shuffle": True, "seed": 3, "window": 5, "prefetch": 0} | kw
+    augment = BatchAugment(DataConfig(), 3, False, 8, 2)
+    return StreamLoader(data, augment=augment, device=torch.device("cpu"), **args)
+
+
+def _keys(loader, epoch: int = 0, start=None, trace: Path | None = None) -> list[list[str]]:
+    trace = trace or Path(os.environ["PYTEST_TMP"]) / "trace.txt"
+    trace.write_text("")
+    os.environ[TRACE_ENV] = str(trace)
+    try:
+        for _ in loader.epoch(epoch, start):
+            pass
+    finally:
+        del os.environ[TRACE_ENV]
+    return [line.split() for line in trace.read_text().splitlines()]
+
+
+@pytest.fixture(autouse=True)
+def _tmp_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_TMP", str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def test_brace_patterns_list_files_and_folders_name_the_same_shards(tmp_path):
+    assert expand_braces("a-{008..011}.tar") == ["a-008.tar", "a-009.tar", "a-010.tar", "a-011.tar"]
+    assert expand_braces("{x,y}-{1..2}") == ["x-1", "x-2", "y-1", "y-2"]
+    assert shard_urls("pipe:cat s-{0..1}.tar") == ["pipe:cat s-0.tar", "pipe:cat s-1.tar"]
+    urls = _shards(tmp_path / "d", [3, 2, 4])
+    (tmp_path / "list.txt").write_text("# shards\nd/s-00.tar\nd/s-{01..02}.tar\n")
+    assert shard_urls(str(tmp_path / "d")) == urls
+    assert shard_urls(str(tmp_path / "d" / "s-{00..02}.tar")) == urls
+    assert shard_urls(str(tmp_path / "list.txt")) == urls
+    index = scan_index(urls)
+    assert index.counts == [3, 2, 4] and index.classes == ["0", "1"]
+    # A pipe: command streams the same samples as the file (seeking is replaced by reading past them).
+    piped = [s.key for s in read_samples(f"pipe:cat {urls[2]}", skip=1, count=2)]
+    assert piped == [s.key for s in read_samples(urls[2], skip=1, count=2)] == ["00006", "00007"]
+
+
+def test_webdataset_shardwriter_shards_read_back_with_every_image_extension_and_label_kind(tmp_path):
+    wds = pytest.importorskip("webdataset", reason="webdataset (the dev extra) writes the shards of this test")
+    pattern = str(tmp_path / "w-%03d.tar")
+    kinds = [("jpg", "JPEG"), ("jpeg", "JPEG"), ("png", "PNG"), ("webp", "WEBP")]
+    with wds.ShardWriter(pattern, maxcount=5) as sink:
+        for i in range(12):
+            ext, fmt = kinds[i % 4]
+            label = {"cls": i % 3} if i % 2 else {"json": {"label": i % 3, "note": "x"}}
+            sink.write({"__key__": f"sample{i:03d}", ext: _jpeg(40 * (i % 4), fmt), **label})
+    urls = shard_urls(str(tmp_path / "w-{000..002}.tar"))
+    samples = [s for url in urls for s in read_samples(url)]
+    assert [s.key for s in samples] == [f"sample{i:03d}" for i in range(12)]
+    assert [s.label for s in samples] == [i % 3 for i in range(12)]
+    assert all(s.image and not s.problem for s in samples)
+    # ... and train the tiny model (held-out share for validation).
+    root = str(tmp_path / "w-{000..002}.tar")
+    cfg = load_config(None, [*TREE, "model.num_classes=3", "data.source=shards", f"data.root={root}",
+                             "data.val_fraction=0.2", "train.batch_size=4", f"log.out_dir={tmp_path}/r"])  # fmt: skip
+    from vitrain.api import train
+
+    summary = train(cfg)
+    assert summary["steps"] == 2 and summary["val_samples"] == 2  # 20% of each 5/5/2-sample shard: 1, 1, 0
+
+
+# ---------------------------------------------------------------------------------------------- the split
+
+
+def test_two_ranks_of_two_workers_see_disjoint_samples_all_once_and_the_same_steps(tmp_path):
+    urls = _shards(tmp_path, [10, 6, 9, 7, 8, 11, 13])  # 7 uneven shards, 64 samples
+    seen, steps = [], []
+    for rank in range(2):
+        loader = _stream(urls, [10, 6, 9, 7, 8, 11, 13], rank=rank, world_size=2, workers=2)
+        batches = _keys(loader)
+        steps.append(len(batches))
+        seen.append([k for b in batches for k in b])
+    assert steps == [8, 8]  # 32 per rank in batches of 4
+    assert not set(seen[0]) & set(seen[1])
+    assert len(set(seen[0] + seen[1])) == 64  # every sample once (64 = 2 ranks x 8 batches x 4)
+    # Another epoch: another order (shards and windows), the same samples.
+    again = [k for b in _keys(_stream(urls, [10, 6, 9, 7, 8, 11, 13], world_size=2, workers=2), epoch=1) for k in b]
+    assert again != seen[0] and len(set(again)) == 32
+
+
+def test_a_share_that_does_not_divide_drops_under_a_batch_per_rank_and_never_repeats(tmp_path):
+    counts = [5, 3, 9]
+    urls = _shards(tmp_path, counts)
+    keys = [[k for b in _keys(_stream(urls, counts, rank=r, world_size=2, workers=2)) for k in b] for r in range(2)]
+    assert len(keys[0]) == len(keys[1]) == 8  # 17 samples: 8 per rank, 1 left for another epoch
+    assert len(set(keys[0] + keys[1])) == 16
+
+
+def test_validation_pads_the_last_rank_with_masked_samples_so_every_sample_counts_once(tmp_path):
+    urls = _shards(tmp_path, [5, 4])
+    labels = []
+    for rank in range(2):
+        loader = _stream(urls, [5, 4], rank=rank, world_size=2, workers=2, shuffle=False, drop_last=False)
+        labels += [y for _, y in loader.epoch(0)]
+    real = torch.cat(labels)
+    assert len(real) == 10 and int((real == -100).sum()) == 1
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_resumed_mid_epoch_continues_with_the_uninterrupted_samples(tmp_path, workers):
+    counts = [10, 6, 9, 7, 8, 11, 13]
+    urls = _shards(tmp_path, counts)
+    full = _keys(_stream(urls, counts, workers=workers), epoch=2)
+    for k in (1, 5, 11):
+        loader = _stream(urls, counts, workers=workers)
+        at = Position.from_dict(json.loads(json.dumps(loader.position(2, None, k).to_dict())))
+        assert loader.batches_left(at) == len(full) - k
+        assert _keys(loader, 2, at) == full[k:]
+
+
+def test_a_stream_resumed_on_another_world_size_sees_none_of_the_epoch_again(tmp_path):
+    counts = [10, 6, 9, 7, 8, 11, 13]
+    urls = _shards(tmp_path, counts)
+    before = []
+    for rank in range(2):
+        loader = _stream(urls, counts, rank=rank, world_size=2, workers=2)
+        before += [k for b in _keys(loader)[:3] for k in b]
+    at = loader.position(0, None, 3)
+    after = [k for b in _keys(_stream(urls, counts, workers=1, batch_size=5), 0, at) for k in b]
+    assert not set(before) & set(after) and len(after) == 40  # 64 - 24 seen = 40 left, 8 batches of 5
+    # ... and a second change of layout keeps counting from both earlier ones.
+    one = _stream(urls, counts, workers=1, batch_size=5)
+    later = one.position(0, at, 2)
+    rest = [k for b in _keys(_stream(urls, counts, rank=1, world_size=2, workers=1), 0, later) for k in b]
+    first_two = [k for b in _keys(one, 0, at)[:2] for k in b]
+    assert not set(rest) & (set(before) | set(first_two))
+
+
+def _pack(tmp_path: Path, fmt: str) -> Path:
+    make_tree(tmp_path / "tree", {"train": 20, "test": 4}, suffix=".jpg")
+    out = tmp_path / fmt
+    done = run_cli("data", "pack", str(tmp_path / "tree"), str(out), "--format", fmt, "--shard-samples", "7")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.parametrize("source", ["shards", "recordio", "folder", "prepared"])
+def test_every_source_resumes_mid_epoch_with_the_same_keys_and_reshards_without_repeats(tmp_path, source):
+    if source == "prepared":
+        make_tree(tmp_path / "tree", {"train": 20, "test": 4}, suffix=".jpg")
+        assert run_cli("data", "prepare", str(tmp_path / "tree"), str(tmp_path / "prepared")).returncode == 0
+        root = tmp_path / "prepared"
+    elif source == "folder":
+        make_tree(tmp_path / "tree", {"train": 20, "test": 4}, suffix=".jpg")
+        root = tmp_path / "tree"
+    else:
+        root = _pack(tmp_path, source)
+
+    def loader(rank=0, world_size=1, batch=4):
+        cfg = load_config(None, [*TREE, f"data.source={source}", f"data.root={root}", f"train.batch_size={batch}",
+                                 "data.shuffle_buffer=6", "data.prefetch=0"])  # fmt: skip
+        return build_loaders(cfg, torch.device("cpu"), rank, world_size)[0]
+
+    full = _keys(loader(), epoch=1)
+    assert len(full) == 10
+    at = loader().position(1, None, 4)
+    assert _keys(loader(), 1, at) == full[4:]
+    seen = {k for b in full[:4] for k in b}
+    rest = [k for r in range(2) for b in _keys(loader(r, 2, 2), 1, at) for k in b]
+    assert not seen & set(rest) and len(rest) == 24 and len(set(rest)) == 24
+
+
+# ---------------------------------------------------------------------------------------------- pack and train
+
+
+def test_pack_writes_shards_and_recordio_that_train_and_hold_the_source_bytes(tmp_path):
+    shards = _pack(tmp_path, "shards")
+    names = sorted(p.name for p in shards.glob("*.tar"))  # 40 train and 8 test images in shards of 7
+    assert names == ["test-000000.tar", "test-000001.tar", *[f"train-{k:06d}.tar" for k in range(6)]]
+    records = _pack(tmp_path, "recordio")
+    from vitrain.data.recordio import read_insightface
+
+    rec = read_insightface(records / "train.rec")
+    tree = tmp_path / "tree"
+    assert len(rec) == 40 and all(rec.image(i) == (tree / rec.names[i]).read_bytes() for i in range(40))
+    for source, root in (("shards", shards), ("recordio", records)):
+        done = run_cli("train", *TREE, f"data.source={source}", f"data.root={root}", "train.batch_size=8",
+                       f"log.out_dir={tmp_path}/runs", f"name={source}")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        summary = json.loads((tmp_path / "runs" / source / "summary.json").read_text())
+        assert summary["steps"] == 5 and summary["val_samples"] == 8
+
+
+def test_a_rerun_pack_keeps_finished_shards_and_writes_only_missing_ones(tmp_path):
+    out = _pack(tmp_path, "shards")
+    (out / "train-000003.tar").unlink()
+    kept = (out / "train-000001.tar").stat().st_mtime_ns
+    done = run_cli("data", "pack", str(tmp_path / "tree"), str(out), "--format", "shards", "--shard-samples", "7")
+    assert done.returncode == 0 and (out / "train-000003.tar").is_file()
+    assert (out / "train-000001.tar").stat().st_mtime_ns == kept
+
+
+def test_recordio_packs_of_real_faces_hold_the_folder_bytes_and_train_face_orl(tmp_path):
+    orl = shared_data("orl-faces.zip")
+    out = tmp_path / "orl"
+    assert run_cli("data", "pack", str(orl), str(out), "--format", "recordio", "--identities").returncode == 0
+    from vitrain.data.recordio import read_insightface
+
+    rec = read_insightface(out)
+    with zipfile.ZipFile(orl) as archive:
+        assert len(rec) == 400 and all(rec.image(i) == archive.read(rec.names[i]) for i in range(len(rec)))
+    done = run_cli("train", "face-orl", "data.source=recordio", f"data.root={out}", "train.max_steps=3",
+                   "precision.mode=fp32", f"log.out_dir={tmp_path}/runs", "log.progress=false")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------------------------------------- no hang
+
+
+def test_seven_uneven_shards_on_two_ranks_train_to_the_end_without_a_hang(tmp_path):
+    _shards(tmp_path / "seven", [10, 6, 9, 7, 8, 11, 13])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vitrain",
+         "train", *TREE, "data.source=shards", f"data.root={tmp_path / 'seven'}", "train.batch_size=4",
+         "train.epochs=2", "train.threads=1", "parallel.strategy=ddp", f"log.out_dir={tmp_path}/runs", "name=seven"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "MASTER_PORT": str(free_port())},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "runs" / "seven" / "summary.json").read_text())
+    assert summary["steps"] == 12  # 64 samples, 13 held out (20%): 51 -> 25 per rank -> 6 steps of 4, 2 epochs
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    return done.stderr.strip().splitlines()[-1]
+
+
+def _train(tmp_path: Path, source: str, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_cli("train", *TREE, f"data.source={source}", f"data.root={root}", "train.batch_size=4",
+                   f"log.out_dir={tmp_path}/runs", *extra)  # fmt: skip
+
+
+def test_a_truncated_shard_is_one_line_naming_it_and_exit_2(tmp_path):
+    urls = _shards(tmp_path / "t", [12, 12])
+    (tmp_path / "t" / "index.json").write_text(json.dumps({"format": "vitrain-shards/1", "classes": ["0", "1"],
+                                                          "counts": {"s-00.tar": 12, "s-01.tar": 12}}))  # fmt: skip
+    raw = Path(urls[1]).read_bytes()
+    Path(urls[1]).write_bytes(raw[: len(raw) // 2 + 100])
+    done = _train(tmp_path, "shards", tmp_path / "t")
+    assert done.returncode == 2 and "s-01.tar" in _last_line(done) and "truncated" in _last_line(done)
+
+
+def test_a_sample_without_a_label_is_one_line_or_skipped_and_counted_with_skip_bad(tmp_path):
+    folder = tmp_path / "nolabel"
+    folder.mkdir()
+    writer = ShardWriter(str(folder / "s-00.tar"), max_count=100)
+    for n in range(20):
+        members = {"jpg": _jpeg(n)} | ({} if n == 7 else {"cls": str(n % 2).encode()})
+        writer.write(f"{n:05d}", members)
+    writer.close()
+    (folder / "index.json").write_text(json.dumps({"format": "vitrain-shards/1", "classes": ["0", "1"],
+                                                  "counts": {"s-00.tar": 20}}))  # fmt: skip
+    done = _train(tmp_path, "shards", folder, "data.val_fraction=0.1")
+    assert done.returncode == 2 and "00007" in _last_line(done) and "no label" in _last_line(done)
+    assert "data.skip_bad" in _last_line(done)
+    done = _train(tmp_path, "shards", folder, "data.val_fraction=0.1", "data.skip_bad=1", "name=skipping")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "runs" / "skipping" / "summary.json").read_text())
+    assert summary["skipped_samples"] == 1
+    assert "skipped sample 00007" in (tmp_path / "runs" / "skipping" / "log.txt").read_text()
+
+
+def test_a_recordio_file_with_a_wrong_magic_or_an_index_past_its_end_is_one_line_and_exit_2(tmp_path):
+    out = _pack(tmp_path, "recordio")
+    rec, idx = out / "train.rec", out / "train.idx"
+    good_idx = idx.read_text()
+    lines = good_idx.splitlines()
+    lines[3] = lines[3].split("\t")[0] + "\t99999999"
+    idx.write_text("\n".join(lines) + "\n")
+    done = _train(tmp_path, "recordio", out)
+    assert done.returncode == 2 and "99999999" in _last_line(done) and "train.idx" in _last_line(done)
+    idx.write_text(good_idx)
+    offset = int(lines[5].split("\t")[1])
+    raw = bytearray(rec.read_bytes())
+    raw[offset : offset + 4] = b"\0\0\0\0"
+    rec.write_bytes(bytes(raw))
+    done = _train(tmp_path, "recordio", out)
+    assert done.returncode == 2 and f"byte {offset}" in _last_line(done) and "train.rec" in _last_line(done)
+
+
+def test_too_few_samples_for_every_rank_to_take_a_batch_is_one_line(tmp_path):
+    _shards(tmp_path / "few", [3])
+    done = _train(tmp_path, "shards", tmp_path / "few", "data.val_fraction=0.34")
+    assert done.returncode == 2 and "train.batch_size=4" in _last_line(done)
+
+
+def test_a_shard_list_naming_a_missing_shard_is_one_line(tmp_path):
+    _shards(tmp_path / "m", [3, 3])
+    done = _train(tmp_path, "shards", Path(f"{tmp_path}/m/s-{{00..02}}.tar"))
+    assert done.returncode == 2 and "s-02.tar does not exist" in _last_line(done)
