@@ -175,9 +175,12 @@ def _parser() -> argparse.ArgumentParser:
     # The ladder measures the GEMM peaks once and hands them to its rows: fp32=TFLOPS,bf16=TFLOPS.
     run.add_argument("--peaks", default=None, help=argparse.SUPPRESS)
     run.set_defaults(func=_bench_run)
-    loader = bench_sub.add_parser("loader", help="images/s of the fast prepared loader vs per-sample PIL workers")
+    loader = bench_sub.add_parser("loader", help="images/s of the data sources' loaders (prepared, folder, streams)")
     loader.add_argument("--prepared", required=True, help="a folder made by `vitrain data prepare`")
     loader.add_argument("--folder", required=True, help="the same images as an ImageFolder tree (or .zip)")
+    loader.add_argument("--shards", default=None, help="the same images packed as shards: rows per source instead")
+    loader.add_argument("--recordio", default=None, help="the same images packed as RecordIO (with --shards)")
+    loader.add_argument("--workers", default="0,1,2", help="with --shards: worker counts to time (default 0,1,2)")
     loader.add_argument("--batches", type=int, default=60, help="timed batches per loader (default 60)")
     loader.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
     loader.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
@@ -512,10 +515,17 @@ def _synthetic_data(cfg):
 
 
 def _bench_loader(args: argparse.Namespace) -> int:
-    from vitrain.bench.loader import bench_loader, format_result
+    from vitrain.bench.loader import bench_loader, bench_sources, format_result, format_rows
 
-    result = bench_loader(args.prepared, args.folder, args.overrides, args.batches, args.warmup, args.rounds)
-    print(format_result(result))
+    if args.shards:
+        sources = {"folder": args.folder, "prepared": args.prepared, "shards": args.shards}
+        sources |= {"recordio": args.recordio} if args.recordio else {}
+        workers = [int(w) for w in args.workers.split(",")]
+        result = bench_sources(sources, workers, args.overrides, args.batches, args.warmup, args.rounds)
+        print(format_rows(result))
+    else:
+        result = bench_loader(args.prepared, args.folder, args.overrides, args.batches, args.warmup, args.rounds)
+        print(format_result(result))
     if args.out:
         from pathlib import Path
 

@@ -69,6 +69,98 @@ def bench_loader(
     return result
 
 
+def bench_sources(
+    sources: dict[str, str],
+    workers: list[int],
+    overrides: list[str],
+    batches: int = 40,
+    warmup: int = 5,
+    rounds: int = 3,
+    shape: list[str] | None = None,
+) -> dict[str, Any]:
+    """Images/s of each data source's training loader (folder, prepared, shards, recordio: whichever `sources` names,
+    source -> data.root) at each worker count, rows taking turns round by round; medians and every round kept.
+
+    Workers mean: shards, DataLoader processes decoding the stream; recordio, threads decoding each batch; folder
+    with the plain loader, DataLoader processes with PIL. The folder's fast loader decodes everything at start
+    (`setup_s`) and then serves memory; prepared serves a memory map. `source_bytes_per_image`: the data's size on
+    disk over its images (what a stream reads per image).
+    """
+    from vitrain.data.decode import decoder_name
+
+    base = (shape or []) + ["train.batch_size=256", "log.progress=false"] + DEFAULT_AUGMENT + list(overrides)
+    plans = []
+    for source, root in sources.items():
+        if source == "folder":
+            plans.append(("folder", "fast (decoded once at start)", 2, [f"data.root={root}", "data.source=folder"]))
+            plans += [("folder", "plain (PIL per sample)", w, [f"data.root={root}", "data.source=folder",
+                       "data.loader=plain", f"data.loader_workers={w}"]) for w in workers]  # fmt: skip
+        elif source == "prepared":
+            plans.append(("prepared", "fast (memory map)", 0, [f"data.root={root}", "data.source=prepared"]))
+        elif source == "shards":
+            plans += [("shards", "stream", w, [f"data.root={root}", "data.source=shards", f"data.loader_workers={w}"])
+                      for w in workers]  # fmt: skip
+        elif source == "recordio":
+            plans += [("recordio", "random access", w, [f"data.root={root}", "data.source=recordio",
+                       f"data.decode_workers={max(w, 1)}"]) for w in workers]  # fmt: skip
+    device = torch.device("cpu")
+    rows = []
+    for source, loader_name, w, extra in plans:
+        cfg = load_config(overrides=base + extra)
+        start = time.perf_counter()
+        loader = build_loaders(cfg, device)[0]
+        setup = time.perf_counter() - start
+        if len(loader) < warmup + batches:
+            raise ConfigError(f"{source}: only {len(loader)} batches per epoch; lower --batches or train.batch_size")
+        row = {"source": source, "loader": loader_name, "workers": w, "setup_s": setup, "rounds": []}
+        row["source_bytes_per_image"] = _bytes_per_image(source, cfg.data.root, len(loader.data), cfg)
+        rows.append((row, loader))
+    for epoch in range(rounds):
+        for row, loader in rows:
+            row["rounds"].append(_images_per_s(iter(loader.epoch(epoch)), batches, warmup))
+    out = []
+    for row, _ in rows:
+        row["images_per_s"] = statistics.median(row["rounds"])
+        row["spread"] = [min(row["rounds"]), max(row["rounds"])]
+        out.append(row)
+    return {"decoder": decoder_name(), "batch_size": 256, "timed_batches": batches, "rounds": rounds,
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "overrides": base, "rows": out}  # fmt: skip
+
+
+def _bytes_per_image(source: str, root: str, images: int, cfg: Any) -> float:
+    path = Path(root).expanduser()
+    if source == "prepared":
+        return cfg.model.in_chans * cfg.model.image_size**2
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files if source != "recordio" or p.suffix == ".rec")
+    if source == "folder" and path.is_file():  # a zip holds the test split too: share it out by images
+        import zipfile
+
+        with zipfile.ZipFile(path) as archive:
+            sizes = [i.compress_size for i in archive.infolist() if not i.is_dir()]
+        return sum(sizes) / max(len(sizes), 1)
+    return total / max(images, 1) if source != "shards" else total / max(_shard_images(path), 1)
+
+
+def _shard_images(path: Path) -> int:
+    import json
+
+    counts = json.loads((path / "index.json").read_text())["counts"]
+    return sum(counts.values())
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    lines = [f"decoder: {result['decoder']}; batch {result['batch_size']}, {result['timed_batches']} timed batches, "
+             f"medians of {result['rounds']} rounds taking turns, {result['torch_threads']} torch threads"]  # fmt: skip
+    for row in result["rows"]:
+        low, high = row["spread"]
+        lines.append(f"{row['source']:<9} {row['loader']:<30} workers={row['workers']}: {row['images_per_s']:>8,.0f} "
+                     f"images/s ({low:,.0f}-{high:,.0f}), setup {row['setup_s']:.1f} s, "
+                     f"{row['source_bytes_per_image']:,.0f} source bytes/image")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _images_per_s(batches, timed: int, warmup: int) -> float:
     for _ in range(warmup):
         next(batches)

@@ -3,7 +3,7 @@
 Both decoders give the same pixels for a full-size JPEG decode (libjpeg-turbo's default integer DCT and fancy
 upsampling in each); `reduce=True` lets a JPEG at least twice the wanted size decode at 1/2, 1/4 or 1/8 scale in the
 DCT itself (libjpeg-turbo's scaled decode) before the bicubic resize: much less work, slightly different pixels.
-`vitrain bench decode` measures the decoders on the same files.
+benchmarks/decode_speed.py measures both on the same real files.
 """
 
 from __future__ import annotations
