@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -63,7 +64,7 @@ def _keys(loader, epoch: int = 0, start=None, trace: Path | None = None) -> list
             pass
     finally:
         del os.environ[TRACE_ENV]
-    return [line.split() for line in trace.read_text().splitlines()]
+    return [line.split()[1:] for line in trace.read_text().splitlines()]
 
 
 @pytest.fixture(autouse=True)
@@ -348,3 +349,56 @@ def test_a_shard_list_naming_a_missing_shard_is_one_line(tmp_path):
     _shards(tmp_path / "m", [3, 3])
     done = _train(tmp_path, "shards", Path(f"{tmp_path}/m/s-{{00..02}}.tar"))
     assert done.returncode == 2 and "s-02.tar does not exist" in _last_line(done)
+
+
+# ---------------------------------------------------------------------------------------------- kill and resume
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from vitrain import checkpoint as ckpt
+    from vitrain.config import config_from_dict
+    from vitrain.models import create_model
+
+    step = ckpt.latest(run_dir)
+    model = create_model(config_from_dict(ckpt.read_meta(step)["config"]).model)
+    ckpt.load_model_weights(step, model)
+    return model.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["shards", "recordio", "folder", "prepared"])
+def test_sigkill_mid_epoch_then_resume_sees_the_uninterrupted_samples_and_ends_bit_for_bit(tmp_path, source):
+    import random
+
+    if source in ("shards", "recordio"):
+        root = _pack(tmp_path, source)
+    else:
+        make_tree(tmp_path / "tree", {"train": 20, "test": 4}, suffix=".jpg")
+        root = tmp_path / "tree"
+        if source == "prepared":
+            assert run_cli("data", "prepare", str(root), str(tmp_path / "prepared")).returncode == 0
+            root = tmp_path / "prepared"
+    common = [*TREE, f"data.source={source}", f"data.root={root}", "train.batch_size=4", "train.epochs=3",
+              "train.checkpoint_every_steps=3", "data.shuffle_buffer=6", "data.crop_padding=1", "data.hflip=0.5",
+              f"log.out_dir={tmp_path}/runs"]  # fmt: skip
+
+    def run(fault: str, name: str, trace: str, *extra: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, TRACE_ENV: str(tmp_path / trace)}
+        return subprocess.run([sys.executable, str(REPO / "tests" / "fault_runner.py"), fault, "train", *common,
+                               f"name={name}", *extra], cwd=REPO, capture_output=True, text=True, env=env,
+                              timeout=300)  # fmt: skip
+
+    assert run("none", "reference", "reference.txt").returncode == 0
+    kill_at = random.Random(source).randint(4, 25)  # 10 steps an epoch: mid-epoch, after a checkpoint or two
+    assert run(f"kill_after:{kill_at}:0", "victim", "killed.txt").returncode == -9
+    resumed = run("none", "victim", "resumed.txt", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.stderr).group(1))
+    assert 0 < at <= kill_at
+
+    def train_lines(name: str) -> list[str]:
+        return [line for line in (tmp_path / name).read_text().splitlines() if line.startswith("train ")]
+
+    assert train_lines("resumed.txt") == train_lines("reference.txt")[at:]
+    want, got = _final_weights(tmp_path / "runs" / "reference"), _final_weights(tmp_path / "runs" / "victim")
+    assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -94,8 +94,8 @@ class DataConfig:
     crop_padding: int = 0  # random crop after padding by this many pixels; 0 turns it off
     hflip: float = 0.0  # probability of a horizontal flip
     decode_workers: int = 2  # processes decoding image files once at start
-    # JPEG files at least twice model.image_size decode at the smallest DCT scale (1/8 steps) still >= it, then
-    # resize: several times less decoding work, pixels slightly unlike a full decode's. false: full-size decode.
+    # folder, shards, recordio (not faces): JPEGs at least twice model.image_size decode at the smallest DCT scale
+    # (1/8 steps) still >= it, then resize: less decoding work, pixels slightly unlike a full decode's.
     decode_reduce: bool = True
     synthetic_samples: int = 1024  # synthetic source: random images per split
     # Progressive resizing (FFCV's): > 0 trains at this smaller size first (a multiple of model.patch_size; fewer
@@ -115,7 +115,9 @@ class DataConfig:
     prefetch: int = 2  # fast loader: batches prepared ahead in a background thread; 0 turns it off
     # folder source (a tree or a zip): up to this many image files that do not decode are skipped, each named in
     # log.txt and counted in summary.json; one more stops the run naming it. Files without an image suffix are
-    # never read: they are counted and named too, not silently ignored.
+    # never read: they are counted and named too, not silently ignored. shards / recordio: up to this many bad
+    # samples (no label, an image that does not decode) give their place in the batch to another sample, named
+    # in log.txt and counted as skipped_samples.
     skip_bad: int = 0
     verify: Literal["once", "always"] = "once"  # prepared data: sha256 once per file change, or every load
 

@@ -53,14 +53,15 @@ class Position:
 TRACE_ENV = "VITRAIN_SAMPLE_TRACE"  # a file: each consumed batch's sample keys appended as one line (tests, audits)
 
 
-def trace(batches: Iterator[tuple[Any, Any, list]]) -> Iterator[tuple[Any, Any]]:
+def trace(batches: Iterator[tuple[Any, Any, list]], what: str) -> Iterator[tuple[Any, Any]]:
     """(images, labels) of (images, labels, keys) batches; with VITRAIN_SAMPLE_TRACE set, each batch's keys are
-    appended to that file as the consumer takes it (what a training step consumed, not what prefetch read ahead)."""
+    appended to that file, after `what` (train or val), as the consumer takes it (what a training step consumed,
+    not what prefetch read ahead)."""
     path = os.environ.get(TRACE_ENV)
     for images, labels, keys in batches:
         if path:
             with open(path, "a") as f:
-                f.write(" ".join(str(k) for k in keys) + "\n")
+                f.write(" ".join([what, *(str(k) for k in keys)]) + "\n")
         yield images, labels
 
 
@@ -182,7 +183,7 @@ class BatchLoader:
         index, first, count = self.plan(epoch, start)
         batches = (self._batch(index, epoch, b, first + b) for b in range(count))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
-        return trace(batches)
+        return trace(batches, "train" if self.shuffle else "val")
 
     def plan(self, epoch: int, start: int | Position | None) -> tuple[torch.Tensor, int, int]:
         return resume_order(len(self.data), epoch, self.seed, self.shuffle, self.rank, self.world_size,

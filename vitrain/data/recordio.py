@@ -43,8 +43,8 @@ def _exact(value: float, where: str, what: str) -> int:
         why = "is not an integer" if not value.is_integer() else "is >= 16,777,216 (2**24)"
         raise DataError(
             f"{where}: {what} {value!r} {why}, and float32 holds integers exactly only up to 16,777,216, so it may "
-            "name the wrong key or identity (insightface issue #1589); re-pack with one label per image as an integer "
-            "in the header's id field, or split the set into parts below 16,777,216"
+            "name the wrong key or identity (insightface issue #1589); convert the set to tar shards, whose labels are "
+            "exact integers (vitrain data pack SRC OUT --format shards), or split it into parts below 16,777,216"
         )
     return int(value)
 

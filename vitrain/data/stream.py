@@ -213,7 +213,7 @@ class StreamLoader:
         loader = DataLoader(plan, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None)
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(loader))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
-        return trace(batches)
+        return trace(batches, "train" if self.shuffle else "val")
 
     def _finish(self, batch: tuple, epoch: int, number: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         images, labels, keys, bad = batch
