@@ -142,7 +142,25 @@ def batch_generator(seed: int, epoch: int, batch: int, rank: int = 0) -> torch.G
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + batch + rank * 1_000_000_007)
 
 
-class BatchLoader:
+class PermutationPosition:
+    """The resume arithmetic of a loader over one seeded permutation per epoch (needs data, seed, shuffle, rank,
+    world_size, batch_size, drop_last): where it stands, and what it has left from a start."""
+
+    def plan(self, epoch: int, start: int | Position | None) -> tuple[torch.Tensor, int, int]:
+        return resume_order(len(self.data), epoch, self.seed, self.shuffle, self.rank, self.world_size,
+                            self.batch_size, self.drop_last, start)  # fmt: skip
+
+    def batches_left(self, start: int | Position | None = None) -> int:
+        """How many batches `epoch(e, start)` yields."""
+        return self.plan(0, start)[2]
+
+    def position(self, epoch: int, start: int | Position | None, batches: int) -> Position:
+        """Where this loader stands after `batches` more batches of `epoch` from `start`."""
+        skip, _ = consumed(start, self.batch_size, self.world_size)
+        return Position(epoch, skip + batches * self.batch_size * self.world_size)
+
+
+class BatchLoader(PermutationPosition):
     """Yields (images, targets) on `device`; the order depends only on (seed, epoch), so a resume replays it."""
 
     def __init__(
@@ -184,19 +202,6 @@ class BatchLoader:
         batches = (self._batch(index, epoch, b, first + b) for b in range(count))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
         return trace(batches, "train" if self.shuffle else "val")
-
-    def plan(self, epoch: int, start: int | Position | None) -> tuple[torch.Tensor, int, int]:
-        return resume_order(len(self.data), epoch, self.seed, self.shuffle, self.rank, self.world_size,
-                            self.batch_size, self.drop_last, start)  # fmt: skip
-
-    def batches_left(self, start: int | Position | None = None) -> int:
-        """How many batches `epoch(e, start)` yields."""
-        return self.plan(0, start)[2]
-
-    def position(self, epoch: int, start: int | Position | None, batches: int) -> Position:
-        """Where this loader stands after `batches` more batches of `epoch` from `start`."""
-        skip, _ = consumed(start, self.batch_size, self.world_size)
-        return Position(epoch, skip + batches * self.batch_size * self.world_size)
 
     def _batch(self, index: torch.Tensor, epoch: int, b: int, number: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         rows = index[b * self.batch_size : (b + 1) * self.batch_size]

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 from vitrain.data.faces import open_face_tree
 from vitrain.data.shards import FORMAT, INDEX, ShardIndex, ShardWriter, read_samples, write_index
-from vitrain.data.sources import ImageTree, file_reader, list_split
+from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, file_reader, list_split
 from vitrain.errors import DataError
 from vitrain.files import atomic_write
 
@@ -146,17 +146,8 @@ def _image_size(raw: bytes) -> tuple[int, int]:
 def _copy_side_files(listing: Listing, out: Path, read) -> None:
     """A face set's non-image files (protocols, pair lists, READMEs) keep their paths beside the records, so the
     task reads its verification pairs (e.g. CFP's Protocol folder) from the packed folder as from the source."""
-    from vitrain.data.sources import IMAGE_SUFFIXES
-
-    if listing.is_zip:
-        import zipfile
-
-        with zipfile.ZipFile(listing.root) as archive:
-            names = [n for n in archive.namelist() if not n.endswith("/")]
-    else:
-        names = [p.relative_to(listing.root).as_posix() for p in listing.root.rglob("*") if p.is_file()]
-    for name in names:
-        if name.lower().endswith(IMAGE_SUFFIXES) or "__MACOSX" in name:
+    for name in ImageTree(listing.root).names:  # the tree's or zip's every name; folders end with "/"
+        if name.endswith("/") or name.lower().endswith(IMAGE_SUFFIXES) or "__MACOSX" in name:
             continue
         target = out / name
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -23,44 +23,24 @@ def build_loaders(
         return build_plain_loaders(cfg, device, rank, world_size)
     train_set, val_set = build_datasets(cfg, source)
     d, m, t = cfg.data, cfg.model, cfg.train
-    if getattr(train_set, "streamed", False):  # shards: read front to back by worker processes (data/stream.py)
-        return tuple(
-            StreamLoader(
-                data,
-                t.batch_size,
-                BatchAugment(d, m.in_chans, train, m.image_size, m.num_classes),
-                device,
-                shuffle=train,
-                seed=t.seed,
-                rank=rank,
-                world_size=world_size,
-                drop_last=train,
-                prefetch=d.prefetch,
-                workers=d.loader_workers,
-                window=d.shuffle_buffer,
-            )  # fmt: skip
-            for data, train in ((train_set, True), (val_set, False))
-        )
-    train = BatchLoader(
-        train_set,
-        t.batch_size,
-        BatchAugment(d, m.in_chans, True, m.image_size, m.num_classes),
-        device,
-        shuffle=True,
-        seed=t.seed,
-        rank=rank,
-        world_size=world_size,
-        prefetch=d.prefetch,
+    # Shards are read front to back by worker processes (data/stream.py); the rest by index (data/loader.py).
+    streamed = getattr(train_set, "streamed", False)
+    make, extra = (
+        (StreamLoader, {"workers": d.loader_workers, "window": d.shuffle_buffer}) if streamed else (BatchLoader, {})
     )
-    val = BatchLoader(
-        val_set,
-        t.batch_size,
-        BatchAugment(d, m.in_chans, False, m.image_size, m.num_classes),
-        device,
-        shuffle=False,
-        rank=rank,
-        world_size=world_size,
-        drop_last=False,
-        prefetch=d.prefetch,
+    return tuple(
+        make(
+            data,
+            t.batch_size,
+            BatchAugment(d, m.in_chans, train, m.image_size, m.num_classes),
+            device,
+            shuffle=train,
+            seed=t.seed if train else 0,
+            rank=rank,
+            world_size=world_size,
+            drop_last=train,
+            prefetch=d.prefetch,
+            **extra,
+        )  # fmt: skip
+        for data, train in ((train_set, True), (val_set, False))
     )
-    return train, val

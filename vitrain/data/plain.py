@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.config import Config, DataConfig
 from vitrain.data.augment import BatchAugment, _per_channel
-from vitrain.data.loader import Position, batch_generator, batches_per_epoch, consumed, mask_padding, resume_order
+from vitrain.data.loader import PermutationPosition, Position, batch_generator, batches_per_epoch, mask_padding
 from vitrain.data.prepared import is_prepared
 from vitrain.data.sources import ImageTree, held_out_split, list_split
 from vitrain.errors import DataError
@@ -107,7 +107,7 @@ def _rrc_box(
     return 0, 0, w, h
 
 
-class PlainLoader:
+class PlainLoader(PermutationPosition):
     """Same interface and order as BatchLoader, but each sample goes through PIL in a worker process."""
 
     def __init__(
@@ -131,20 +131,10 @@ class PlainLoader:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.seed = data.seed
 
     def __len__(self) -> int:
         return batches_per_epoch(len(self.data), self.batch_size, self.world_size, self.drop_last)
-
-    def plan(self, epoch: int, start: int | Position | None) -> tuple[torch.Tensor, int, int]:
-        return resume_order(len(self.data), epoch, self.data.seed, self.shuffle, self.rank, self.world_size,
-                            self.batch_size, self.drop_last, start)  # fmt: skip
-
-    def batches_left(self, start: int | Position | None = None) -> int:
-        return self.plan(0, start)[2]
-
-    def position(self, epoch: int, start: int | Position | None, batches: int) -> Position:
-        skip, _ = consumed(start, self.batch_size, self.world_size)
-        return Position(epoch, skip + batches * self.batch_size * self.world_size)
 
     def epoch(self, epoch: int, start: int | Position | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.data)
@@ -162,7 +152,7 @@ class PlainLoader:
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             if self.mixer is not None:
-                images, labels = self.mixer.mix(images, labels, batch_generator(self.data.seed, epoch, b))
+                images, labels = self.mixer.mix(images, labels, batch_generator(self.seed, epoch, b))
             yield images, labels
 
 

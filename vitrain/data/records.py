@@ -86,8 +86,7 @@ class RecordSet:
                         f"let the run skip bad records: data.skip_bad={self.skip_bad} allows {self.skip_bad}, this is "
                         f"number {len(self.bad)}"
                     )
-                source = good[0] if good[0] < i else good[-1] if good[-1] < i else good[0]
-                decoded[i], labels[i] = decoded[source], labels[source]  # its place goes to a good record of the batch
+                decoded[i], labels[i] = decoded[good[0]], labels[good[0]]  # its place goes to the batch's first good
             out[i] = decoded[i]
         return torch.from_numpy(out), labels
 

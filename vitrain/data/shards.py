@@ -262,18 +262,18 @@ def scan_index(urls: list[str], classes: list[str] | None = None) -> ShardIndex:
     return ShardIndex(urls, counts, classes or [str(i) for i in range(top + 1)])
 
 
-def load_index(urls: list[str], what: str) -> tuple[ShardIndex, bool]:
-    """(the index of `urls`, whether it came from index.json); local shards without one are scanned."""
+def load_index(urls: list[str], what: str) -> ShardIndex:
+    """The index of `urls` from index.json; local shards without one are scanned."""
     path = index_path(urls)
     index = read_index(path, urls) if path is not None else None
     if index is not None:
-        return index, True
+        return index
     if path is None:
         raise DataError(
             f"{what}: pipe: shards need their sample counts up front; run `vitrain data index '{urls[0]}' --out "
             f"index.json` once (it streams every shard) and give data.shard_index=index.json"
         )
-    return scan_index(urls), False
+    return scan_index(urls)
 
 
 # ---------------------------------------------------------------------------------------------- writer

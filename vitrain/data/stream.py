@@ -150,6 +150,10 @@ class StreamLoader:
     def layout_key(self) -> dict[str, int]:
         return {"world_size": self.world_size, "workers": max(1, self.workers), "batch_size": self.batch_size}
 
+    def _continues(self, segments: list[dict[str, int]]) -> bool:
+        """Whether this loader's layout is the last one that ran (it then continues where that one stopped)."""
+        return bool(segments) and {k: segments[-1][k] for k in self.layout_key} == self.layout_key
+
     def epoch_runs(self, epoch: int) -> list[Run]:
         runs = list(self.data.runs)
         if self.shuffle:
@@ -165,8 +169,8 @@ class StreamLoader:
         number in the epoch) at `start`."""
         runs, segments = self.epoch_runs(epoch), list(start.segments) if start is not None else []
         before = 0
-        if segments and {k: segments[-1][k] for k in self.layout_key} == self.layout_key:
-            current = segments.pop()  # the same layout continues where it stopped
+        if self._continues(segments):
+            current = segments.pop()
         else:
             current = {**self.layout_key, "batches": 0}
         for number, seg in enumerate(segments):
@@ -199,7 +203,7 @@ class StreamLoader:
 
     def position(self, epoch: int, start: Position | None, batches: int) -> Position:
         segments = [dict(s) for s in start.segments] if start is not None else []
-        if segments and {k: segments[-1][k] for k in self.layout_key} == self.layout_key:
+        if self._continues(segments):
             segments[-1]["batches"] += batches
         else:
             segments.append({**self.layout_key, "batches": batches})
@@ -209,7 +213,7 @@ class StreamLoader:
         runs, number, done, first = self.resume(epoch, start)
         lay = self._rank_layout(sum(r.count for r in runs), self.rank, self.layout_key)
         plan = _WorkerPlan(self.data, runs, lay, done, self.window, (self.seed, epoch, number, self.rank))
-        workers = self.workers if self.workers and len(lay.sizes) > done else 0
+        workers = self.workers if len(lay.sizes) > done else 0  # nothing left: no processes to start
         loader = DataLoader(plan, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None)
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(loader))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
@@ -251,19 +255,11 @@ class _WorkerPlan(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str], list[tuple[str, str]]]]:
         info = get_worker_info()
-        process, processes = (info.id, info.num_workers) if info is not None else (0, 1)
-        lay = self.layout
-        roles = [(process + self.done + k * processes) % lay.workers for k in range(-(-lay.workers // processes))]
-        roles = [w for k, w in enumerate(roles) if k * processes + process < lay.workers]
-        streams = [self._worker(w) for w in roles]
-        # One process may play several workers (fewer processes than the layout's workers): it alternates them.
-        while streams:
-            for stream in list(streams):
-                item = next(stream, None)
-                if item is None:
-                    streams.remove(stream)
-                else:
-                    yield item
+        if info is None:  # no worker processes: the main process plays the layout's one worker, or nothing is left
+            if self.layout.workers == 1:
+                yield from self._worker(0)
+            return
+        yield from self._worker((info.id + self.done) % self.layout.workers)
 
     def _worker(self, w: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str], list[tuple[str, str]]]]:
         lay, seed, epoch, segment, rank = self.layout, *self.seeds
@@ -388,4 +384,4 @@ def shard_index(urls: list[str], given: str, what: str) -> ShardIndex:
                 "with `vitrain data index`"
             )
         return index
-    return load_index(urls, what)[0]
+    return load_index(urls, what)
