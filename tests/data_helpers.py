@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image
 
 from tests.conftest import TINY_MODEL, model_overrides
+from vitrain.data.shards import ShardWriter
 
 # The suite's tiny ViT cut to one block for 8x8 RGB test images, two classes: as model.* overrides.
 TREE_MODEL = model_overrides(dataclasses.replace(TINY_MODEL, image_size=8, in_chans=3, num_classes=2, depth=1))
@@ -64,3 +65,22 @@ def zip_with_bad_images(path: Path, bad: int) -> Path:
             archive.writestr(f"train/a/broken{i}.png", b"this is not a png")
         archive.writestr("train/b/notes.txt", b"a stray file")
     return path
+
+
+def jpeg_bytes(value: int, fmt: str = "JPEG") -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def write_shards(folder: Path, counts: list[int], classes: int = 2) -> list[str]:
+    """Shards of 8x8 JPEGs with .cls labels, `counts[k]` samples in shard k; sample keys number them all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for k, count in enumerate(counts):
+        writer = ShardWriter(str(folder / f"s-{k:02d}.tar"), max_count=count + 1)
+        for _ in range(count):
+            writer.write(f"{n:05d}", {"jpg": jpeg_bytes(n % 250), "cls": str(n % classes).encode()})
+            n += 1
+        writer.close()
+    return [str(folder / f"s-{k:02d}.tar") for k in range(len(counts))]

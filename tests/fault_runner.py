@@ -8,6 +8,11 @@ FAULT is one of (RANK: the process's rank; counts start at 1 and restart with ea
                          the start of the SAVE-th save: inside a checkpoint write
   kill_after:STEP:MS     SIGKILL MS milliseconds after optimizer step STEP of this process: at a random moment
   kill_step:RANK:STEP    on RANK, SIGKILL right after its STEP-th optimizer step, on torchrun's first try only
+  term:WHO:STEP:MS       on WHO (a rank, or all), SIGTERM MS milliseconds after optimizer step STEP, to the process's
+                         group when it leads one (as torchrun and SLURM signal a worker), else to the process
+  term_twice:WHO:STEP    as term (MS=0), and a second SIGTERM as the stop checkpoint's save begins
+  term_kill:WHO:STEP:OP  as term (MS=0), then SIGKILL at the OP-th durable file operation of the stop save
+  stall:RANK:STEP:S      on RANK, optimizer step STEP sleeps S seconds (a stuck rank)
 When a fault fires, its time is written to $VITRAIN_FAULT_LOG (if set), so a test can time what follows.
 """
 
@@ -27,7 +32,7 @@ _REAL_FSYNC = os.fsync  # the faults below replace os.fsync; recording a fault m
 def main() -> int:
     fault, argv = sys.argv[1], sys.argv[2:]
     kind, *values = fault.split(":")
-    numbers = [int(v) for v in values]
+    numbers = numbers_of(values) if kind not in ("term", "term_twice", "term_kill", "stall") else []
     rank = int(os.environ.get("RANK", "0"))
     if kind == "enospc" and rank == numbers[0]:
         _fail_save_with_enospc(numbers[1])
@@ -39,7 +44,11 @@ def main() -> int:
         _kill_after_step(*numbers)
     elif kind == "kill_step" and rank == numbers[0] and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _kill_after_step(numbers[1], 0)
-    elif kind not in ("none", "enospc", "nan_weight", "kill_step"):
+    elif kind in ("term", "term_twice", "term_kill") and values[0] in ("all", str(rank)):
+        _term_after_step(kind, *numbers_of(values[1:]))
+    elif kind == "stall" and rank == int(values[0]):
+        _stall_in_step(int(values[1]), float(values[2]))
+    elif kind not in ("none", "enospc", "nan_weight", "kill_step", "term", "term_twice", "term_kill", "stall"):
         raise SystemExit(f"unknown fault {fault}")
     from vitrain.cli import main as cli_main
 
@@ -115,13 +124,13 @@ def _nan_before_save(target: int) -> None:
     Trainer.save = save
 
 
-def _kill_inside_save(target_save: int, target_op: int) -> None:
+def _kill_inside_save(target_save: int, target_op: int, after=lambda: True) -> None:
     ops = 0
     counting = False
 
     def on_save(n: int) -> None:
         nonlocal counting
-        counting = counting or n >= target_save
+        counting = counting or (n >= target_save and after())
 
     def durable(function):
         def wrapper(*args, **kwargs):
@@ -156,6 +165,65 @@ def _kill_after_step(target_step: int, delay_ms: int) -> None:
             else:
                 _sigkill()
         return result
+
+    PrecisionPolicy.step = step
+
+
+def numbers_of(values: list[str]) -> list[int]:
+    return [int(v) for v in values]
+
+
+def _sigterm() -> None:
+    """SIGTERM as a launcher sends it: to the process group the process leads (its DataLoader workers included)."""
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGTERM)
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _term_after_step(kind: str, target_step: int, extra: int = 0) -> None:
+    """SIGTERM after step `target_step` (term: `extra` ms later); term_twice: again as the stop save begins;
+    term_kill: SIGKILL at the `extra`-th durable operation of the stop save. The fault log gets the steps done."""
+    from vitrain.precision import PrecisionPolicy
+
+    original = PrecisionPolicy.step
+    steps = 0
+
+    def fire() -> None:
+        _fired(f"term {steps}")
+        _sigterm()
+
+    def step(self, *args, **kwargs):
+        nonlocal steps
+        result = original(self, *args, **kwargs)
+        steps += 1
+        if steps == target_step:
+            if kind == "term" and extra:
+                threading.Timer(extra / 1000, fire).start()
+            else:
+                fire()
+        return result
+
+    PrecisionPolicy.step = step
+    if kind == "term_twice":
+        _count_saves(lambda n: _sigterm() if steps >= target_step else None)
+    elif kind == "term_kill":
+        _kill_inside_save(1, extra, after=lambda: steps >= target_step)
+
+
+def _stall_in_step(target_step: int, seconds: float) -> None:
+    from vitrain.precision import PrecisionPolicy
+
+    original = PrecisionPolicy.step
+    steps = 0
+
+    def step(self, *args, **kwargs):
+        nonlocal steps
+        steps += 1
+        if steps == target_step:
+            _fired("stall")
+            time.sleep(seconds)
+        return original(self, *args, **kwargs)
 
     PrecisionPolicy.step = step
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -11,13 +10,11 @@ import sys
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from tests.conftest import REPO, TINY, run_cli, shared_data
-from tests.data_helpers import TREE_MODEL, make_tree
+from tests.data_helpers import TREE_MODEL, jpeg_bytes, make_tree, write_shards
 from tests.distributed_helpers import free_port
 from vitrain.config import DataConfig, load_config
 from vitrain.data.augment import BatchAugment
@@ -27,25 +24,6 @@ from vitrain.data.shards import ShardIndex, ShardWriter, expand_braces, read_sam
 from vitrain.data.stream import Run, StreamLoader, StreamSet
 
 TREE = [*TINY, *TREE_MODEL, "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]"]
-
-
-def _jpeg(value: int, fmt: str = "JPEG") -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(out, format=fmt)
-    return out.getvalue()
-
-
-def _shards(folder: Path, counts: list[int], classes: int = 2) -> list[str]:
-    """Shards of 8x8 JPEGs with .cls labels, `counts[k]` samples in shard k; sample keys number them all."""
-    folder.mkdir(parents=True, exist_ok=True)
-    n = 0
-    for k, count in enumerate(counts):
-        writer = ShardWriter(str(folder / f"s-{k:02d}.tar"), max_count=count + 1)
-        for _ in range(count):
-            writer.write(f"{n:05d}", {"jpg": _jpeg(n % 250), "cls": str(n % classes).encode()})
-            n += 1
-        writer.close()
-    return [str(folder / f"s-{k:02d}.tar") for k in range(len(counts))]
 
 
 def _stream(urls: list[str], counts: list[int], **kw) -> StreamLoader:
@@ -75,11 +53,11 @@ def _tmp_env(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def test_brace_patterns_list_files_and_folders_name_the_same_shards(tmp_path):
+def test_brace_patterns_list_files_and_folders_name_the_samewrite_shards(tmp_path):
     assert expand_braces("a-{008..011}.tar") == ["a-008.tar", "a-009.tar", "a-010.tar", "a-011.tar"]
     assert expand_braces("{x,y}-{1..2}") == ["x-1", "x-2", "y-1", "y-2"]
     assert shard_urls("pipe:cat s-{0..1}.tar") == ["pipe:cat s-0.tar", "pipe:cat s-1.tar"]
-    urls = _shards(tmp_path / "d", [3, 2, 4])
+    urls = write_shards(tmp_path / "d", [3, 2, 4])
     (tmp_path / "list.txt").write_text("# shards\nd/s-00.tar\nd/s-{01..02}.tar\n")
     assert shard_urls(str(tmp_path / "d")) == urls
     assert shard_urls(str(tmp_path / "d" / "s-{00..02}.tar")) == urls
@@ -99,7 +77,7 @@ def test_webdataset_shardwriter_shards_read_back_with_every_image_extension_and_
         for i in range(12):
             ext, fmt = kinds[i % 4]
             label = {"cls": i % 3} if i % 2 else {"json": {"label": i % 3, "note": "x"}}
-            sink.write({"__key__": f"sample{i:03d}", ext: _jpeg(40 * (i % 4), fmt), **label})
+            sink.write({"__key__": f"sample{i:03d}", ext: jpeg_bytes(40 * (i % 4), fmt), **label})
     urls = shard_urls(str(tmp_path / "w-{000..002}.tar"))
     samples = [s for url in urls for s in read_samples(url)]
     assert [s.key for s in samples] == [f"sample{i:03d}" for i in range(12)]
@@ -119,7 +97,7 @@ def test_webdataset_shardwriter_shards_read_back_with_every_image_extension_and_
 
 
 def test_two_ranks_of_two_workers_see_disjoint_samples_all_once_and_the_same_steps(tmp_path):
-    urls = _shards(tmp_path, [10, 6, 9, 7, 8, 11, 13])  # 7 uneven shards, 64 samples
+    urls = write_shards(tmp_path, [10, 6, 9, 7, 8, 11, 13])  # 7 uneven shards, 64 samples
     seen, steps = [], []
     for rank in range(2):
         loader = _stream(urls, [10, 6, 9, 7, 8, 11, 13], rank=rank, world_size=2, workers=2)
@@ -136,14 +114,14 @@ def test_two_ranks_of_two_workers_see_disjoint_samples_all_once_and_the_same_ste
 
 def test_a_share_that_does_not_divide_drops_under_a_batch_per_rank_and_never_repeats(tmp_path):
     counts = [5, 3, 9]
-    urls = _shards(tmp_path, counts)
+    urls = write_shards(tmp_path, counts)
     keys = [[k for b in _keys(_stream(urls, counts, rank=r, world_size=2, workers=2)) for k in b] for r in range(2)]
     assert len(keys[0]) == len(keys[1]) == 8  # 17 samples: 8 per rank, 1 left for another epoch
     assert len(set(keys[0] + keys[1])) == 16
 
 
 def test_validation_pads_the_last_rank_with_masked_samples_so_every_sample_counts_once(tmp_path):
-    urls = _shards(tmp_path, [5, 4])
+    urls = write_shards(tmp_path, [5, 4])
     labels = []
     for rank in range(2):
         loader = _stream(urls, [5, 4], rank=rank, world_size=2, workers=2, shuffle=False, drop_last=False)
@@ -158,7 +136,7 @@ def test_validation_pads_the_last_rank_with_masked_samples_so_every_sample_count
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stream_resumed_mid_epoch_continues_with_the_uninterrupted_samples(tmp_path, workers):
     counts = [10, 6, 9, 7, 8, 11, 13]
-    urls = _shards(tmp_path, counts)
+    urls = write_shards(tmp_path, counts)
     full = _keys(_stream(urls, counts, workers=workers), epoch=2)
     for k in (1, 5, 11):
         loader = _stream(urls, counts, workers=workers)
@@ -169,7 +147,7 @@ def test_a_stream_resumed_mid_epoch_continues_with_the_uninterrupted_samples(tmp
 
 def test_a_stream_resumed_on_another_world_size_sees_none_of_the_epoch_again(tmp_path):
     counts = [10, 6, 9, 7, 8, 11, 13]
-    urls = _shards(tmp_path, counts)
+    urls = write_shards(tmp_path, counts)
     before = []
     for rank in range(2):
         loader = _stream(urls, counts, rank=rank, world_size=2, workers=2)
@@ -267,7 +245,7 @@ def test_recordio_packs_of_real_faces_hold_the_folder_bytes_and_train_face_orl(t
 
 
 def test_seven_uneven_shards_on_two_ranks_train_to_the_end_without_a_hang(tmp_path):
-    _shards(tmp_path / "seven", [10, 6, 9, 7, 8, 11, 13])
+    write_shards(tmp_path / "seven", [10, 6, 9, 7, 8, 11, 13])
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vitrain",
          "train", *TREE, "data.source=shards", f"data.root={tmp_path / 'seven'}", "train.batch_size=4",
@@ -292,7 +270,7 @@ def _train(tmp_path: Path, source: str, root: Path, *extra: str) -> subprocess.C
 
 
 def test_a_truncated_shard_is_one_line_naming_it_and_exit_2(tmp_path):
-    urls = _shards(tmp_path / "t", [12, 12])
+    urls = write_shards(tmp_path / "t", [12, 12])
     (tmp_path / "t" / "index.json").write_text(json.dumps({"format": "vitrain-shards/1", "classes": ["0", "1"],
                                                           "counts": {"s-00.tar": 12, "s-01.tar": 12}}))  # fmt: skip
     raw = Path(urls[1]).read_bytes()
@@ -306,7 +284,7 @@ def test_a_sample_without_a_label_is_one_line_or_skipped_and_counted_with_skip_b
     folder.mkdir()
     writer = ShardWriter(str(folder / "s-00.tar"), max_count=100)
     for n in range(20):
-        members = {"jpg": _jpeg(n)} | ({} if n == 7 else {"cls": str(n % 2).encode()})
+        members = {"jpg": jpeg_bytes(n)} | ({} if n == 7 else {"cls": str(n % 2).encode()})
         writer.write(f"{n:05d}", members)
     writer.close()
     (folder / "index.json").write_text(json.dumps({"format": "vitrain-shards/1", "classes": ["0", "1"],
@@ -340,13 +318,13 @@ def test_a_recordio_file_with_a_wrong_magic_or_an_index_past_its_end_is_one_line
 
 
 def test_too_few_samples_for_every_rank_to_take_a_batch_is_one_line(tmp_path):
-    _shards(tmp_path / "few", [3])
+    write_shards(tmp_path / "few", [3])
     done = _train(tmp_path, "shards", tmp_path / "few", "data.val_fraction=0.34")
     assert done.returncode == 2 and "train.batch_size=4" in _last_line(done)
 
 
 def test_a_shard_list_naming_a_missing_shard_is_one_line(tmp_path):
-    _shards(tmp_path / "m", [3, 3])
+    write_shards(tmp_path / "m", [3, 3])
     done = _train(tmp_path, "shards", Path(f"{tmp_path}/m/s-{{00..02}}.tar"))
     assert done.returncode == 2 and "s-02.tar does not exist" in _last_line(done)
 

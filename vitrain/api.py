@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vitrain.config import DEFAULT_RECIPE, Config, load_config, resolve_config_path, to_dict
-from vitrain.engine.runs import resumed_config
+from vitrain.engine.runs import resume_choice, resumed_config
 from vitrain.engine.trainer import Trainer
 from vitrain.parallel import shutdown
 
@@ -45,11 +45,14 @@ def train(
     config returning them; `task`: a task object (vitrain.tasks.Task) instead of `task.name`'s. Under torchrun,
     every process calls it. The process group it opened is closed before it returns.
 
-    `resume` (True: the run `source` and `overrides` name; or a run or step folder) continues that run with its own
+    `resume` (True: the run `source` and `overrides` name; "auto": that run when it exists, else a new one; or a run
+    or step folder) continues that run with its own
     config (its config.yaml); `overrides` are applied on top, each change printed and logged, and one that a
     checkpoint cannot honour (the model, the task, the data order) is refused naming the key.
     """
     changes: dict[str, tuple[Any, Any]] = {}
+    # auto, a requeued SLURM job, a run stopped by a signal: continue the run folder when it holds a run
+    resume = resume_choice(config(source, overrides, check=False).run_dir, resume)
     if resume:  # the run's own config, the command line's overrides on top (each change said and logged)
         cfg, changes = resumed_config(config(source, overrides, check=False), resume, overrides or [])
     else:

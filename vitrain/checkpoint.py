@@ -30,7 +30,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -279,50 +279,122 @@ def save(
     A failure on any rank (a full disk, an unwritable folder) raises the same error on every rank and leaves
     the previous checkpoints as they were.
     """
+    return save_folder(run_dir, step, meta, keep, lambda folder: _dcp_save(_state(model, optimizer, extra), folder))
 
-    def write(folder: Path) -> None:
-        model_state, optim_state = training_state(model, optimizer)
-        own_rng = {f"rank{rank()}": rng_state()}
-        _dcp_save({"model": model_state, "optim": optim_state, RNG_KEY: own_rng, **(extra or {})}, folder)
 
-    return save_folder(run_dir, step, meta, keep, write)
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """What a DCP checkpoint holds: model, optimizer, this rank's RNG state, and the engine's extra tensors."""
+    model_state, optim_state = training_state(model, optimizer)
+    own_rng = {f"rank{rank()}": rng_state()}
+    return {"model": model_state, "optim": optim_state, RNG_KEY: own_rng, **(extra or {})}
 
 
 def save_folder(run_dir: Path, step: int, meta: dict[str, Any], keep: int, write: Callable[[Path], None]) -> Path:
     """Collective: a step folder with the crash-safe protocol of this module; `write(folder)` (on every rank)
     fills it with an engine's files (DCP shards, DeepSpeed's files), then rank 0 adds meta.json and COMPLETE."""
-    root = Path(run_dir) / CHECKPOINT_DIR
-    final = root / f"step_{step:08d}"
-    tmp = root / f"{_TMP}{final.name}"
-    what = f"saving checkpoint {final}"
+    final, tmp, what = _prepare(run_dir, step)
     try:
-        with all_or_none(what):
-            if rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                fsync_dir(root.parent)  # checkpoints/ itself may be new
-                fsync_dir(root)
         with all_or_none(what):
             write(tmp)
         with all_or_none(what):
             if rank() == 0:
-                _fsync_tree(tmp)
-                write_json(tmp / META_FILE, {"format": FORMAT_VERSION, **meta})
-                fsync_dir(tmp)
-                listed = _listed_files(tmp)
-                sums = file_checksums(tmp, list(listed))
-                write_json(tmp / COMPLETE_FILE, {"step": step, "files": listed, CHECKSUM: sums})
-                _replace_dir(tmp, final)
+                _complete(tmp, final, step, meta, keep)
     except Exception:
         if rank() == 0:  # what a failed save wrote goes; the checkpoints before it stay as they were
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return final
+
+
+class PendingSave:
+    """A checkpoint whose files a background thread is writing. `wait()` (collective) returns its folder once it is
+    complete, or raises the same error on every rank when any rank's write failed (its temporary folder removed)."""
+
+    def __init__(self, final: Path, tmp: Path, done: Future, what: str):
+        self.final, self.tmp, self.done, self.what = final, tmp, done, what
+
+    def wait(self) -> Path:
+        try:
+            with all_or_none(self.what):
+                self.done.result()
+        except Exception:
+            if rank() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return self.final
+
+
+def save_async(
+    run_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    keep: int,
+    extra: dict[str, Any] | None = None,
+    group: Any = None,
+) -> PendingSave:
+    """Collective: `save` with DCP's async save. Returns once every rank has copied its state to host memory; a
+    background thread writes the shards (collectives over `group`, a gloo group apart from the training loop's),
+    then on rank 0 completes the folder as `save` does. The caller waits for one save before starting the next."""
+    final, tmp, what = _prepare(run_dir, step)
+    meta = json.loads(json.dumps(meta))  # as it is now: rank 0 writes it once the shards are written
+    try:
+        with all_or_none(what):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+                written = dcp.async_save(
+                    _state(model, optimizer, extra),
+                    storage_writer=FileSystemWriter(tmp, sync_files=True),
+                    process_group=group,
+                    no_dist=not is_distributed(),
+                )
+    except Exception:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    main = rank() == 0
+
+    def finish() -> None:
+        written.result()
+        if main:
+            _complete(tmp, final, step, meta, keep)
+
+    executor = ThreadPoolExecutor(1, thread_name_prefix="vitrain-checkpoint")
+    done = executor.submit(finish)
+    executor.shutdown(wait=False)
+    return PendingSave(final, tmp, done, what)
+
+
+def _prepare(run_dir: Path, step: int) -> tuple[Path, Path, str]:
+    """Collective: an empty temporary folder for step `step` (made by rank 0): (final path, temporary path, what)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    final = root / f"step_{step:08d}"
+    tmp = root / f"{_TMP}{final.name}"
+    what = f"saving checkpoint {final}"
     with all_or_none(what):
         if rank() == 0:
-            if meta.get("is_best"):
-                atomic_write(root / BEST_POINTER, final.name.encode())
-            _prune(run_dir, keep)
-    return final
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            fsync_dir(root.parent)  # checkpoints/ itself may be new
+            fsync_dir(root)
+    return final, tmp, what
+
+
+def _complete(tmp: Path, final: Path, step: int, meta: dict[str, Any], keep: int) -> None:
+    """Rank 0, once every rank's files are written: meta.json and COMPLETE (checksums), the rename into place, the
+    best pointer, and pruning."""
+    _fsync_tree(tmp)
+    write_json(tmp / META_FILE, {"format": FORMAT_VERSION, **meta})
+    fsync_dir(tmp)
+    listed = _listed_files(tmp)
+    sums = file_checksums(tmp, list(listed))
+    write_json(tmp / COMPLETE_FILE, {"step": step, "files": listed, CHECKSUM: sums})
+    _replace_dir(tmp, final)
+    root = final.parent
+    if meta.get("is_best"):
+        atomic_write(root / BEST_POINTER, final.name.encode())
+    _prune(root.parent, keep)
 
 
 def _fsync_tree(folder: Path) -> None:

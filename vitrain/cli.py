@@ -8,6 +8,7 @@ import sys
 import warnings
 
 from vitrain.config import DEFAULT_RECIPE
+from vitrain.engine.cluster import EXIT_STOPPED, Stopped
 from vitrain.errors import ConfigError, VitrainError
 
 
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _one_line_warning
     try:
         return args.func(args)
+    except Stopped as stopped:  # a stop signal: the checkpoint is written; the same command continues the run
+        print(f"vitrain: {stopped}", file=sys.stderr)
+        return EXIT_STOPPED
     except VitrainError as exc:
         print(f"vitrain: error: {exc}", file=sys.stderr)
         return 2
@@ -51,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
         const=True,
         default=False,
         metavar="CHECKPOINT",
-        help="continue the run's newest complete checkpoint, or the given run folder or step folder (in its own run)",
+        help="continue the run's newest complete checkpoint, or the given run folder or step folder (in its own run); "
+        "auto: continue the run when it exists, else start it (the default in a requeued SLURM job; a run stopped by a "
+        "signal is continued by the same command anyway)",
     )
     train.set_defaults(func=_train)
 

@@ -178,6 +178,9 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # 0: checkpoint at the end of each epoch only
     max_steps: int = 0  # 0: no limit; otherwise stop after this many optimizer steps
     keep_checkpoints: int = 3  # the newest K step checkpoints are kept (plus the best one)
+    # Native engine: write checkpoints with DCP's async save. The step loop waits only while the state is copied to
+    # host memory; a background thread writes the files (over a gloo group of its own); a second save waits for it.
+    checkpoint_async: bool = False
     # > 0: stop training once this many seconds of wall time (counted from the start of the run's setup, data
     # decoding included) plus the last evaluation's duration are spent, then evaluate once more: a time budget.
     time_limit_s: float = 0.0
@@ -269,6 +272,26 @@ class LogConfig:
 
 
 @dataclass
+class RunConfig:
+    """How a run behaves on a shared cluster: signals, requeue, hangs (docs/cluster.md)."""
+
+    # On any of these signals every rank finishes its step, the ranks agree at the next step boundary, one checkpoint
+    # (with the data position) is written and the process exits 75; running the same command again continues it.
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+    # Under SLURM: after a stop's checkpoint, rank 0 runs `scontrol requeue` for this job (once); the requeued job
+    # continues the run (--resume auto is the default there).
+    requeue: bool = False
+    # A collective that waits longer than this raises (gloo and NCCL) and the process exits non-zero; sized so that
+    # the slowest rank's checkpoint write fits.
+    collective_timeout_s: float = 1800.0
+    # Step watchdog: when no optimizer step completes within max(watchdog_min_s, watchdog_steps x the median step
+    # time), every rank logs the stacks of all its threads and exits 70 (restart, resume). Paused during evaluations
+    # and saves. 0: off.
+    watchdog_steps: float = 20.0
+    watchdog_min_s: float = 300.0  # the watchdog's shortest deadline in seconds
+
+
+@dataclass
 class TaskConfig:
     """What the model is trained to do: its head, loss, evaluation and best metric (vitrain/tasks)."""
 
@@ -311,6 +334,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
     @property
     def run_dir(self) -> Path:

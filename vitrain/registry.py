@@ -47,6 +47,7 @@ CHECK_ORDER = (
     "vitrain.models:check",
     "vitrain.data:check",
     "vitrain.engine.protocol:check_train",
+    "vitrain.engine.cluster:check",
     "vitrain.parallel:check",
     "engine",
     "task",

@@ -287,6 +287,11 @@ class DeepSpeedEngine:
                 "train.ema averages whole weights on every rank, which DeepSpeed shards or owns: use train.engine="
                 "native (parallel.strategy single, ddp or zero1) or set train.ema=0"
             )
+        if cfg.train.checkpoint_async:
+            raise ConfigError(
+                "train.checkpoint_async writes DCP checkpoints in the background, which DeepSpeed's own checkpoint "
+                "files are not: use train.engine=native or set train.checkpoint_async=false"
+            )
         if cfg.train.deepspeed_config:
             read_deepspeed_json(cfg.train.deepspeed_config)
         p, where = cfg.parallel, "under train.engine=deepspeed"
@@ -405,6 +410,9 @@ class DeepSpeedEngine:
                 ckpt.save_extra(folder, {HEAD: self.head.checkpoint_state(self.head_optimizer)})
 
         return ckpt.save_folder(run_dir, step, meta, keep, write)
+
+    def wait_for_save(self) -> Path | None:
+        return None  # DeepSpeed's saves are synchronous (check() refuses train.checkpoint_async)
 
     def load(self, path: Path, meta: dict[str, Any]) -> bool:
         saved_ranks = meta.get("world_size", 1)

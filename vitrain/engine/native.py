@@ -19,7 +19,7 @@ from vitrain.models import count_parameters, plan_of
 from vitrain.optim import build_head_optimizer, set_lr
 from vitrain.optim.muon import Muon
 from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
-from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object
+from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, side_group
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.precision import PrecisionPolicy, Resolved, check_finite, time_block_modes
@@ -68,6 +68,7 @@ class NativeEngine:
         self.head = head
         self.head_optimizer = build_head_optimizer(head, cfg.optim, device) if head is not None else None
         self.ema = WeightAverage(model, cfg.train.ema, cfg.train.ema_warmup) if cfg.train.ema else None
+        self.pending: ckpt.PendingSave | None = None  # train.checkpoint_async: the save being written
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -148,7 +149,16 @@ class NativeEngine:
                 check_finite(self.model, self.optimizer)
                 if self.head is not None:
                     check_finite(self.head, self.head_optimizer)
-            return ckpt.save(run_dir, step, self.model, self.optimizer, meta, keep, extra)
+            if not self.cfg.train.checkpoint_async:
+                return ckpt.save(run_dir, step, self.model, self.optimizer, meta, keep, extra)
+            self.wait_for_save()  # one save at a time: the next waits for the one being written
+            group = side_group("checkpoint")
+            self.pending = ckpt.save_async(run_dir, step, self.model, self.optimizer, meta, keep, extra, group)
+            return self.pending.final
+
+    def wait_for_save(self) -> Path | None:
+        pending, self.pending = self.pending, None
+        return pending.wait() if pending is not None else None
 
     def load(self, path: Path, meta: dict[str, Any]) -> bool:
         part = self.pipeline is not None

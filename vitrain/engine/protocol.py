@@ -6,6 +6,7 @@
     loss = engine.forward_backward(images, labels, loss_fn, timer)   # one micro-step: its loss, gradients accumulated
     grad_norm, skipped = engine.step(loss_nonfinite)  # after train.accum_steps micro-steps
     path = engine.save(run_dir, step, meta, keep)     # collective; meta.json beside the engine's own files
+    engine.wait_for_save()                             # collective; an async save's files are complete
     engine.load(path)                                  # collective; the trainer reads and checks meta first
 
 The native engine (vitrain/engine/native.py: precision policy, parallel strategy, DCP checkpoints) and the DeepSpeed
@@ -73,7 +74,11 @@ class Engine(Protocol):
         """The engine's JSON state for meta.json (loss scale, skip counters)."""
 
     def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
-        """Collective: a complete checkpoint folder (checkpoint.py's layout) with `meta` in meta.json."""
+        """Collective: a complete checkpoint folder (checkpoint.py's layout) with `meta` in meta.json; under
+        train.checkpoint_async the folder it names is complete once `wait_for_save` returns."""
+
+    def wait_for_save(self) -> Path | None:
+        """Collective: the folder of the save still being written, once complete (None: none is pending)."""
 
     def load(self, path: Path, meta: dict[str, Any]) -> bool:
         """Collective: weights, optimizer and engine state from `path`; True when this rank's RNG state was in it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +15,7 @@ import yaml
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, load_config, to_dict, to_yaml
 from vitrain.data.loader import Position
+from vitrain.engine.cluster import requeued
 from vitrain.errors import CheckpointError
 from vitrain.files import atomic_write
 from vitrain.parallel import broadcast_object
@@ -92,6 +93,10 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
     once the one to continue has been read and checked (`checked`: the caller already did).
     """
     notes = [f"{what} in {run_dir / ckpt.CHECKPOINT_DIR}" for what in ckpt.clean_leftovers(run_dir)]
+    stopped = read_run_file(run_dir).get("stopped")
+    if isinstance(stopped, dict):
+        signal_name, step = stopped.get("signal"), stopped.get("step")
+        notes.append(f"{run_dir} was stopped by {signal_name} after step {step}: continuing it")
     if checkpoint is None:
         checkpoint = _newest_intact(run_dir, notes)
         if checkpoint is None and ckpt.step_dirs(run_dir):  # every complete step damaged: refuse, keep them all
@@ -137,6 +142,33 @@ def _supersede_newer(run_dir: Path, checkpoint: Path) -> list[str]:
     ckpt.fsync_dir(run_dir / ckpt.CHECKPOINT_DIR)
     names = ", ".join(p.name for p in newer)
     return [f"continuing the earlier {checkpoint.name}: the newer {names} moved aside as {SUPERSEDED}step_*"]
+
+
+def mark_stopped(run_dir: Path, step: int, signal_name: str) -> None:
+    """Rank 0, after a stop's checkpoint: run.json says the run was stopped, so the same command continues it."""
+    record = read_run_file(run_dir)
+    record["stopped"] = {"step": step, "signal": signal_name}
+    ckpt.write_json(run_dir / RUN_FILE, record)
+
+
+def read_run_file(run_dir: Path) -> dict[str, Any]:
+    """run.json's record ({} when missing or unreadable: it only marks the folder)."""
+    try:
+        record = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def resume_choice(run_dir: Path, resume: bool | str, env: Mapping[str, str] = os.environ) -> bool | str:
+    """What `resume` means for this launch, before any folder is chosen: `auto` continues `run_dir` when it holds
+    a run (a checkpoint or run.json), else starts it; inside a requeued SLURM job `auto` is the default; and a
+    run stopped by a signal (run.json) is continued by the same command without a flag."""
+    if resume is False and (requeued(env) or "stopped" in read_run_file(run_dir)):
+        resume = "auto"
+    if resume == "auto":
+        return (run_dir / RUN_FILE).exists() or bool(ckpt.step_dirs(run_dir))
+    return resume
 
 
 def mark_run(run_dir: Path, is_new: bool, resumed_from: Path | None) -> None:

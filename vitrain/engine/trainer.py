@@ -7,6 +7,8 @@ import dataclasses
 import gc
 import itertools
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +16,12 @@ from typing import Any
 
 import torch
 
+from vitrain import checkpoint as ckpt
 from vitrain.config import Config
 from vitrain.data.augment import progressive_size, resize_batch
 from vitrain.data.loader import WaitTimer, first_batch
 from vitrain.device import resolve_device
-from vitrain.engine import report, runs
+from vitrain.engine import cluster, report, runs
 from vitrain.engine.autotune import autotune
 from vitrain.engine.protocol import build_engine
 from vitrain.engine.runlog import RunLog, Speed, progress_bar
@@ -26,7 +29,7 @@ from vitrain.engine.step import TrainStep
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
-from vitrain.parallel.distributed import all_or_none, max_over_ranks
+from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.tasks import Task, build_task, is_better
 from vitrain.weights import load_pretrained
@@ -54,8 +57,12 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.dist = init_distributed(resolve_device(cfg.train.device), cfg.parallel.strategy, cfg.parallel.backend)
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker whose launcher dies stops (and saves) with it
+            cluster.die_with_parent(signal.SIGTERM)
+        device, p = resolve_device(cfg.train.device), cfg.parallel
+        self.dist = init_distributed(device, p.strategy, p.backend, timeout_s=cfg.run.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
+        resume = runs.resume_choice(cfg.run_dir, resume)  # auto, a requeued SLURM job, a stopped run
         check = lambda path, meta: runs.check_same_model(path, meta, cfg)  # noqa: E731
         choice = runs.agree_on_run(self.run_dir, resume, self.is_main, check)
         self.run_dir, self.resume_path, self.is_new_run = choice.run_dir, choice.checkpoint, choice.is_new
@@ -115,6 +122,10 @@ class Trainer:
         self.last_eval: dict[str, Any] = {}
         self.last_eval_s = 0.0  # how long the last evaluation took: train.time_limit_s leaves room for one more
         self.setup_s: float | None = None  # wall_s when training began (the first step of the run, across resumes)
+        self.saved_step: int | None = None  # the step of this process's latest checkpoint
+        self.log: RunLog | None = None
+        self.signals: cluster.StopSignals | None = None  # run.stop_signals, caught while fit() runs
+        self.watchdog: cluster.Watchdog | None = None
 
     def close(self) -> None:
         """Let go of the model, optimizer and data before the process group is destroyed: a DDP wrapper freed after
@@ -132,7 +143,22 @@ class Trainer:
         return self.engine.parameter_count()
 
     def save(self, is_best: bool = False) -> Path:
-        return self.engine.save(self.run_dir, self.step, self.meta(is_best), self.cfg.train.keep_checkpoints)
+        """Collective: a checkpoint of this step; the time the loop was blocked goes to metrics.jsonl
+        (checkpoint_blocked_s: the whole write, or under train.checkpoint_async the copy to host memory)."""
+        begin = time.perf_counter()
+        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+            path = self.engine.save(self.run_dir, self.step, self.meta(is_best), self.cfg.train.keep_checkpoints)
+        self.saved_step = self.step
+        if self.log is not None:
+            self.log.record(step=self.step, epoch=self.epoch, checkpoint_blocked_s=time.perf_counter() - begin)
+        return path
+
+    def wait_for_save(self) -> None:
+        """Collective: the async save still being written is complete (its error raised on every rank)."""
+        waiter = getattr(self.engine, "wait_for_save", None)  # a user's engine may save synchronously only
+        if waiter is not None:
+            with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+                waiter()
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -141,12 +167,19 @@ class Trainer:
             if self.is_main:
                 runs.write_run_files(self)
             log = RunLog(self.run_dir, enabled=self.is_main, tensorboard=self.cfg.log.tensorboard)
+        self.log, r = log, self.cfg.run
+        stacks = self.run_dir / f"stacks-rank{self.dist.rank}.txt"
         try:
-            return self._fit(log)
+            with (
+                cluster.StopSignals(r.stop_signals, side_group("control")) as self.signals,
+                cluster.Watchdog(r.watchdog_steps, r.watchdog_min_s, stacks, self._hung) as self.watchdog,
+            ):
+                return self._fit(log)
         except VitrainError as error:  # the line the user sees is in the run's log too
             log.info(f"vitrain: error: {error}", echo=False)  # the CLI prints it
             raise
         finally:
+            self.log = self.watchdog = None
             log.close()
             # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
             # where a thread still inside torch aborts the process.
@@ -191,6 +224,7 @@ class Trainer:
                 first_compiled = t.compile and speed.compile_s is None
                 timed = not first_compiled and (self.step > 1 or self.resume_path is not None)
                 speed.add(time.perf_counter() - step_start, result.images * self.dist.data_size, batches.take(), timed)
+                self.watchdog.beat(time.perf_counter() - step_start)
                 if first_compiled:
                     speed.compile_s = time.perf_counter() - step_start
                     log.info(f"first step with torch.compile took {speed.compile_s:.1f} s")
@@ -202,6 +236,10 @@ class Trainer:
                     resized = {"image_size": size} if cfg.data.min_size else {}  # progressive resizing's size
                     log.record(step=self.step, epoch=self.epoch, loss=loss, lr=lr, grad_norm=result.grad_norm,
                                **window, wall_s=self.wall_s(), **resized, **self.engine.scaler_fields())  # fmt: skip
+                # A stop signal on any rank stops every rank after this same step (one small collective).
+                stop_signal = self.signals.agreed()
+                if stop_signal is not None:
+                    self._stop(log, stop_signal)
                 # The clock decides evaluations and the stop: every rank reads the same (the slowest rank's).
                 now = max_over_ranks(self.wall_s(), self.device) if marks or t.time_limit_s else 0.0
                 if marks and now >= marks[0]:  # train.eval_at_s: a point on the time-to-accuracy curve
@@ -220,6 +258,7 @@ class Trainer:
             if final or self.epoch % t.eval_every_epochs == 0:
                 self._evaluate_and_save(log, final)
 
+        self.wait_for_save()  # train.checkpoint_async: the last checkpoint is complete before the summary
         wall_s = time.perf_counter() - wall_start
         summary = report.summary(self, wall_s, speed.images_per_s(), speed.compile_s) | speed.data_wait()
         for line in report.skipped_samples(self):  # streams and RecordIO find bad samples as they read them
@@ -240,6 +279,32 @@ class Trainer:
                 images = resize_batch(images, size)
             self.batch_in_epoch += 1
             yield images, labels
+
+    def _stop(self, log: RunLog, signal_name: str) -> None:
+        """Every rank, after the same step: a checkpoint of it (with the data position), run.json marked stopped,
+        SLURM requeue where asked; then `Stopped` (the CLI exits 75). No evaluation: the scheduler's notice is
+        short."""
+        self.signals.stopping = True
+        log.info(f"{signal_name}: stopping after step {self.step} (epoch {self.epoch}): writing a checkpoint")
+        path = self.save() if self.saved_step != self.step else None
+        self.wait_for_save()
+        path = path or ckpt.latest(self.run_dir)
+        with all_or_none(f"marking {self.run_dir} stopped"):
+            if self.is_main:
+                runs.mark_stopped(self.run_dir, self.step, signal_name)
+        requeued = cluster.requeue() if self.cfg.run.requeue and self.is_main else None
+        if requeued:
+            log.info(requeued)
+        stopped = cluster.Stopped(signal_name, self.step, path, requeued)
+        log.info(f"{stopped}; exit {cluster.EXIT_STOPPED}", echo=False)  # the CLI prints it
+        raise stopped
+
+    def _hung(self, line: str) -> None:
+        """The watchdog's last words (from its thread): stderr on every rank, log.txt on rank 0."""
+        cluster.say(f"vitrain: error: rank {self.dist.rank}: {line}")
+        if self.is_main:
+            with contextlib.suppress(OSError), open(self.run_dir / "log.txt", "a") as text:
+                text.write(f"vitrain: error: {line}\n")
 
     def _out_of_time(self, log: RunLog, now: float) -> bool:
         limit = self.cfg.train.time_limit_s
@@ -276,13 +341,14 @@ class Trainer:
 
     def _evaluate_and_save(self, log: RunLog, final: bool) -> None:
         begin = time.perf_counter()
-        with self.engine.autocast():
-            metrics = self.task.evaluate(self.forward, final, self.run_dir)
-        ema = getattr(self.engine, "ema", None)
-        if ema is not None:  # the average of the weights, evaluated in the run's compute dtype
-            with ema.autocast(self.precision.dtype):
-                averaged = self.task.evaluate(ema.module, final, self.run_dir / "ema")
-            metrics |= {f"ema_{name}": value for name, value in averaged.items()}
+        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+            with self.engine.autocast():
+                metrics = self.task.evaluate(self.forward, final, self.run_dir)
+            ema = getattr(self.engine, "ema", None)
+            if ema is not None:  # the average of the weights, evaluated in the run's compute dtype
+                with ema.autocast(self.precision.dtype):
+                    averaged = self.task.evaluate(ema.module, final, self.run_dir / "ema")
+                metrics |= {f"ema_{name}": value for name, value in averaged.items()}
         self.last_eval_s = time.perf_counter() - begin
         # When (in the run's wall clock) this evaluation's weights existed: the time-to-accuracy curve.
         self.last_eval = metrics | {"wall_s": begin - self.started, "eval_s": self.last_eval_s}

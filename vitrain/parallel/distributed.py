@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
 import gc
 import os
 import sys
@@ -42,12 +44,15 @@ def backend_for(device: torch.device, backend: str = "auto") -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(device: torch.device, strategy: str, backend: str = "auto") -> DistInfo:
+def init_distributed(
+    device: torch.device, strategy: str, backend: str = "auto", timeout_s: float | None = None
+) -> DistInfo:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
 
     Without torchrun a non-single strategy still gets a one-process group (an in-memory store), so that the
     same code path - and the same checkpoints - work with one process. CUDA: each process takes device
-    LOCAL_RANK (untested here: this machine has no GPU).
+    LOCAL_RANK (untested here: this machine has no GPU). `timeout_s` (run.collective_timeout_s): a collective
+    waiting longer raises instead of hanging; under NCCL its async error handling tears the process down.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -62,10 +67,13 @@ def init_distributed(device: torch.device, strategy: str, backend: str = "auto")
         )
     if strategy != "single" and not dist.is_initialized():
         name = backend_for(device, backend)
+        if name == "nccl":  # a failed or timed-out NCCL collective ends the process instead of leaving it stuck
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if world_size > 1:
-            dist.init_process_group(name, store=_restart_store(), rank=rank, world_size=world_size)
+            dist.init_process_group(name, store=_restart_store(), rank=rank, world_size=world_size, **timeout)
         else:
-            dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, **timeout)
     return DistInfo(rank, world_size, local_rank, device, data_rank=rank, data_size=world_size)
 
 
@@ -93,6 +101,22 @@ def _restart_store() -> dist.Store | None:
     return None if store is None else dist.PrefixStore(f"vitrain/restart_{restart_count()}", store)
 
 
+@functools.cache
+def side_group(purpose: str) -> dist.ProcessGroup | None:
+    """Collective on first use (every rank, in the same order): a gloo group of all ranks for `purpose` ("control":
+    the per-step stop flag; "checkpoint": async checkpoint writes). The control group is the default group where
+    that is gloo already (no extra sockets); None without a group of more than one process.
+
+    Collectives of a background thread must not share a group with the training loop's, and a CPU flag must not
+    wait on GPU work: hence gloo, and a group of its own for the checkpoint writer.
+    """
+    if not is_distributed():
+        return None
+    if purpose == "control" and dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
 def shutdown() -> None:
     """End the process group and join its worker threads while the interpreter still runs.
 
@@ -104,6 +128,7 @@ def shutdown() -> None:
     """
     if not dist.is_initialized():
         return
+    side_group.cache_clear()
     dist.destroy_process_group()
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
