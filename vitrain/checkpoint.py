@@ -38,11 +38,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch import nn
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -65,6 +67,8 @@ RNG_KEY = "rng"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Prefixes of what interrupted saves and prunes leave in checkpoints/: never checkpoints, removed on start.
 _TMP, _OLD, _TRASH = ".tmp-", ".old-", ".trash-"
+# One process without a process group is a normal case here, not worth DCP's warning (also from the async writer).
+warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -324,6 +328,43 @@ class PendingSave:
         return self.final
 
 
+class ReusedStaging(AsyncStager):
+    """DCP staging into host buffers kept from one async save to the next: only the first save (or one whose tensors
+    changed shape) allocates them, which on a 2-core EPYC took 0.35-2.3 s for a 1 GB state against 0.07 s for a
+    copy into kept buffers. The caller waits for one save before the next, so no buffer is refilled while written."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, Any] | None = None
+        self.layout: list | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        layout = _layout(state_dict)
+        if layout != self.layout:
+            self.buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self.layout = layout
+        return _copy_state_dict(state_dict, self.buffers)
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _layout(value: Any, path: str = "") -> list:
+    """Every tensor's place, shape and dtype in a nested state dict (a change means new staging buffers)."""
+    if isinstance(value, dict):
+        return [item for key, sub in value.items() for item in _layout(sub, f"{path}.{key}")]
+    if isinstance(value, list | tuple):
+        return [item for i, sub in enumerate(value) for item in _layout(sub, f"{path}.{i}")]
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return [(path, type(value).__name__, tuple(local.shape), local.dtype)]
+    return []
+
+
 def save_async(
     run_dir: Path,
     step: int,
@@ -333,6 +374,7 @@ def save_async(
     keep: int,
     extra: dict[str, Any] | None = None,
     group: Any = None,
+    staging: ReusedStaging | None = None,
 ) -> PendingSave:
     """Collective: `save` with DCP's async save. Returns once every rank has copied its state to host memory; a
     background thread writes the shards (collectives over `group`, a gloo group apart from the training loop's),
@@ -347,6 +389,7 @@ def save_async(
                     _state(model, optimizer, extra),
                     storage_writer=FileSystemWriter(tmp, sync_files=True),
                     process_group=group,
+                    async_stager=staging or ReusedStaging(),
                     no_dist=not is_distributed(),
                 )
     except Exception:

@@ -207,8 +207,8 @@ class Watchdog:
         try:
             yield
         finally:
+            self.last = time.monotonic()  # before the count drops: the thread never sees an old `last` unpaused
             self.pauses -= 1
-            self.last = time.monotonic()
 
     def deadline(self) -> float | None:
         """Seconds without a step after which the process is taken for hung (None: not armed yet)."""
@@ -218,6 +218,8 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._done.wait(0.2):
+            if self.pauses:
+                continue
             deadline = self.deadline()
             waited = time.monotonic() - self.last
             if deadline is None or self.pauses or waited < deadline:

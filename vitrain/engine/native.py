@@ -69,6 +69,7 @@ class NativeEngine:
         self.head_optimizer = build_head_optimizer(head, cfg.optim, device) if head is not None else None
         self.ema = WeightAverage(model, cfg.train.ema, cfg.train.ema_warmup) if cfg.train.ema else None
         self.pending: ckpt.PendingSave | None = None  # train.checkpoint_async: the save being written
+        self.staging = ckpt.ReusedStaging()  # train.checkpoint_async: host buffers kept between saves
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -153,7 +154,9 @@ class NativeEngine:
                 return ckpt.save(run_dir, step, self.model, self.optimizer, meta, keep, extra)
             self.wait_for_save()  # one save at a time: the next waits for the one being written
             group = side_group("checkpoint")
-            self.pending = ckpt.save_async(run_dir, step, self.model, self.optimizer, meta, keep, extra, group)
+            self.pending = ckpt.save_async(
+                run_dir, step, self.model, self.optimizer, meta, keep, extra, group, self.staging
+            )
             return self.pending.final
 
     def wait_for_save(self) -> Path | None:

@@ -15,7 +15,7 @@ import yaml
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, load_config, to_dict, to_yaml
 from vitrain.data.loader import Position
-from vitrain.engine.cluster import requeued
+from vitrain.engine.cluster import requeued, slurm_job
 from vitrain.errors import CheckpointError
 from vitrain.files import atomic_write
 from vitrain.parallel import broadcast_object
@@ -162,13 +162,28 @@ def read_run_file(run_dir: Path) -> dict[str, Any]:
 
 def resume_choice(run_dir: Path, resume: bool | str, env: Mapping[str, str] = os.environ) -> bool | str:
     """What `resume` means for this launch, before any folder is chosen: `auto` continues `run_dir` when it holds
-    a run (a checkpoint or run.json), else starts it; inside a requeued SLURM job `auto` is the default; and a
-    run stopped by a signal (run.json) is continued by the same command without a flag."""
-    if resume is False and (requeued(env) or "stopped" in read_run_file(run_dir)):
-        resume = "auto"
+    a run (a checkpoint or run.json), else starts it; without a flag, the newest of `run_dir`, `run_dir-1`, ...
+    that this requeued SLURM job wrote, or else that a signal stopped, is continued (the same command continues
+    its run); a requeued job that wrote none means `auto`."""
+    if resume is False:
+        job = slurm_job(env) if requeued(env) else None
+        mine = [d for d in _same_name_runs(run_dir) if job is not None and read_run_file(d).get("slurm_job") == job]
+        stopped = [d for d in _same_name_runs(run_dir) if "stopped" in read_run_file(d)]
+        if mine or stopped:
+            return str((mine or stopped)[-1])
+        resume = "auto" if job is not None else False
     if resume == "auto":
         return (run_dir / RUN_FILE).exists() or bool(ckpt.step_dirs(run_dir))
     return resume
+
+
+def _same_name_runs(base: Path) -> list[Path]:
+    """`base`, `base-1`, `base-2`, ... as far as they exist: the folders runs of one name took (choose_run)."""
+    found, suffix, path = [], 1, base
+    while path.is_dir():
+        found.append(path)
+        path, suffix = base.with_name(f"{base.name}-{suffix}"), suffix + 1
+    return found
 
 
 def mark_run(run_dir: Path, is_new: bool, resumed_from: Path | None) -> None:
@@ -179,7 +194,7 @@ def mark_run(run_dir: Path, is_new: bool, resumed_from: Path | None) -> None:
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.fsync_dir(run_dir.parent)
-    record = {"resumed_from": str(resumed_from) if resumed_from else None}
+    record = {"resumed_from": str(resumed_from) if resumed_from else None, "slurm_job": slurm_job()}
     if is_new:
         try:
             fd = os.open(run_dir / RUN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -181,6 +181,7 @@ class Trainer:
         finally:
             self.log = self.watchdog = None
             log.close()
+            self._let_pending_save_end()
             # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
             # where a thread still inside torch aborts the process.
             getattr(self.epoch_batches, "close", lambda: None)()
@@ -198,7 +199,7 @@ class Trainer:
         wall_start = time.perf_counter()
         speed = Speed()
         marks = sorted(m for m in t.eval_at_s if m > self.wall_s())  # train.eval_at_s still ahead
-        stop = False
+        stop = bool(t.max_steps and self.step >= t.max_steps)  # a run continued at its last step trains no more
         while self.epoch < t.epochs and not stop:
             desc, shown = f"epoch {self.epoch + 1}/{t.epochs}", cfg.log.progress and self.is_main
             # Only whole optimizer steps: leftover micro-batches would leak gradients into the next epoch.
@@ -257,6 +258,9 @@ class Trainer:
             final = stop or self.epoch == t.epochs
             if final or self.epoch % t.eval_every_epochs == 0:
                 self._evaluate_and_save(log, final)
+                stop_signal = self.signals.agreed()  # a signal during the evaluation: its checkpoint is the stop's
+                if stop_signal is not None and not final:
+                    self._stop(log, stop_signal)
 
         self.wait_for_save()  # train.checkpoint_async: the last checkpoint is complete before the summary
         wall_s = time.perf_counter() - wall_start
@@ -286,18 +290,28 @@ class Trainer:
         short."""
         self.signals.stopping = True
         log.info(f"{signal_name}: stopping after step {self.step} (epoch {self.epoch}): writing a checkpoint")
-        path = self.save() if self.saved_step != self.step else None
-        self.wait_for_save()
-        path = path or ckpt.latest(self.run_dir)
-        with all_or_none(f"marking {self.run_dir} stopped"):
-            if self.is_main:
-                runs.mark_stopped(self.run_dir, self.step, signal_name)
-        requeued = cluster.requeue() if self.cfg.run.requeue and self.is_main else None
+        with self.watchdog.paused():
+            path = self.save() if self.saved_step != self.step else None
+            self.wait_for_save()
+            path = path or ckpt.latest(self.run_dir)
+            requeued = None
+            with all_or_none(f"marking {self.run_dir} stopped"):  # every rank exits once the requeue is asked
+                if self.is_main:
+                    runs.mark_stopped(self.run_dir, self.step, signal_name)
+                    requeued = cluster.requeue() if self.cfg.run.requeue else None
         if requeued:
             log.info(requeued)
         stopped = cluster.Stopped(signal_name, self.step, path, requeued)
         log.info(f"{stopped}; exit {cluster.EXIT_STOPPED}", echo=False)  # the CLI prints it
         raise stopped
+
+    def _let_pending_save_end(self) -> None:
+        """After an error: an async save still being written ends (or fails) before the process group goes; every
+        rank's writer is running already, so no collective is needed here."""
+        pending = getattr(self.engine, "pending", None)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.done.result(timeout=self.cfg.run.collective_timeout_s)
 
     def _hung(self, line: str) -> None:
         """The watchdog's last words (from its thread): stderr on every rank, log.txt on rank 0."""

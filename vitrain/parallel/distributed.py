@@ -70,6 +70,8 @@ def init_distributed(
         if name == "nccl":  # a failed or timed-out NCCL collective ends the process instead of leaving it stuck
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        _TIMEOUT.clear()
+        _TIMEOUT.update(timeout)
         if world_size > 1:
             dist.init_process_group(name, store=_restart_store(), rank=rank, world_size=world_size, **timeout)
         else:
@@ -77,6 +79,7 @@ def init_distributed(
     return DistInfo(rank, world_size, local_rank, device, data_rank=rank, data_size=world_size)
 
 
+_TIMEOUT: dict[str, datetime.timedelta] = {}  # the process group's timeout, for the side groups too
 RUN_DIR_KEY = "vitrain/run_dir"  # in torchrun's store: the run folder this launch writes into
 
 
@@ -114,7 +117,7 @@ def side_group(purpose: str) -> dist.ProcessGroup | None:
         return None
     if purpose == "control" and dist.get_backend() == "gloo":
         return dist.group.WORLD
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", **_TIMEOUT)  # run.collective_timeout_s, as the default group's
 
 
 def shutdown() -> None:
