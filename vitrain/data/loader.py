@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -18,16 +17,6 @@ from typing import Any, Protocol
 import torch
 
 from vitrain.data.augment import BatchAugment
-
-# Signals a scheduler or torchrun sends to the trainer's whole process group, which the trainer handles itself.
-TRAINER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
-
-
-def leave_signals_to_trainer(worker_id: int) -> None:
-    """A DataLoader worker_init_fn: the worker ignores the signals the trainer stops on. A worker killed by one
-    would make the trainer raise while it writes its stop checkpoint; the worker ends with the trainer instead."""
-    for name in TRAINER_SIGNALS:
-        signal.signal(signal.Signals[name], signal.SIG_IGN)
 
 
 class BatchSource(Protocol):

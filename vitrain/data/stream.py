@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitrain.config import Config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.decode import decode_image
-from vitrain.data.loader import PAD_LABEL, Position, batch_generator, in_background, leave_signals_to_trainer, trace
+from vitrain.data.loader import PAD_LABEL, Position, batch_generator, in_background, trace
 from vitrain.data.shards import PIPE, ShardIndex, describe, load_index, read_index, read_samples, shard_urls
 from vitrain.errors import DataError
 
@@ -214,14 +214,7 @@ class StreamLoader:
         lay = self._rank_layout(sum(r.count for r in runs), self.rank, self.layout_key)
         plan = _WorkerPlan(self.data, runs, lay, done, self.window, (self.seed, epoch, number, self.rank))
         workers = self.workers if len(lay.sizes) > done else 0  # nothing left: no processes to start
-        prefetch = 2 if workers else None
-        loader = DataLoader(
-            plan,
-            batch_size=None,
-            num_workers=workers,
-            prefetch_factor=prefetch,
-            worker_init_fn=leave_signals_to_trainer,
-        )
+        loader = DataLoader(plan, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None)
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(loader))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
         return trace(batches, "train" if self.shuffle else "val")

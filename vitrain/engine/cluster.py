@@ -88,6 +88,10 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.received is None:
             self.received = signal.Signals(signum)
+            # torchrun and SLURM signal the whole process group: DataLoader workers die of it, and torch's SIGCHLD
+            # handler would then raise in the middle of the stop checkpoint. The loader is not read again.
+            if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
+                self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             say(f"vitrain: {name}: stopping after this step, writing a checkpoint, then exiting {EXIT_STOPPED}")
         else:
             what = "writing the stop checkpoint" if self.stopping else "stopping after this step"
