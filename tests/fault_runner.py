@@ -148,25 +148,40 @@ def _kill_inside_save(target_save: int, target_op: int, after=lambda: True) -> N
     shutil.rmtree = durable(shutil.rmtree)
 
 
+class _Steps:
+    """Wraps PrecisionPolicy.step: `before(n)` and `after(n)` run around this process's n-th optimizer step (from 1,
+    autotune's steps included); `done` is how many have finished."""
+
+    def __init__(self, before=lambda n: None, after=lambda n: None) -> None:
+        from vitrain.precision import PrecisionPolicy
+
+        original, self.done = PrecisionPolicy.step, 0
+
+        def step(policy, *args, **kwargs):
+            before(self.done + 1)
+            result = original(policy, *args, **kwargs)
+            self.done += 1
+            after(self.done)
+            return result
+
+        PrecisionPolicy.step = step
+
+
+def _later(delay_ms: int, action) -> None:
+    """`action()` now, or `delay_ms` milliseconds from now on a timer thread."""
+    if delay_ms:
+        threading.Timer(delay_ms / 1000, action).start()
+    else:
+        action()
+
+
 def _kill_after_step(target_step: int, delay_ms: int) -> None:
-    from vitrain.precision import PrecisionPolicy
-
-    original = PrecisionPolicy.step
-    steps = 0
-
-    def step(self, *args, **kwargs):
-        nonlocal steps
-        result = original(self, *args, **kwargs)
-        steps += 1
-        if steps == target_step:
+    def after(n: int) -> None:
+        if n == target_step:
             _fired("kill")
-            if delay_ms:
-                threading.Timer(delay_ms / 1000, _sigkill).start()
-            else:
-                _sigkill()
-        return result
+            _later(delay_ms, _sigkill)
 
-    PrecisionPolicy.step = step
+    _Steps(after=after)
 
 
 def numbers_of(values: list[str]) -> list[int]:
@@ -184,48 +199,29 @@ def _sigterm() -> None:
 def _term_after_step(kind: str, target_step: int, extra: int = 0) -> None:
     """SIGTERM after step `target_step` (term: `extra` ms later); term_twice: again as the stop save begins;
     term_kill: SIGKILL at the `extra`-th durable operation of the stop save. The fault log gets the steps done."""
-    from vitrain.precision import PrecisionPolicy
-
-    original = PrecisionPolicy.step
-    steps = 0
 
     def fire() -> None:
-        _fired(f"term {steps}")
+        _fired(f"term {steps.done}")
         _sigterm()
 
-    def step(self, *args, **kwargs):
-        nonlocal steps
-        result = original(self, *args, **kwargs)
-        steps += 1
-        if steps == target_step:
-            if kind == "term" and extra:
-                threading.Timer(extra / 1000, fire).start()
-            else:
-                fire()
-        return result
+    def after(n: int) -> None:
+        if n == target_step:
+            _later(extra if kind == "term" else 0, fire)
 
-    PrecisionPolicy.step = step
+    steps = _Steps(after=after)
     if kind == "term_twice":
-        _count_saves(lambda n: _sigterm() if steps >= target_step else None)
+        _count_saves(lambda n: _sigterm() if steps.done >= target_step else None)
     elif kind == "term_kill":
-        _kill_inside_save(1, extra, after=lambda: steps >= target_step)
+        _kill_inside_save(1, extra, after=lambda: steps.done >= target_step)
 
 
 def _stall_in_step(target_step: int, seconds: float) -> None:
-    from vitrain.precision import PrecisionPolicy
-
-    original = PrecisionPolicy.step
-    steps = 0
-
-    def step(self, *args, **kwargs):
-        nonlocal steps
-        steps += 1
-        if steps == target_step:
+    def before(n: int) -> None:
+        if n == target_step:
             _fired("stall")
             time.sleep(seconds)
-        return original(self, *args, **kwargs)
 
-    PrecisionPolicy.step = step
+    _Steps(before=before)
 
 
 if __name__ == "__main__":

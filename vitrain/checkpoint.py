@@ -67,7 +67,8 @@ RNG_KEY = "rng"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Prefixes of what interrupted saves and prunes leave in checkpoints/: never checkpoints, removed on start.
 _TMP, _OLD, _TRASH = ".tmp-", ".old-", ".trash-"
-# One process without a process group is a normal case here, not worth DCP's warning (also from the async writer).
+# One process without a process group is a normal case here, not worth DCP's warning on every save and load (a
+# filter of the whole process: the async writer's thread saves outside any catch_warnings of the caller's).
 warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
 
 
@@ -262,10 +263,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 def _dcp_save(state: dict[str, Any], path: Path) -> None:
-    # One process without a process group is a normal case here, not worth DCP's warning.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
-        dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=True), no_dist=not is_distributed())
+    dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=True), no_dist=not is_distributed())
 
 
 def save(
@@ -383,15 +381,13 @@ def save_async(
     meta = json.loads(json.dumps(meta))  # as it is now: rank 0 writes it once the shards are written
     try:
         with all_or_none(what):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
-                written = dcp.async_save(
-                    _state(model, optimizer, extra),
-                    storage_writer=FileSystemWriter(tmp, sync_files=True),
-                    process_group=group,
-                    async_stager=staging or ReusedStaging(),
-                    no_dist=not is_distributed(),
-                )
+            written = dcp.async_save(
+                _state(model, optimizer, extra),
+                storage_writer=FileSystemWriter(tmp, sync_files=True),
+                process_group=group,
+                async_stager=staging or ReusedStaging(),
+                no_dist=not is_distributed(),
+            )
     except Exception:
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -590,14 +586,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def _dcp_load(state: dict[str, Any], path: Path) -> None:
     """Collective: DCP's load through the safe reader and planner; a failure on any rank is one line on all."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
-            dcp.load(
-                state,
-                storage_reader=SafeFileSystemReader(path),
-                planner=SafeLoadPlanner(path),
-                no_dist=not is_distributed(),
-            )
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(path),
+            no_dist=not is_distributed(),
+        )
     except CheckpointException as exc:  # DCP gathers every rank's failure into one BaseException
         errors = [error for error, _ in exc.failures.values()]
         ours = next((error for error in errors if isinstance(error, VitrainError)), None)

@@ -146,7 +146,7 @@ class Trainer:
         """Collective: a checkpoint of this step; the time the loop was blocked goes to metrics.jsonl
         (checkpoint_blocked_s: the whole write, or under train.checkpoint_async the copy to host memory)."""
         begin = time.perf_counter()
-        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+        with self._unwatched():
             path = self.engine.save(self.run_dir, self.step, self.meta(is_best), self.cfg.train.keep_checkpoints)
         self.saved_step = self.step
         if self.log is not None:
@@ -157,8 +157,12 @@ class Trainer:
         """Collective: the async save still being written is complete (its error raised on every rank)."""
         waiter = getattr(self.engine, "wait_for_save", None)  # a user's engine may save synchronously only
         if waiter is not None:
-            with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+            with self._unwatched():
                 waiter()
+
+    def _unwatched(self) -> contextlib.AbstractContextManager:
+        """The step watchdog paused (an evaluation, a save): a no-op outside fit()."""
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -224,8 +228,9 @@ class Trainer:
                     log.record(step=self.step, epoch=self.epoch, skipped=True, **fields)
                 first_compiled = t.compile and speed.compile_s is None
                 timed = not first_compiled and (self.step > 1 or self.resume_path is not None)
-                speed.add(time.perf_counter() - step_start, result.images * self.dist.data_size, batches.take(), timed)
-                self.watchdog.beat(time.perf_counter() - step_start)
+                step_s = time.perf_counter() - step_start
+                speed.add(step_s, result.images * self.dist.data_size, batches.take(), timed)
+                self.watchdog.beat(step_s)
                 if first_compiled:
                     speed.compile_s = time.perf_counter() - step_start
                     log.info(f"first step with torch.compile took {speed.compile_s:.1f} s")
@@ -355,7 +360,7 @@ class Trainer:
 
     def _evaluate_and_save(self, log: RunLog, final: bool) -> None:
         begin = time.perf_counter()
-        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+        with self._unwatched():
             with self.engine.autocast():
                 metrics = self.task.evaluate(self.forward, final, self.run_dir)
             ema = getattr(self.engine, "ema", None)
