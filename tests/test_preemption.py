@@ -151,6 +151,25 @@ def test_an_async_checkpoint_holds_the_weights_of_its_step_while_training_goes_o
     trainer.close()
 
 
+def test_async_staging_buffers_are_made_after_the_first_step_and_reused_by_every_save(tmp_path):
+    cfg = tiny_config(tmp_path, "staging", train={"max_steps": 1, "checkpoint_async": True})
+    trainer = Trainer(cfg)
+    trainer.fit()  # its one step started the buffers; its final save waited for them and copied into them
+    staging = trainer.engine.staging
+    assert staging.preparing is None and staging.layout is not None
+    buffers = [t.data_ptr() for t in ckpt._local_tensors(staging.buffers)]
+    trainer.step += 1
+    trainer.save()
+    trainer.engine.wait_for_save()
+    assert [t.data_ptr() for t in ckpt._local_tensors(staging.buffers)] == buffers  # the same memory, refilled
+    state = ckpt.state_to_save(trainer.model, trainer.engine.optimizer, {})
+    staging.prepare({"other": torch.ones(3)})  # a state of another layout: the next save stages it into new buffers
+    staged = staging.stage(state)
+    assert staging.preparing is None and staged["model"].keys() == state["model"].keys()
+    assert all(torch.equal(staged["model"][k], v) for k, v in state["model"].items())
+    trainer.close()
+
+
 def test_async_checkpoints_under_zero3_resume_to_the_weights_of_sync_ones(tmp_path):
     """FSDP2's sharded tensors staged into kept buffers, saved three times; a resume from the async run's
     mid-run checkpoint ends where the sync run does."""

@@ -112,15 +112,25 @@ class NativeEngine:
     def step(self, loss_nonfinite: torch.Tensor | None = None) -> tuple[float | None, bool]:
         clip = self.cfg.optim.clip_grad_norm
         if self.pipeline is not None:  # clipped by the norm over every stage
-            return self.pipeline.step(self.precision, self.optimizer, clip, loss_nonfinite)
-        if self.head is not None:
-            average_replicated_gradients(self.head)
-        grad_norm, skipped = self.precision.step(
-            self.optimizer, clip, loss_nonfinite, head_optimizer=self.head_optimizer
-        )
-        if self.ema is not None and not skipped:
-            self.ema.update()
+            grad_norm, skipped = self.pipeline.step(self.precision, self.optimizer, clip, loss_nonfinite)
+        else:
+            if self.head is not None:
+                average_replicated_gradients(self.head)
+            grad_norm, skipped = self.precision.step(
+                self.optimizer, clip, loss_nonfinite, head_optimizer=self.head_optimizer
+            )
+            if self.ema is not None and not skipped:
+                self.ema.update()
+        if self.cfg.train.checkpoint_async and self.staging.layout is None and self.staging.preparing is None:
+            self._prepare_staging()
         return grad_norm, skipped
+
+    def _prepare_staging(self) -> None:
+        """train.checkpoint_async, after the first step (the optimizer state exists): the save's host buffers are
+        made in the background, so the first save only copies into them."""
+        extra = self._extra_state()
+        with self.precision.full_precision(self.optimizer):  # the state's layout as a save will see it
+            self.staging.prepare(ckpt.state_to_save(self.model, self.optimizer, extra))
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -136,7 +146,8 @@ class NativeEngine:
     def state_dict(self) -> dict[str, Any]:
         return self.precision.state_dict()
 
-    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+    def _extra_state(self) -> dict[str, Any]:
+        """What a checkpoint holds beside the model and optimizer: compensation, the face head, the EMA weights."""
         extra = {}
         if self.precision.compensated:
             extra[COMPENSATION] = self.precision.compensation_state(self.model, self.optimizer)
@@ -144,6 +155,10 @@ class NativeEngine:
             extra[HEAD] = self.head.checkpoint_state(self.head_optimizer)
         if self.ema is not None:
             extra[EMA] = self.ema.state()
+        return extra
+
+    def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+        extra = self._extra_state()
         with self.precision.full_precision(self.optimizer):  # fp32 weights in every mode
             # A diverged run keeps its last good checkpoint instead of saving inf/NaN (each rank checks its shard).
             with all_or_none("checking the weights before a checkpoint"):
