@@ -136,6 +136,7 @@ def test_a_users_module_trains_under_zero3_and_amp_o2_on_two_ranks_and_exports(t
     assert not torch.equal(exported["classifier.weight"], fresh["classifier.weight"])
 
 
+@pytest.mark.slow  # the default suite keeps a user's own module under zero3 (above)
 def test_timms_vit_small_trains_under_zero3_and_amp_o2_on_two_ranks_and_exports(tmp_path):
     if importlib.util.find_spec("timm") is None:
         pytest.skip("timm is not installed (pip install 'vitrain[peers]')")

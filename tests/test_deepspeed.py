@@ -195,7 +195,10 @@ def _resume_on_one_rank(out_dir, name: str, strategy: str, max_steps: int) -> No
     torch.save(loaded, out_dir / f"{name}.loaded.pt")
 
 
-@pytest.mark.parametrize(("name", "strategy", "saved_step"), [("resumed", "zero2", 6), ("export_zero3", "zero3", 5)])
+UNIVERSAL = [pytest.param("resumed", "zero2", 6, marks=pytest.mark.slow), ("export_zero3", "zero3", 5)]
+
+
+@pytest.mark.parametrize(("name", "strategy", "saved_step"), UNIVERSAL)
 def test_a_zero_checkpoint_of_two_ranks_resumes_on_one_through_deepspeeds_universal_checkpoint(
     checkpointed, tmp_path, name, strategy, saved_step
 ):
@@ -294,6 +297,7 @@ def face_runs(tmp_path_factory):
     return out_dir
 
 
+@pytest.mark.slow  # the default suite trains the face-orl recipe under DeepSpeed (below)
 @pytest.mark.parametrize("strategy", FACE_STAGES)
 def test_the_face_task_with_a_deepspeed_backbone_and_the_sharded_head_gives_the_native_losses(face_runs, strategy):
     reference, got = losses(face_runs / "face_native"), losses(face_runs / f"face_ds_{strategy}")
@@ -303,6 +307,7 @@ def test_the_face_task_with_a_deepspeed_backbone_and_the_sharded_head_gives_the_
     assert len({round(v, 6) for v in reference.values()}) > 1  # training moved
 
 
+@pytest.mark.slow
 def test_a_deepspeed_face_checkpoint_holds_the_head_by_identity_row_and_resumes(face_runs):
     step3 = face_runs / "face_ds_resumed" / "checkpoints" / "step_00000003"
     index = ckpt.read_index(step3)
@@ -346,6 +351,7 @@ def _lr_find_under_deepspeed(out_dir):
                  str(out_dir / "lr-find")]) == 0  # fmt: skip
 
 
+@pytest.mark.slow
 def test_lr_find_runs_under_deepspeed_on_two_ranks(tmp_path):
     run_two_ranks(_lr_find_under_deepspeed, tmp_path)
     rows = (tmp_path / "lr-find" / "lr_find.csv").read_text().splitlines()

@@ -170,6 +170,7 @@ def test_async_staging_buffers_are_made_after_the_first_step_and_reused_by_every
     trainer.close()
 
 
+@pytest.mark.slow  # the default suite keeps async saves on one process and on two DDP ranks
 def test_async_checkpoints_under_zero3_resume_to_the_weights_of_sync_ones(tmp_path):
     """FSDP2's sharded tensors staged into kept buffers, saved three times; a resume from the async run's
     mid-run checkpoint ends where the sync run does."""
