@@ -5,8 +5,11 @@
 Writes --gb of ImageNet-like shards (real BCCD microscope photos re-encoded at 1024x768, ~100 KB each, repeated
 under new keys) into a temporary folder, then trains' loader streams one whole epoch with 2 worker processes
 (batch 256, 64 px, shuffle windows of 1,000) while a thread samples the resident memory of the process and all
-its children: Rss summed (a page shared after fork counts once per process, so it overstates) and Pss (each shared
-page divided among its sharers: the tree's real footprint). Removes the shards at the end.
+its children: Rss summed (a page shared after fork counts once per process, so it overstates), the largest one
+process's Rss, and Pss (each shared page divided among its sharers: the tree's real footprint). Removes the shards
+at the end. glibc keeps freed batch-sized tensors (12 MB at 256 x 3 x 64 x 64 fp32) in its heap once its dynamic
+mmap threshold has grown past them; run it also with `MALLOC_MMAP_THRESHOLD_=4194304` in the environment to see the
+resident set without that cache (the value is recorded in the output).
 """
 
 from __future__ import annotations
@@ -31,19 +34,26 @@ from vitrain.data.shards import FORMAT, INDEX, ShardWriter
 from vitrain.device import cpu_description
 
 
-def tree_rss_bytes(pid: int, field: str = "Rss") -> int:
-    """Rss (or Pss: shared pages divided among their sharers) of `pid` and every descendant, summed."""
-    total, stack = 0, [pid]
+def tree_memory(pid: int, field: str = "Rss") -> list[int]:
+    """Rss (or Pss: shared pages divided among their sharers) of `pid` and of every descendant, in bytes."""
+    sizes, stack = [], [pid]
     while stack:
         p = stack.pop()
         try:
             status = Path(f"/proc/{p}/smaps_rollup").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith(field + ":"))) * 1024
+            sizes.append(
+                int(next(line.split()[1] for line in status.splitlines() if line.startswith(field + ":"))) * 1024
+            )
             for task in Path(f"/proc/{p}/task").iterdir():
                 stack += [int(c) for c in (task / "children").read_text().split()]
         except (FileNotFoundError, StopIteration, ProcessLookupError):
             continue
-    return total
+    return sizes
+
+
+def tree_rss_bytes(pid: int, field: str = "Rss") -> int:
+    """Rss (or Pss) of `pid` and every descendant, summed."""
+    return sum(tree_memory(pid, field))
 
 
 def main() -> None:
@@ -83,11 +93,13 @@ def main() -> None:
             f"data.loader_workers={args.workers}", "data.shuffle_buffer=1000", "log.progress=false",
         ])  # fmt: skip
         peak, pss, stop = [tree_rss_bytes(os.getpid())], [tree_rss_bytes(os.getpid(), "Pss")], threading.Event()
-        baseline = peak[0]
+        baseline, largest = peak[0], [0]
 
         def sample() -> None:
             while not stop.is_set():
-                peak.append(tree_rss_bytes(os.getpid()))
+                sizes = tree_memory(os.getpid())
+                peak.append(sum(sizes))
+                largest.append(max(sizes))
                 pss.append(tree_rss_bytes(os.getpid(), "Pss"))
                 time.sleep(0.1)
 
@@ -104,6 +116,8 @@ def main() -> None:
             "cpu": cpu_description(), "shard_bytes": on_disk, "samples": n, "streamed_images": seen,
             "epoch_s": elapsed, "images_per_s": seen / elapsed, "workers": args.workers,
             "peak_rss_bytes": max(peak), "peak_pss_bytes": max(pss), "rss_before_loader_bytes": baseline,
+            "peak_rss_one_process_bytes": max(largest),
+            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         }  # fmt: skip
         print(f"streamed {seen} images in {elapsed:.0f} s ({seen / elapsed:,.0f}/s); peak of the process tree: RSS "
               f"{max(peak) / 2**30:.2f} GiB summed, PSS {max(pss) / 2**30:.2f} GiB (before the loader "
