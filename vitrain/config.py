@@ -110,7 +110,7 @@ class DataConfig:
     mixup_alpha: float = 0.0  # > 0: mix each batch with its reverse, weight ~ Beta(alpha, alpha)
     cutmix_alpha: float = 0.0  # > 0: paste a box of the reversed batch, area ~ Beta(alpha, alpha)
     cutmix_prob: float = 0.5  # with both mixup and cutmix on, the chance that a batch uses cutmix
-    # RandAugment as timm writes it, e.g. rand-m9-mstd0.5-inc1 (DeiT's; empty: off): n ops per image (default 2), each
+    # RandAugment as timm writes it (rand-m9-mstd0.5-inc1 is DeiT's; empty: off): n ops per image (default 2), each
     # applied with probability p (0.5), at magnitude m of 10 plus N(0, mstd) noise; inc1: the ops that grow stronger
     # with m. Strong augmentation runs on the training device, each image its own ops (docs/augment.md); one of
     # randaugment, trivialaugment and three_augment at a time.
