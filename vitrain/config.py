@@ -110,6 +110,24 @@ class DataConfig:
     mixup_alpha: float = 0.0  # > 0: mix each batch with its reverse, weight ~ Beta(alpha, alpha)
     cutmix_alpha: float = 0.0  # > 0: paste a box of the reversed batch, area ~ Beta(alpha, alpha)
     cutmix_prob: float = 0.5  # with both mixup and cutmix on, the chance that a batch uses cutmix
+    # RandAugment as timm writes it (rand-m9-mstd0.5-inc1 is DeiT's; empty: off): n ops per image (default 2), each
+    # applied with probability p (0.5), at magnitude m of 10 plus N(0, mstd) noise; inc1: the ops that grow stronger
+    # with m. Strong augmentation runs on the training device, each image its own ops (docs/augment.md); one of
+    # randaugment, trivialaugment and three_augment at a time.
+    randaugment: str = ""
+    trivialaugment: bool = False  # TrivialAugment (torchvision's wide): one op of 14 per image at a random strength
+    # DeiT III's 3-Augment: grayscale, solarize or Gaussian blur per image, then color_jitter (0.3 unless set)
+    three_augment: bool = False
+    # Brightness, contrast and saturation each scaled by a factor from [1 - j, 1 + j] in an order drawn per image
+    # (torchvision's ColorJitter, no hue), after any policy above; null: 0.3 with three_augment (DeiT III), else off.
+    color_jitter: float | None = None
+    # The chance that an image gets one box (2-33% of its area) of per-pixel noise (timm's reprob, mode pixel; DeiT
+    # uses 0.25). 0 turns it off.
+    random_erasing: float = 0.0
+    # Repeated augmentation (DeiT's RASampler uses 3): each epoch's images repeated this many times in a row, the
+    # copies dealt to consecutive ranks, the epoch kept at its length (it sees 1/k of the images, k times each, each
+    # copy augmented on its own). 1 turns it off.
+    repeated_aug: int = 1
     loader: Literal["fast", "plain"] = "fast"  # plain: per-sample PIL decoding in DataLoader workers (baseline)
     loader_workers: int = 2  # plain loader and shards: DataLoader worker processes decoding samples
     prefetch: int = 2  # fast loader: batches prepared ahead in a background thread; 0 turns it off

@@ -6,6 +6,7 @@ from vitrain.data.loader import BatchLoader
 from vitrain.data.pipeline import build_loaders
 from vitrain.data.prepared import PreparedSet, open_prepared
 from vitrain.data.sources import ImageSet, build_datasets
+from vitrain.data.strong import RandAugmentSpec
 from vitrain.errors import ConfigError
 
 __all__ = [
@@ -58,3 +59,35 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"data.{name}={getattr(d, name)} must be >= 0")
     if not 0.0 <= d.cutmix_prob <= 1.0:
         raise ConfigError(f"data.cutmix_prob={d.cutmix_prob} is a probability and must be in [0, 1]")
+    _check_strong(cfg)
+
+
+def _check_strong(cfg: Config) -> None:
+    """Strong augmentation and repeated augmentation (data/strong.py, data/loader.py)."""
+    d = cfg.data
+    policies = [f"data.{name}" for name in ("randaugment", "trivialaugment", "three_augment") if getattr(d, name)]
+    if len(policies) > 1:
+        together = " and ".join(policies)
+        raise ConfigError(f"{together} are on together; choose one policy (timm and DeiT apply one at a time)")
+    if d.randaugment:
+        RandAugmentSpec.parse(d.randaugment)
+    if d.color_jitter is not None and not 0.0 <= d.color_jitter <= 1.0:
+        raise ConfigError(f"data.color_jitter={d.color_jitter} must be in [0, 1] (DeiT III: 0.3), or null")
+    if not 0.0 <= d.random_erasing <= 1.0:
+        raise ConfigError(f"data.random_erasing={d.random_erasing} is a probability and must be in [0, 1] (DeiT: 0.25)")
+    if d.repeated_aug < 1:
+        raise ConfigError(f"data.repeated_aug={d.repeated_aug} must be >= 1 (1: off; DeiT: 3)")
+    batched = {
+        "randaugment": d.randaugment,
+        "trivialaugment": d.trivialaugment,
+        "three_augment": d.three_augment,
+        "color_jitter": d.color_jitter,
+        "random_erasing": d.random_erasing,
+        "repeated_aug": d.repeated_aug > 1,
+    }
+    if d.loader == "plain" and any(batched.values()):
+        name = next(name for name, on in batched.items() if on)
+        raise ConfigError(
+            f"data.{name} runs in the fast loader; data.loader=plain (the per-sample PIL baseline) has no such step: "
+            "set data.loader=fast"
+        )

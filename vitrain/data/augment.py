@@ -1,7 +1,8 @@
 """Augmentation and normalization on whole uint8 batches, on the training device.
 
 Order: random resized crop (or random crop after padding), horizontal flip, resize to the model's input size
-when the stored size differs, mixup or cutmix (labels become soft targets), normalization last.
+when the stored size differs, strong augmentation (RandAugment, TrivialAugment or 3-Augment, colour jitter) and random
+erasing (vitrain/data/strong.py), mixup or cutmix (labels become soft targets), normalization last.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vitrain.config import DataConfig
+from vitrain.data.strong import RandomErasing, strong_augment
 
 
 class BatchAugment:
@@ -34,6 +36,10 @@ class BatchAugment:
         self.cutmix_prob = cfg.cutmix_prob
         mean = torch.tensor(_per_channel(cfg.mean, channels)).view(1, channels, 1, 1) * 255.0
         std = torch.tensor(_per_channel(cfg.std, channels)).view(1, channels, 1, 1) * 255.0
+        # Strong ops fill what they uncover with the mean (0 once normalized), as timm does; erasing's noise is
+        # N(0, 1) once normalized.
+        self.strong = strong_augment(cfg, mean.flatten()) if train else None
+        self.erasing = RandomErasing(cfg.random_erasing, mean, std) if train and cfg.random_erasing else None
         # (x - mean) / std as one fused x * scale + shift, which also reads uint8 without a float copy first.
         self.scale, self.shift = 1.0 / std, -mean / std
 
@@ -49,6 +55,10 @@ class BatchAugment:
             x = pad_crop_flip(images, self.crop_padding, flip, generator)
         if x.shape[-2:] != (self.image_size, self.image_size):
             x = F.interpolate(x.float(), size=(self.image_size, self.image_size), mode="bilinear", antialias=True)
+        if self.strong is not None:
+            x = self.strong(x.float(), generator)
+        if self.erasing is not None:
+            x = self.erasing(x.float(), generator)
         targets = labels
         if self.mixup_alpha or self.cutmix_alpha:
             x, targets = self.mix(x.float(), labels, generator)

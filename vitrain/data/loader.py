@@ -32,7 +32,8 @@ class Position:
     """Where a loader stands in an epoch: what a checkpoint keeps so that a resume continues with the samples an
     uninterrupted run would have seen, and, on another world size, with none of the epoch's seen ones again.
 
-    Random-access sources: `samples` of the epoch's permutation consumed (always a prefix, on any world size).
+    Random-access sources: `samples` of the epoch's sequence (`epoch_sequence`) consumed (always a prefix, on any
+    world size).
     Streams: `segments`, the layouts that ran in this epoch (world size, workers, batch size) with the batches each
     consumed; what they consumed is recomputed from the seed, nothing per rank needs saving (vitrain/data/stream.py).
     """
@@ -69,19 +70,37 @@ def trace(batches: Iterator[tuple[Any, Any, list]], what: str) -> Iterator[tuple
 PAD_LABEL = -100
 
 
+def epoch_sequence(n: int, epoch: int, seed: int, shuffle: bool, repeats: int = 1) -> torch.Tensor:
+    """The epoch's n sample indices before ranks share them: a permutation fixed by (seed, epoch), or 0..n-1
+    without shuffle (where `repeats` does nothing).
+
+    repeats > 1 (data.repeated_aug, DeiT's RASampler): each index of the permutation `repeats` times in a row, cut
+    back to n, so that the epoch keeps its length; dealt round robin, the copies of an image go to consecutive ranks
+    (different ones when world_size >= repeats), and each copy gets its own augmentation.
+    """
+    if not shuffle:
+        return torch.arange(n)
+    index = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return index.repeat_interleave(repeats)[:n] if repeats > 1 else index
+
+
 def epoch_order(
-    n: int, epoch: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, drop_last: bool = True
+    n: int,
+    epoch: int,
+    seed: int,
+    shuffle: bool,
+    rank: int = 0,
+    world_size: int = 1,
+    drop_last: bool = True,
+    repeats: int = 1,
 ) -> torch.Tensor:
-    """This rank's sample indices for `epoch`: a disjoint share of one permutation fixed by (seed, epoch).
+    """This rank's sample indices for `epoch`: a disjoint share (every world_size-th) of `epoch_sequence`.
 
     Without drop_last the order is padded at its end, by repeating its first samples, to a multiple of
     world_size, so that every rank runs the same number of batches (FSDP's forward is collective); the padding
     sits after the real samples of each share and its labels become PAD_LABEL (`mask_padding`).
     """
-    if shuffle:
-        index = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-    else:
-        index = torch.arange(n)
+    index = epoch_sequence(n, epoch, seed, shuffle, repeats)
     if drop_last:
         index = index[: n - n % world_size]
     elif n:
@@ -122,17 +141,18 @@ def resume_order(
     batch_size: int,
     drop_last: bool,
     start: int | Position | None,
+    repeats: int = 1,
 ) -> tuple[torch.Tensor, int, int]:
     """(this rank's sample indices, the number of its first batch, how many batches) for `epoch` from `start`.
 
-    After a resume the rest of the epoch's permutation is shared out over this run's ranks: the same samples an
+    After a resume the rest of the epoch's sequence is shared out over this run's ranks: the same samples an
     uninterrupted run sees on the same world size, and none already consumed on another one.
     """
     skip, first = consumed(start, batch_size, world_size)
     if not skip:
-        index = epoch_order(n, epoch, seed, shuffle, rank, world_size, drop_last)
+        index = epoch_order(n, epoch, seed, shuffle, rank, world_size, drop_last, repeats)
         return index, 0, batches_per_epoch(n, batch_size, world_size, drop_last)
-    rest = epoch_order(n, epoch, seed, shuffle, 0, 1, drop_last=False)[skip:]
+    rest = epoch_sequence(n, epoch, seed, shuffle, repeats)[skip:]
     index = rest[: len(rest) - len(rest) % world_size][rank::world_size]
     return index, first, len(index) // batch_size
 
@@ -146,9 +166,11 @@ class PermutationPosition:
     """The resume arithmetic of a loader over one seeded permutation per epoch (needs data, seed, shuffle, rank,
     world_size, batch_size, drop_last): where it stands, and what it has left from a start."""
 
+    repeats = 1  # data.repeated_aug: each image this many times in a row in the epoch's sequence
+
     def plan(self, epoch: int, start: int | Position | None) -> tuple[torch.Tensor, int, int]:
         return resume_order(len(self.data), epoch, self.seed, self.shuffle, self.rank, self.world_size,
-                            self.batch_size, self.drop_last, start)  # fmt: skip
+                            self.batch_size, self.drop_last, start, self.repeats)  # fmt: skip
 
     def batches_left(self, start: int | Position | None = None) -> int:
         """How many batches `epoch(e, start)` yields."""
@@ -175,8 +197,10 @@ class BatchLoader(PermutationPosition):
         world_size: int = 1,
         drop_last: bool = True,
         prefetch: int = 2,
+        repeats: int = 1,
     ):
         self.data = data
+        self.repeats = repeats
         self.batch_size = batch_size
         self.augment = augment
         self.device = device
@@ -194,7 +218,7 @@ class BatchLoader(PermutationPosition):
 
     def order(self, epoch: int) -> torch.Tensor:
         n = len(self.data)
-        return epoch_order(n, epoch, self.seed, self.shuffle, self.rank, self.world_size, self.drop_last)
+        return epoch_order(n, epoch, self.seed, self.shuffle, self.rank, self.world_size, self.drop_last, self.repeats)
 
     def epoch(self, epoch: int, start: int | Position | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches of `epoch`, from batch `start` of this layout or from a checkpoint's Position."""

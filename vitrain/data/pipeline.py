@@ -12,6 +12,7 @@ from vitrain.data.loader import BatchLoader
 from vitrain.data.plain import build_plain_loaders
 from vitrain.data.sources import build_datasets
 from vitrain.data.stream import StreamLoader
+from vitrain.errors import ConfigError
 
 
 def build_loaders(
@@ -25,8 +26,17 @@ def build_loaders(
     d, m, t = cfg.data, cfg.model, cfg.train
     # Shards are read front to back by worker processes (data/stream.py); the rest by index (data/loader.py).
     streamed = getattr(train_set, "streamed", False)
+    if streamed and d.repeated_aug > 1:
+        # Repeats deal copies of an image to other ranks, which a stream cannot: each rank reads its own shards.
+        raise ConfigError(
+            f"data.repeated_aug={d.repeated_aug} repeats images by index across ranks; data.source={d.source} streams "
+            "each rank its own part of the shards: set data.repeated_aug=1, or train from a random-access source "
+            "(data.source=folder or prepared)"
+        )
     make, extra = (
-        (StreamLoader, {"workers": d.loader_workers, "window": d.shuffle_buffer}) if streamed else (BatchLoader, {})
+        (StreamLoader, {"workers": d.loader_workers, "window": d.shuffle_buffer})
+        if streamed
+        else (BatchLoader, {"repeats": d.repeated_aug})  # repeats only the shuffled (training) order
     )
     return tuple(
         make(

@@ -314,7 +314,7 @@ def restore(trainer: Trainer, path: Path) -> None:
 
 # What a checkpoint cannot continue under another value: the model's shape, the task, and the data order.
 FROZEN_ON_RESUME = ("model.", "task.", "data.source", "data.root", "data.train_split", "data.val_split",
-                    "data.val_fraction", "train.seed", "train.batch_size")  # fmt: skip
+                    "data.val_fraction", "data.repeated_aug", "train.seed", "train.batch_size")  # fmt: skip
 FREE_ON_RESUME = ("model.attention", "model.init_from", "name", "log.out_dir")  # same weights, or where it lives
 CONFIG_HISTORY = "config_history.jsonl"
 

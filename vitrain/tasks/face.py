@@ -163,6 +163,7 @@ class FaceTask:
             rank=rank,
             world_size=world_size,
             prefetch=d.prefetch,
+            repeats=d.repeated_aug,
         )
 
     def build_model(self) -> nn.Module:
