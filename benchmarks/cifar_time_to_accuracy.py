@@ -61,6 +61,11 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
         ["precision.mode=fp32", "model.attention=sdpa"],
         "recipe in fp32 with sdpa instead of what autotune picks",
     ),
+    # Issue 31's switches, each added to the recipe alone (timm/DeiT defaults).
+    "randaugment": ("cifar10-fast", ["data.randaugment=rand-m9-mstd0.5-inc1"], "recipe plus RandAugment (DeiT's)"),
+    "three-augment": ("cifar10-fast", ["data.three_augment=true"], "recipe plus DeiT III's 3-Augment"),
+    "random-erasing": ("cifar10-fast", ["data.random_erasing=0.25"], "recipe plus random erasing (DeiT's 0.25)"),
+    "repeated-aug": ("cifar10-fast", ["data.repeated_aug=3"], "recipe plus repeated augmentation (3 copies)"),
 }
 
 
