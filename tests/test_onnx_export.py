@@ -136,6 +136,26 @@ def test_a_model_torch_export_cannot_capture_is_refused_naming_it(tmp_path):
     assert not (tmp_path / ONNX_FILE).exists()
 
 
+class _FixedBatch(nn.Module):
+    """A model that reshapes to the example's batch size: torch.onnx bakes that size into the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16 * 16, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(images.reshape(2, -1))
+
+
+def test_a_model_that_fixes_the_batch_size_is_refused_naming_it(tmp_path):
+    cfg = load_config(overrides=[*model_overrides(), "model.name=mypkg.models:fixed"], check=False)
+    with pytest.raises(
+        CheckpointError, match=r"model.name=mypkg.models:fixed fixes the batch size \(images has batch 2"
+    ):
+        export_checked(_FixedBatch(), cfg, tmp_path)
+    assert not (tmp_path / ONNX_FILE).exists()
+
+
 def test_onnx_export_refuses_a_negative_tolerance_an_occupied_folder_and_a_missing_exporter(
     tiny_model, tmp_path, monkeypatch
 ):

@@ -1,8 +1,9 @@
 """ONNX export of a trained model (fp32, eval mode, any batch size), checked by onnxruntime against PyTorch.
 
-torch.onnx's exporter built on torch.export (dynamo=True) writes the graph: the batch axis is a symbol that
-torch.export proves the model never specializes on, where the TorchScript tracer (deprecated since torch 2.9)
-would bake in whatever the example batch made Python do. It needs onnxscript (pip install 'vitrain[onnx]').
+torch.onnx's exporter built on torch.export (dynamo=True, torch's default since 2.9) writes the graph: a model
+whose forward branches on its input's values is refused instead of traced down one branch in silence, as the
+TorchScript tracer (deprecated, to be removed) would. It needs onnxscript (pip install 'vitrain[onnx]'). A graph
+whose batch axis came out fixed is refused here (torch.onnx lets that through).
 Opset 18: LayerNormalization is one operator (17+), and every runtime released since 2023 reads it (onnxruntime
 >= 1.14, TensorRT >= 8.6).
 """
@@ -90,6 +91,7 @@ def export_onnx(model: nn.Module, cfg: Config, out_dir: Path, tolerance: float =
     with _exportable(model) as model:
         external = sum(t.numel() * 4 for t in model.state_dict().values()) >= EXTERNAL_DATA_BYTES
         program = _export(model, example, output_name(cfg), m.name)
+        _check_batch_axis(program, m.name)
         try:
             staging.mkdir(parents=True, exist_ok=True)
             program.save(staging / ONNX_FILE, external_data=external)
@@ -125,7 +127,13 @@ def check_parity(model: nn.Module, path: Path, cfg: Config, tolerance: float) ->
         images = torch.randn(batch, m.in_chans, m.image_size, m.image_size, generator=generator)
         with torch.no_grad():
             expected = model(images)
-        got = torch.from_numpy(session.run(None, {INPUT: images.numpy()})[0])
+        try:
+            got = torch.from_numpy(session.run(None, {INPUT: images.numpy()})[0])
+        except Exception as error:  # onnxruntime's messages name the node; its first line is the one to show
+            raise CheckpointError(
+                f"export --format onnx: onnxruntime cannot run the graph at batch {batch} "
+                f"({type(error).__name__}: {_first_line(error)}); {ONNX_FILE} was not written"
+            ) from None
         if got.shape != expected.shape:
             raise CheckpointError(
                 f"export --format onnx: onnxruntime gave shape {tuple(got.shape)} at batch {batch}, PyTorch "
@@ -134,6 +142,19 @@ def check_parity(model: nn.Module, path: Path, cfg: Config, tolerance: float) ->
         diff = max(diff, (got - expected).abs().max().item())
         largest = max(largest, expected.abs().max().item())
     return Parity(output_name(cfg), diff, largest, tolerance * max(1.0, largest), CHECK_BATCHES)
+
+
+def _check_batch_axis(program, model_name: str) -> None:
+    """Refuse a graph whose input or output has a fixed batch size: torch.onnx lets a model that specializes on the
+    example's batch (a reshape to a constant, say) through with that size baked in, and says nothing."""
+    graph = program.model.graph
+    for value in (graph.inputs[0], graph.outputs[0]):
+        if isinstance(value.shape[0], int):
+            raise CheckpointError(
+                f"export --format onnx: model.name={model_name} fixes the batch size ({value.name} has batch "
+                f"{value.shape[0]} in the graph, the example's); make its forward work for any batch (no reshape to "
+                "a constant batch), or use --format vitrain"
+            )
 
 
 def _export(model: nn.Module, example: torch.Tensor, output: str, model_name: str):  # -> torch.onnx.ONNXProgram
@@ -153,11 +174,15 @@ def _export(model: nn.Module, example: torch.Tensor, output: str, model_name: st
                 verbose=False,
             )
         except Exception as error:  # torch.export's reasons run to pages; the first line names the construct
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise CheckpointError(
                 f"export --format onnx: model.name={model_name} cannot be exported with a dynamic batch "
-                f"({type(error).__name__}: {first}); export --format vitrain keeps its weights"
+                f"({type(error).__name__}: {_first_line(error)}); export --format vitrain keeps its weights"
             ) from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 @contextlib.contextmanager
