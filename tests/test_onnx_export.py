@@ -90,6 +90,15 @@ def test_the_face_task_exports_its_embeddings_with_the_necks_running_statistics(
     assert model.training  # the caller's model is back in its mode
 
 
+def test_a_bf16_model_is_exported_from_an_fp32_copy_and_left_as_it_was(tiny_model, tmp_path):
+    _onnxruntime()
+    cfg = load_config(overrides=model_overrides())
+    model = tiny_model.to(torch.bfloat16)
+    _, parity = export_checked(model, cfg, tmp_path)
+    assert parity.ok and parity.max_abs_diff <= 1e-4
+    assert model.training and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 def test_a_parity_gap_above_the_tolerance_exits_2_in_one_line_and_writes_nothing(digits_run, tmp_path, capsys):
     _onnxruntime()
     cfg, _ = digits_run

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed_helpers import losses, tiny_config
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain.config import load_config
 from vitrain.engine import Trainer, cluster
 from vitrain.engine.trackers import open_sinks
@@ -143,6 +143,23 @@ def test_a_stopped_run_ends_its_tracker_runs_stopped_and_the_same_command_contin
     records = _wandb_records(cfg.run_dir)
     assert {r.run_id for r in _of_kind(records, "run")} == {_of_kind(records, "run")[0].run_id}
     assert [e.exit_code for e in _of_kind(records, "exit")] == [cluster.EXIT_STOPPED, 0]
+
+
+def _train(cfg) -> None:
+    Trainer(cfg).fit()
+
+
+def test_only_rank_0_logs_a_two_rank_run(tmp_path, file_store):
+    cfg = tiny_config(
+        tmp_path,
+        "ddp",
+        train={"max_steps": 2},
+        parallel={"strategy": "ddp"},
+        log={"mlflow": True, "mlflow_tracking_uri": file_store},
+    )
+    run_two_ranks(_train, cfg)
+    client, [run] = _mlflow_runs(file_store)
+    assert run.info.status == "FINISHED" and _history(client, run.info.run_id, "train/loss") == losses(cfg.run_dir)
 
 
 def test_a_failing_run_ends_its_tracker_run_failed(tmp_path, file_store):
