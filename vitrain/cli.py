@@ -77,10 +77,24 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", default=None, help="face models: where verification.json and the ROC plot go")
     evaluate.set_defaults(func=_eval)
 
-    export = sub.add_parser("export", help="write a checkpoint's weights as one fp32 model.safetensors + config")
+    export = sub.add_parser(
+        "export", help="write a checkpoint's weights as one fp32 model.safetensors + config, or an ONNX graph"
+    )
     export.add_argument("checkpoint", help="a step directory (runs/NAME/checkpoints/step_00000100) or a run directory")
     export.add_argument("out", help="output directory")
-    export.add_argument("--format", choices=["vitrain", "timm"], default="vitrain", help="parameter names to use")
+    export.add_argument(
+        "--format",
+        choices=["vitrain", "timm", "onnx"],
+        default="vitrain",
+        help="vitrain / timm: model.safetensors under those parameter names; onnx: model.onnx (fp32, any batch "
+        "size), checked by onnxruntime against PyTorch where it is installed (pip install 'vitrain[onnx]')",
+    )
+    export.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="onnx: the largest |output difference| allowed, x max(1, largest |output|) (default 1e-4)",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace an export already in the output folder")
     export.set_defaults(func=_export)
 
@@ -318,7 +332,15 @@ def _export(args: argparse.Namespace) -> int:
     cfg = config_from_dict(ckpt.read_meta(path)["config"])
     model = build_task(cfg).build_model()  # a face model exports its embedding backbone (the neck included)
     load_model_weights(path, model)  # native (DCP) or DeepSpeed checkpoints
-    print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite))
+    if args.format != "onnx":
+        print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite))
+        return 0
+    from vitrain.onnx_export import export_checked
+
+    onnx_file, parity = export_checked(model, cfg, Path(args.out), args.overwrite, args.tolerance)
+    print(onnx_file)
+    print(parity.line() if parity else "onnxruntime is not installed: the graph was not checked against PyTorch "
+          "(pip install 'vitrain[onnx]')")  # fmt: skip
     return 0
 
 

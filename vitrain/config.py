@@ -287,6 +287,19 @@ class LogConfig:
     # Also write every metrics.jsonl record as TensorBoard scalars under RUN/tensorboard (pip install
     # 'vitrain[tensorboard]'); `vitrain plot RUN` draws the same curves without it.
     tensorboard: bool = False
+    # Also log the run to Weights & Biases (pip install 'vitrain[wandb]'): the resolved config, every metrics.jsonl
+    # record at its step, summary.json's fields; rank 0 only (docs/export-and-trackers.md).
+    wandb: bool = False
+    wandb_project: str = "vitrain"  # the W&B project the run goes to (its name is the run's name)
+    # offline: the run is written under RUN/wandb only and nothing is sent (`wandb sync RUN/wandb/offline-run-*`
+    # uploads it later); online: it streams to the W&B server `wandb login` set up.
+    wandb_mode: Literal["offline", "online"] = "offline"
+    # Also log the run to MLflow (pip install 'vitrain[mlflow]'): the resolved config as params, every metrics.jsonl
+    # record's numbers as metrics at their step, the summary; rank 0 only.
+    mlflow: bool = False
+    # Empty: a SQLite store under RUN/mlflow (nothing is sent); or a server (http://host:5000), or sqlite:///PATH.db.
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = "vitrain"  # the MLflow experiment the run goes to (its name is the run's name)
 
 
 @dataclass

@@ -48,6 +48,7 @@ CHECK_ORDER = (
     "vitrain.data:check",
     "vitrain.engine.protocol:check_train",
     "vitrain.engine.cluster:check",
+    "vitrain.engine.trackers:check",
     "vitrain.parallel:check",
     "engine",
     "task",

@@ -1,4 +1,5 @@
-"""Weight files in and out: consolidated fp32 exports (vitrain or timm names) and `model.init_from` imports."""
+"""Weight files in and out: consolidated fp32 exports (vitrain or timm names, or an ONNX graph) and `model.init_from`
+imports."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from vitrain.config import Config, ModelConfig, to_yaml
 from vitrain.errors import CheckpointError
 from vitrain.files import atomic_write
 
-FORMATS = ("vitrain", "timm")
+FORMATS = ("vitrain", "timm", "onnx")  # onnx: vitrain/onnx_export.py
 WEIGHTS_FILE = "model.safetensors"
 # Sub-keys under which training scripts (timm's included) nest a state dict in .pt/.pth files.
 _NESTED_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
@@ -50,8 +51,11 @@ def timm_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", overwrite: bool = False) -> Path:
-    """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm).
+def export(
+    model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", overwrite: bool = False, tolerance: float = 1e-4
+) -> Path:
+    """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm); for onnx,
+    OUT/model.onnx checked by onnxruntime to `tolerance` (vitrain/onnx_export.py) plus OUT/config.yaml.
 
     An OUT that is a file, or that already holds an export (without `overwrite`), or that cannot be written is
     refused in one line before anything is written; each file appears whole or not at all."""
@@ -61,6 +65,10 @@ def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", o
 
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format {fmt} is unknown; choose one of: {', '.join(FORMATS)}")
+    if fmt == "onnx":
+        from vitrain.onnx_export import export_checked
+
+        return export_checked(model, cfg, Path(out_dir), overwrite, tolerance)[0]
     if fmt == "timm" and cfg.model.name != "vit":
         raise CheckpointError(
             f"export --format timm renames vitrain's ViT; model.name={cfg.model.name} keeps its own names: use "
@@ -73,7 +81,7 @@ def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", o
         )
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
-    _check_export_folder(out_dir, overwrite)
+    check_export_folder(out_dir, overwrite)
     state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     tmp = out_dir / f".{WEIGHTS_FILE}.tmp"
@@ -92,13 +100,13 @@ def export(model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", o
     return path
 
 
-def _check_export_folder(out_dir: Path, overwrite: bool) -> None:
-    """Refuse, before anything is written, an output that is a file, already holds an export, or is not writable."""
+def check_export_folder(out_dir: Path, overwrite: bool, file: str = WEIGHTS_FILE) -> None:
+    """Refuse, before anything is written, an output that is a file, already holds `file`, or is not writable."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"export: {out_dir} is a file, not a folder; give a folder to write {WEIGHTS_FILE} into")
-    if (out_dir / WEIGHTS_FILE).exists() and not overwrite:
+        raise CheckpointError(f"export: {out_dir} is a file, not a folder; give a folder to write {file} into")
+    if (out_dir / file).exists() and not overwrite:
         raise CheckpointError(
-            f"export: {out_dir} already holds {WEIGHTS_FILE}; pass --overwrite to replace it or choose another folder"
+            f"export: {out_dir} already holds {file}; pass --overwrite to replace it or choose another folder"
         )
     existing = out_dir
     while not existing.exists():

@@ -1,29 +1,30 @@
-"""A run's log: human lines to stderr and log.txt, machine records to metrics.jsonl (and TensorBoard), rank 0 only."""
+"""A run's log: human lines to stderr and log.txt, machine records to metrics.jsonl and the trackers, rank 0 only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from vitrain.errors import ConfigError
+from vitrain.engine.trackers import Sink, scalars
 
 
 class RunLog:
-    """Human lines to stderr and log.txt; machine records to metrics.jsonl. Silent on ranks other than 0."""
+    """Human lines to stderr and log.txt; machine records to metrics.jsonl and to the experiment trackers' sinks
+    (vitrain/engine/trackers.py). Silent on ranks other than 0."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, enabled: bool = True, sinks: Sequence[Sink] = ()):
         self.enabled = enabled
-        self.events = None
+        self.sinks = list(sinks) if enabled else []
         if enabled:
             self.text = open(run_dir / "log.txt", "a")
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
-            if tensorboard:
-                self.events = tensorboard_writer(run_dir / "tensorboard")
 
     def info(self, message: str, echo: bool = True) -> None:
         """A line for log.txt, and for stderr unless `echo` is off (the line is printed elsewhere)."""
@@ -39,33 +40,25 @@ class RunLog:
             return
         self.jsonl.write(json.dumps(fields) + "\n")
         self.jsonl.flush()
-        if self.events is not None:  # the step is the x axis; each other number a scalar (eval ones under val/)
-            step = fields.get("step", 0)
-            for name, value in fields.items():
-                if name not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
-                    group = "val" if name.startswith(("val_", "ema_val_")) else "train"
-                    self.events.add_scalar(f"{group}/{name}", value, step)
-            self.events.flush()
+        numbers = scalars(fields)
+        for sink in self.sinks:
+            sink.record(fields.get("step", 0), numbers)
 
-    def close(self) -> None:
+    def summary(self, fields: dict[str, Any]) -> None:
+        """summary.json's fields, for the trackers (the trainer writes the file)."""
+        for sink in self.sinks:
+            sink.summary(fields)
+
+    def close(self, status: str = "finished") -> None:
+        """Close the files and end the trackers' runs as `status`: finished, failed or stopped (a stop signal)."""
         if self.enabled:
             self.text.close()
             self.jsonl.close()
-            if self.events is not None:
-                self.events.close()
             self.enabled = False
-
-
-def tensorboard_writer(folder: Path):
-    """torch's SummaryWriter (it needs the tensorboard package; log.tensorboard=true says how to get it)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError(
-            "log.tensorboard=true needs the tensorboard package: pip install 'vitrain[tensorboard]' "
-            "(or set log.tensorboard=false; `vitrain plot RUN` draws the curves without it)"
-        ) from None
-    return SummaryWriter(log_dir=str(folder))
+            sinks, self.sinks = self.sinks, []
+            with contextlib.ExitStack() as closing:  # every sink is closed even when one of them raises
+                for sink in reversed(sinks):
+                    closing.callback(sink.close, status)
 
 
 def progress_bar(total: int, initial: int, desc: str, enabled: bool) -> tqdm:

@@ -26,6 +26,7 @@ from vitrain.engine.autotune import autotune
 from vitrain.engine.protocol import build_engine
 from vitrain.engine.runlog import RunLog, Speed, progress_bar
 from vitrain.engine.step import TrainStep
+from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
@@ -170,21 +171,28 @@ class Trainer:
         with all_or_none(f"writing to the run folder {self.run_dir}"):
             if self.is_main:
                 runs.write_run_files(self)
-            log = RunLog(self.run_dir, enabled=self.is_main, tensorboard=self.cfg.log.tensorboard)
+            sinks = open_sinks(self.cfg, self.run_dir) if self.is_main else []  # log.tensorboard, wandb, mlflow
+            log = RunLog(self.run_dir, enabled=self.is_main, sinks=sinks)
         self.log, r = log, self.cfg.run
         stacks = self.run_dir / f"stacks-rank{self.dist.rank}.txt"
+        status = "failed"  # how the trackers' runs end
         try:
             with (
                 cluster.StopSignals(r.stop_signals, side_group("control")) as self.signals,
                 cluster.Watchdog(r.watchdog_steps, r.watchdog_min_s, stacks, self._hung) as self.watchdog,
             ):
-                return self._fit(log)
+                summary = self._fit(log)
+            status = "finished"
+            return summary
+        except cluster.Stopped:
+            status = "stopped"
+            raise
         except VitrainError as error:  # the line the user sees is in the run's log too
             log.info(f"vitrain: error: {error}", echo=False)  # the CLI prints it
             raise
         finally:
             self.log = self.watchdog = None
-            log.close()
+            log.close(status)
             self._let_pending_save_end()
             # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
             # where a thread still inside torch aborts the process.
@@ -274,6 +282,7 @@ class Trainer:
             log.info(line)
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log.summary(summary)
         metric = self.task.best_metric
         log.info(
             f"done: {metric}={summary.get(metric, 0.0):.4f} images/s={summary['images_per_s']:.0f} "
