@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vitrain"
 LAYERS = [
     ["vitrain.errors", "vitrain.device", "vitrain.files", "vitrain.registry", "vitrain.presets", "vitrain.metrics"],
     ["vitrain.config"],
-    ["vitrain.models", "vitrain.data", "vitrain.weights"],
+    ["vitrain.models", "vitrain.data", "vitrain.weights", "vitrain.onnx_export"],
     ["vitrain.precision", "vitrain.optim", "vitrain.parallel", "vitrain.checkpoint"],
     ["vitrain.tasks"],
     ["vitrain.engine"],

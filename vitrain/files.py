@@ -1,10 +1,12 @@
-"""Files that are whole or absent: atomic writes (temporary file, fsync, rename, fsync the folder)."""
+"""Files that are whole or absent: atomic writes (temp file, fsync, rename, fsync the folder); export folder checks."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+
+from vitrain.errors import CheckpointError
 
 
 def fsync_dir(path: Path) -> None:
@@ -31,3 +33,20 @@ def atomic_write(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def check_export_folder(out_dir: Path, overwrite: bool, file: str) -> None:
+    """Refuse, before anything is written, an output that is a file, already holds `file`, or is not writable."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"export: {out_dir} is a file, not a folder; give a folder to write {file} into")
+    if (out_dir / file).exists() and not overwrite:
+        raise CheckpointError(
+            f"export: {out_dir} already holds {file}; pass --overwrite to replace it or choose another folder"
+        )
+    existing = out_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is a file); choose another folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is not writable); choose another folder")

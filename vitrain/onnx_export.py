@@ -24,8 +24,7 @@ from torch import nn
 
 from vitrain.config import Config, to_yaml
 from vitrain.errors import CheckpointError, ConfigError
-from vitrain.files import atomic_write
-from vitrain.weights import check_export_folder
+from vitrain.files import atomic_write, check_export_folder
 
 ONNX_FILE = "model.onnx"
 OPSET = 18

@@ -3,7 +3,6 @@ imports."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from torch import nn
 
 from vitrain.config import Config, ModelConfig, to_yaml
 from vitrain.errors import CheckpointError
-from vitrain.files import atomic_write
+from vitrain.files import atomic_write, check_export_folder
 
 FORMATS = ("vitrain", "timm", "onnx")  # onnx: vitrain/onnx_export.py
 WEIGHTS_FILE = "model.safetensors"
@@ -81,7 +80,7 @@ def export(
         )
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
-    check_export_folder(out_dir, overwrite)
+    check_export_folder(out_dir, overwrite, WEIGHTS_FILE)
     state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     tmp = out_dir / f".{WEIGHTS_FILE}.tmp"
@@ -98,23 +97,6 @@ def export(
             f"export: cannot write to {out_dir} ({error.strerror}); choose a writable folder"
         ) from None
     return path
-
-
-def check_export_folder(out_dir: Path, overwrite: bool, file: str = WEIGHTS_FILE) -> None:
-    """Refuse, before anything is written, an output that is a file, already holds `file`, or is not writable."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"export: {out_dir} is a file, not a folder; give a folder to write {file} into")
-    if (out_dir / file).exists() and not overwrite:
-        raise CheckpointError(
-            f"export: {out_dir} already holds {file}; pass --overwrite to replace it or choose another folder"
-        )
-    existing = out_dir
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is a file); choose another folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is not writable); choose another folder")
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
