@@ -87,7 +87,7 @@ def main() -> None:
         def step(label: str) -> float:
             trainer, batches = runs[label]
             begin = time.perf_counter()
-            trainer.train_step(itertools.islice(batches, 1), trainer.cfg.optim.lr, step=counter[label])
+            trainer.train_step(itertools.islice(batches, 1), trainer.cfg.optim.lr, steps_done=counter[label])
             counter[label] += 1
             return time.perf_counter() - begin
 

@@ -120,7 +120,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
             timer = PhaseTimer(device)
             with _profiler(profile if timing and i == warmup else None):
                 start = time.perf_counter()
-                trainer.train_step(itertools.islice(batches, accum), cfg.optim.lr, timer, step=i)
+                trainer.train_step(itertools.islice(batches, accum), cfg.optim.lr, timer, steps_done=i)
                 end = time.perf_counter()
             if timing:
                 step_seconds.append(end - start)

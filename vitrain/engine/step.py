@@ -1,7 +1,7 @@
 """The one training step: micro-batches through forward, the task's loss and the engine's backward, then its step.
 
     train_step = TrainStep(engine, task.loss, accum_steps, token_drop, teacher)
-    result = train_step(micro_batches, lr, step=s, progress=s / total)   # accum_steps (images, targets) pairs
+    result = train_step(micro_batches, lr, steps_done=s, progress=s / total)   # accum_steps (images, targets)
 
 `vitrain train` (the trainer's loop), `vitrain bench` (with a PhaseTimer marking its phases), autotune (each
 candidate's engine) and lr-find all call this object, so what is benchmarked and tuned is what trains: the
@@ -70,13 +70,13 @@ class TrainStep:
         micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
         lr: float | None = None,
         timer: PhaseTimer | None = None,
-        step: int = 0,
+        steps_done: int = 0,
         progress: float = 0.0,
     ) -> StepResult:
         """Forward and backward each of the `accum_steps` micro-batches (gradients add up), then one optimizer step
         at `lr` (None: the optimizer's current lr). A step whose loss is inf/NaN anywhere is skipped or stops the run,
-        as the engine's precision decides. `timer` marks data, forward, backward and optimizer phases. `step` (the
-        optimizer steps taken before this one) and `progress` (0-1, the share of the schedule behind it) decide
+        as the engine's precision decides. `timer` marks data, forward, backward and optimizer phases. `steps_done`
+        (the optimizer steps taken before this one) and `progress` (0-1, the share of the schedule behind it) decide
         token dropping's draws and its unmasked finish."""
         if lr is not None:
             self.engine.set_lr(lr)
@@ -85,7 +85,7 @@ class TrainStep:
         nonfinite: torch.Tensor | None = None
         count = images = 0
         for inputs, targets in micro_batches:
-            keep = self.token_drop.keep(inputs, step, progress, count) if self.token_drop is not None else None
+            keep = self.token_drop.keep(inputs, steps_done, progress, count) if self.token_drop is not None else None
             if timer is not None:
                 timer.lap("data")
             loss_fn = self.loss if keep is None else functools.partial(self.loss, keep=keep)

@@ -223,7 +223,7 @@ class Trainer:
                 position = self.schedule_position()
                 lr, size = self.schedule(position), self.image_size(position)
                 micro_batches = self._micro_batches(batches, size)
-                result = self.train_step(micro_batches, lr, step=self.step, progress=position / self.total_steps)
+                result = self.train_step(micro_batches, lr, steps_done=self.step, progress=position / self.total_steps)
                 self.step += 1
                 if result.skipped:
                     fields, line = self.engine.skip_report()

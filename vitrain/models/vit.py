@@ -162,6 +162,7 @@ class VisionTransformer(nn.Module):
         rng_state = torch.get_rng_state()  # what the layers' own default inits, then ours, draw from
         self.cfg = cfg
         self.embed_dim = embed_dim
+        self.distilled = distilled
         if cfg.patch_embed == "conv":
             self.patch_embed = ConvStem(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width, cfg.stem)
         else:
@@ -287,7 +288,7 @@ class VisionTransformer(nn.Module):
 
     def complexity(self, batch_size: int = 1, kept_patches: int | None = None) -> Complexity:
         """The cost of a forward pass; `kept_patches`: of one that keeps this many patch tokens (token dropping)."""
-        return complexity(self.cfg, batch_size, self.embed_dim, self.dist_token is not None, kept_patches)
+        return complexity(self.cfg, batch_size, self.embed_dim, self.distilled, kept_patches)
 
     def parallel_plan(self, wrap: str) -> ParallelPlan:
         """Sharding units and checkpointable blocks for the strategies in vitrain/parallel."""
@@ -311,7 +312,7 @@ class ViTStage(VisionTransformer):
     def __init__(self, model: VisionTransformer, blocks: range | list[int]):
         nn.Module.__init__(self)  # the model's modules, not new ones
         self.cfg = model.cfg
-        self.embed_dim = model.embed_dim
+        self.embed_dim, self.distilled = model.embed_dim, model.distilled
         self.num_prefix_tokens, self.pos_prefix = model.num_prefix_tokens, model.pos_prefix
         self.has_embedding = 0 in blocks
         self.has_head = self.cfg.depth - 1 in blocks
