@@ -19,7 +19,7 @@ from vitrain.engine.runs import resumed_config
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import VisionTransformer, count_parameters
 from vitrain.tasks.distill import Taught, distillation_loss, load_teacher
-from vitrain.weights import export
+from vitrain.weights import export, load_pretrained
 
 IMAGES = torch.randn(4, 1, 16, 16)
 QUIET = ["log.progress=false", "precision.mode=fp32"]
@@ -54,6 +54,15 @@ def test_a_distilled_vit_gives_both_heads_in_training_and_their_average_in_eval(
     torch.testing.assert_close(distilled, model.head_dist(tokens[:, 1]))
     model.eval()
     torch.testing.assert_close(model(IMAGES), (logits + distilled) / 2)
+
+
+def test_a_student_starts_from_a_plain_export_with_a_fresh_token_and_head(tmp_path):
+    plain = _export_teacher(tmp_path, model=TINY_MODEL)
+    student = VisionTransformer(TINY_MODEL, distilled=True)
+    fresh = student.head_dist.weight.detach().clone()
+    load_pretrained(student, tmp_path / "teacher" / "model.safetensors")
+    torch.testing.assert_close(student.blocks[1].mlp.fc2.weight, plain.blocks[1].mlp.fc2.weight, rtol=0, atol=0)
+    torch.testing.assert_close(student.head_dist.weight, fresh, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------- the losses
