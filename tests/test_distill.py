@@ -18,6 +18,7 @@ from vitrain.engine import Trainer
 from vitrain.engine.runs import resumed_config
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import VisionTransformer, count_parameters
+from vitrain.tasks import build_task
 from vitrain.tasks.distill import Taught, distillation_loss, load_teacher
 from vitrain.weights import export, load_pretrained
 
@@ -284,6 +285,12 @@ def test_two_ranks_shard_the_teacher_like_the_student_and_train_like_one_process
 def test_bad_distillation_settings_are_refused_in_one_line(tmp_path, overrides, line):
     with pytest.raises(ConfigError, match=re.escape(line)):
         load_config(None, tiny_overrides(tmp_path, *overrides))
+
+
+def test_a_model_handed_to_the_library_cannot_be_distilled(tmp_path):
+    cfg = tiny_config(tmp_path, "student", train={"distill": {"teacher": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="a model handed to the library has none"):
+        build_task(cfg, model=VisionTransformer(MODEL)).build_model()
 
 
 def test_a_missing_teacher_is_named(tmp_path):
