@@ -26,9 +26,9 @@ def test_bench_times_the_same_step_object_that_training_calls(tmp_path, monkeypa
     calls = []
     real = TrainStep.__call__
 
-    def spy(step, micro_batches, lr=None, timer=None):
+    def spy(step, micro_batches, lr=None, timer=None, **position):  # position: the step index and progress
         calls.append("bench" if timer is not None else "train")
-        return real(step, micro_batches, lr, timer)
+        return real(step, micro_batches, lr, timer, **position)
 
     monkeypatch.setattr(TrainStep, "__call__", spy)
     cfg = load_config(None, tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256"))

@@ -191,12 +191,17 @@ def test_config_keys_lists_every_key_of_the_typed_config(capsys):
     assert main(["config", "keys"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     sections = [f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type) or f.name != "name"]
-    expected = ["name"] + [
-        f"{section.name}.{key.name}"
-        for section in sections
-        for key in dataclasses.fields(getattr(Config(), section.name))
-    ]
+
+    def keys(prefix, section):  # a nested section (train.distill) lists its keys under its own prefix
+        for key in dataclasses.fields(section):
+            value = getattr(section, key.name)
+            yield from (
+                keys(f"{prefix}.{key.name}", value) if dataclasses.is_dataclass(value) else [f"{prefix}.{key.name}"]
+            )
+
+    expected = ["name"] + [key for section in sections for key in keys(section.name, getattr(Config(), section.name))]
     assert listed == expected
+    assert "train.distill.teacher" in listed
     assert all(row.help for row in config_keys()), [row.key for row in config_keys() if not row.help]
 
 

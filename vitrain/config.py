@@ -182,6 +182,24 @@ class ScheduleConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation (DeiT): the student learns from a frozen teacher's predictions beside the labels."""
+
+    # The teacher, empty for none: a vitrain run folder (its newest complete checkpoint) or step folder, an export
+    # folder or its model.safetensors (config.yaml beside it), or timm:NAME (timm's pretrained weights, or
+    # teacher_weights); its classes must be the task's. The student ViT gains a distillation token and head.
+    teacher: str = ""
+    # hard: the distillation head learns the teacher's top class (cross-entropy); soft: its temperature-softened
+    # distribution (KL divergence x tau^2)
+    type: Literal["hard", "soft"] = "hard"
+    alpha: float = 0.5  # weight of the distillation head's loss; the class head's label loss gets 1 - alpha
+    tau: float = 1.0  # type=soft: the temperature both distributions are softened by
+    # teacher=timm:NAME: a local weights file (.safetensors; .pt/.pth read without pickle) with the teacher's
+    # weights instead of timm's download; empty: timm's pretrained weights (the hub, or its cache offline)
+    teacher_weights: str = ""
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 10  # passes over the training data
     batch_size: int = 128  # per device, per micro-step
@@ -215,6 +233,14 @@ class TrainConfig:
     # A user's DeepSpeed JSON (train.engine=deepspeed): its "auto" values are filled from this config and a concrete
     # value that disagrees with it is an error; keys vitrain does not map pass through (docs/deepspeed.md).
     deepspeed_config: str = ""
+    # Token dropping (PatchDropout; FLIP's random masking): each training image keeps a random subset of its patch
+    # tokens, dropping this fraction (0.5: half the tokens, about half the step's compute); the class and
+    # distillation tokens are always kept, evaluation sees every token. 0 turns it off.
+    token_drop: float = 0.0
+    # train.token_drop: the fraction of the schedule after which training sees every token again (0.9: the last
+    # 10% of the steps unmasked, FLIP's unmasked tuning); 1: drop until the end.
+    token_drop_until: float = 1.0
+    distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge distillation from a teacher
 
 
 @dataclass
@@ -467,16 +493,26 @@ def config_keys(section: str | None = None) -> list[KeyHelp]:
             continue
         if section is not None and top.name != section:
             continue
-        comments, defaults, field_hints = _field_comments(cls), cls(), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = getattr(defaults, f.name)
-            shown = list(default) if isinstance(default, tuple) else default
-            rows.append(KeyHelp(f"{top.name}.{f.name}", _type_name(field_hints[f.name]), json.dumps(shown),
-                                comments.get(f.name, "")))  # fmt: skip
+        rows += _section_rows(top.name, cls)
     if section is not None and not rows:
         close = difflib.get_close_matches(section, list(_section_keys()), n=1)
         hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(_section_keys())}"
         raise ConfigError(f"config section {section} does not exist; {hint}")
+    return rows
+
+
+def _section_rows(prefix: str, cls: type) -> list[KeyHelp]:
+    """The keys of one section, a nested section's (train.distill) under its own prefix."""
+    comments, defaults, field_hints = _field_comments(cls), cls(), typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        hint = field_hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows += _section_rows(f"{prefix}.{f.name}", hint)
+            continue
+        default = getattr(defaults, f.name)
+        shown = list(default) if isinstance(default, tuple) else default
+        rows.append(KeyHelp(f"{prefix}.{f.name}", _type_name(hint), json.dumps(shown), comments.get(f.name, "")))
     return rows
 
 

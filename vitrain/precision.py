@@ -227,15 +227,18 @@ class LossScaler:
 
 
 class LowPrecisionIO(nn.Module):
-    """Feeds `module` its inputs in the low dtype and hands fp32 logits back (the loss and softmax run in fp32)."""
+    """Feeds `module` its images in the low dtype and hands fp32 logits back (the loss and softmax run in fp32);
+    other arguments (token dropping's kept indices) pass as they are, and each logits tensor of a tuple (a distilled
+    model's two heads) comes back in fp32."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.module = module
         self.dtype = dtype
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.module(images.to(self.dtype)).float()
+    def forward(self, images: torch.Tensor, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        output = self.module(images.to(self.dtype), **kwargs)
+        return tuple(o.float() for o in output) if isinstance(output, tuple) else output.float()
 
 
 def _norm_in_fp32(module: nn.Module, args: tuple) -> tuple:

@@ -47,6 +47,8 @@ CHECK_ORDER = (
     "vitrain.models:check",
     "vitrain.data:check",
     "vitrain.engine.protocol:check_train",
+    "vitrain.engine.token_drop:check",
+    "vitrain.tasks.distill:check",
     "vitrain.engine.cluster:check",
     "vitrain.engine.trackers:check",
     "vitrain.parallel:check",

@@ -78,6 +78,11 @@ def export(
             f"task.name={cfg.task.name} model.pool={cfg.model.pool} has no timm VisionTransformer equivalent "
             "(embedding neck or flattened tokens); use --format vitrain"
         )
+    if fmt == "timm" and "dist_token" in model.state_dict():
+        raise CheckpointError(
+            "export --format timm writes timm's VisionTransformer, which has no distillation token; this student was "
+            "trained with train.distill: use --format vitrain"
+        )
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
     check_export_folder(out_dir, overwrite, WEIGHTS_FILE)
@@ -99,11 +104,12 @@ def export(
     return path
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A flat name -> tensor dict from .safetensors, or a .pt/.pth holding one (possibly nested, DDP-prefixed)."""
+def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, torch.Tensor]:
+    """A flat name -> tensor dict from .safetensors, or a .pt/.pth holding one (possibly nested, DDP-prefixed);
+    `config_key`: the config key that named the file, for the error lines."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"model.init_from={path} is not a file; give a .safetensors, .pt or .pth weights file")
+        raise CheckpointError(f"{config_key}={path} is not a file; give a .safetensors, .pt or .pth weights file")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -113,20 +119,21 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         what = type(exc).__name__
-        raise CheckpointError(f"model.init_from={path} cannot be read ({what}); is it a weights file?") from None
+        raise CheckpointError(f"{config_key}={path} cannot be read ({what}); is it a weights file?") from None
     for key in _NESTED_KEYS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
             break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"model.init_from={path} does not hold a state dict of tensors")
+        raise CheckpointError(f"{config_key}={path} does not hold a state dict of tensors")
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def load_pretrained(model: nn.Module, path: Path) -> None:
+def load_pretrained(model: nn.Module, path: Path, config_key: str = "model.init_from") -> None:
     """Start from a timm or vitrain weights file. A classifier head of another size is left freshly initialized
-    (fine-tuning to new classes); any other difference is an error naming the tensor."""
-    state = read_weights(path)
+    (fine-tuning to new classes); any other difference is an error naming the tensor (and `config_key`, the config key
+    that named the file)."""
+    state = read_weights(path, config_key)
     own = model.state_dict()
     if "pos_embed" in state and "pos_embed" not in own:  # a timm export of a sin-cos model: the table is fixed
         state.pop("pos_embed")
@@ -135,10 +142,13 @@ def load_pretrained(model: nn.Module, path: Path) -> None:
             state.pop(key, None)
         for key in [k for k in own if k.startswith("neck.") and k not in state]:
             state[key] = own[key]  # the neck starts from scratch unless the source has one
+    for key in ("dist_token", "head_dist.weight", "head_dist.bias"):  # a student of train.distill: DeiT's token
+        if key in own and key not in state:  # and head start from scratch where the source has none
+            state[key] = own[key]
     head = [k for k in ("head.weight", "head.bias") if k in state and k in own and state[k].shape != own[k].shape]
     if head:
         warnings.warn(
-            f"model.init_from={path}: its head has {state['head.weight'].shape[0]} classes, this model "
+            f"{config_key}={path}: its head has {state['head.weight'].shape[0]} classes, this model "
             f"{own['head.weight'].shape[0]}; the head starts from scratch",
             stacklevel=2,
         )
@@ -147,11 +157,11 @@ def load_pretrained(model: nn.Module, path: Path) -> None:
     missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or extra:
         what = f"lacks tensor {missing[0]}" if missing else f"has an extra tensor {extra[0]}"
-        raise CheckpointError(f"model.init_from={path} holds a different architecture: it {what}")
+        raise CheckpointError(f"{config_key}={path} holds a different architecture: it {what}")
     for key, tensor in state.items():
         if tensor.shape != own[key].shape:
             raise CheckpointError(
-                f"model.init_from={path} holds a different architecture: {key} is {tuple(tensor.shape)} there, "
+                f"{config_key}={path} holds a different architecture: {key} is {tuple(tensor.shape)} there, "
                 f"{tuple(own[key].shape)} here; set the model.* keys to match it"
             )
     with torch.no_grad():

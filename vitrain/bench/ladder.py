@@ -85,6 +85,7 @@ BASELINE += ["model.pool=cls", "model.layout=batch_first", "model.attention=sdpa
 MULTI_TENSOR = ["optim.impl=auto"]
 POOLED = ["model.pool=gap"]
 SEQ_FIRST = ["model.layout=seq_first"]
+TOKEN_DROP = ["train.token_drop=0.5"]  # half the patch tokens of each image (vitrain/engine/token_drop.py)
 
 
 def _ladder(*steps: list[str]) -> Callable[[Context], list[str]]:
@@ -119,6 +120,14 @@ def rows() -> list[Row]:
             ladder,
             lambda ctx: (
                 _ladder(MULTI_TENSOR, POOLED, SEQ_FIRST, ["precision.mode=pure"])(ctx)
+                + [f"train.batch_size={2 * ctx.batch}"]
+            ),
+        ),
+        Row(
+            "+ token drop 0.5",
+            ladder,
+            lambda ctx: (
+                _ladder(MULTI_TENSOR, POOLED, SEQ_FIRST, ["precision.mode=pure"], TOKEN_DROP)(ctx)
                 + [f"train.batch_size={2 * ctx.batch}"]
             ),
         ),
@@ -301,6 +310,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv)
                 attention=r["attention"],
                 pool=r["pool"],
                 layout=r["layout"],
+                token_drop=r["token_drop"],
             )
         out_rows.append(entry)
     first = next((r.result for r in table_rows if r.result), None) or {}

@@ -120,7 +120,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
             timer = PhaseTimer(device)
             with _profiler(profile if timing and i == warmup else None):
                 start = time.perf_counter()
-                trainer.train_step(itertools.islice(batches, accum), cfg.optim.lr, timer)
+                trainer.train_step(itertools.islice(batches, accum), cfg.optim.lr, timer, steps_done=i)
                 end = time.perf_counter()
             if timing:
                 step_seconds.append(end - start)
@@ -134,7 +134,9 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
     images_per_s = steps * images_per_step / timed_s
     peak_bytes, memory_kind = peak_memory_bytes(device)
     peak_bytes = int(max_over_ranks(peak_bytes, device))
-    cost = model_complexity(unwrap(trainer.model))
+    drop = trainer.train_step.token_drop  # train.token_drop: the blocks compute on the kept tokens only
+    kept = drop.kept_patches((cfg.model.image_size // cfg.model.patch_size) ** 2) if drop is not None else None
+    cost = model_complexity(unwrap(trainer.model), kept)
     precision = engine.precision_label
     dtype = dtype_key(precision)
     device_peak, peak_source = peaks[dtype] if dtype in peaks else peak_flops(device, dtype)
@@ -157,6 +159,8 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "attention": cfg.model.attention,
         "pool": cfg.model.pool,
         "layout": cfg.model.layout,
+        "token_drop": cfg.train.token_drop,
+        "distill": cfg.train.distill.type if cfg.train.distill.teacher else "",
         "compile": cfg.train.compile,
         "optimizer": f"{cfg.optim.name}[{optimizer_kernel(cfg, device)}]",
         "device": device_name(device),

@@ -43,10 +43,12 @@ from vitrain.config import Config, PrecisionConfig, to_dict
 from vitrain.device import available_bytes, cpu_description, synchronize
 from vitrain.engine.native import NativeEngine
 from vitrain.engine.step import TrainStep
+from vitrain.engine.token_drop import TokenDrop
 from vitrain.files import atomic_write
 from vitrain.models.memory import estimate
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
 from vitrain.precision import LOW_DTYPES, Resolved
+from vitrain.tasks import teacher_of
 
 TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
 CACHE_ENV = "VITRAIN_CACHE_DIR"
@@ -187,7 +189,7 @@ class _Race:
         model = model.to(self.device)
         head = task.build_head(self.device)
         engine = NativeEngine(cfg, model, self.dist, head=head)
-        step = TrainStep(engine, task.loss, accum_steps=1)
+        step = TrainStep(engine, task.loss, 1, TokenDrop.from_config(cfg, self.dist.rank), teacher_of(task, engine))
         engine.set_lr(cfg.optim.lr)
 
         def run() -> float:

@@ -75,7 +75,7 @@ def _sweep(trainer: Trainer, start_lr: float, end_lr: float, num_steps: int) -> 
         for step in range(num_steps):
             lr = start_lr * ratio**step
             try:
-                result = trainer.train_step(itertools.islice(batches, accum), lr)
+                result = trainer.train_step(itertools.islice(batches, accum), lr, steps_done=step)
             except TrainingDiverged:
                 break
             value = float(trainer.mean_loss(result.loss))  # the same on every rank: all stop at the same step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, side_group
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
+from vitrain.parallel.strategies import fully_shard_model
 from vitrain.precision import PrecisionPolicy, Resolved, check_finite, time_block_modes
 
 
@@ -228,8 +230,32 @@ class NativeEngine:
     def precision_label(self) -> str:
         return self.precision.resolved.label
 
+    def frozen(self, module: nn.Module) -> Frozen:
+        """`module` (a teacher) run beside the model: on its device in eval mode without gradients, under zero2/zero3
+        sharded by the strategy's own FSDP2 units (gathered in the low dtype where the model's are), and computing in
+        the step's dtype (autocast over its fp32 weights, so that nothing is copied)."""
+        device, parallel = self.dist.device, self.cfg.parallel
+        module = module.to(device).eval().requires_grad_(False)
+        if parallel.strategy in ("zero2", "zero3"):
+            # Its own blocks (parallel.block names the student's class); no activation checkpointing: no backward.
+            own_units = dataclasses.replace(parallel, block="")
+            fully_shard_model(module, own_units, device, self.precision.parallel_precision())
+        return Frozen(module, device, self.precision.dtype if self.precision.mode != "fp32" else None)
+
     def describe(self) -> list[str]:
         return [self.precision.describe()]
+
+
+class Frozen:
+    """A frozen module's forward: under inference_mode, autocast to `dtype` (None: fp32), fp32 outputs."""
+
+    def __init__(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
+        self.module, self.device, self.dtype = module, device, dtype
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            output = self.module(images)
+        return output.to(torch.float32, copy=True)  # a normal tensor: inference tensors cannot join autograd
 
 
 def time_modes(cfg: Config, model: nn.Module, dist: DistInfo) -> dict[str, float]:

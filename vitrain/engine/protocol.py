@@ -8,6 +8,7 @@
     path = engine.save(run_dir, step, meta, keep)     # collective; meta.json beside the engine's own files
     engine.wait_for_save()                             # collective; an async save's files are complete
     engine.load(path)                                  # collective; the trainer reads and checks meta first
+    teacher = engine.frozen(module)                    # train.distill: a frozen model run beside this one
 
 The native engine (vitrain/engine/native.py: precision policy, parallel strategy, DCP checkpoints) and the DeepSpeed
 engine (vitrain/engine/deepspeed.py, `train.engine=deepspeed`) are peers under this protocol; neither imports the
@@ -98,6 +99,11 @@ class Engine(Protocol):
 
     def describe(self) -> list[str]:
         """Lines for the log's header."""
+
+    def frozen(self, module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Optional (train.distill needs it): `module` set up to run beside the model, frozen (eval mode, no
+        gradients, under inference_mode) in the step's precision and sharded as the model is; returns the function
+        from images to its fp32 outputs."""
 
 
 def forward_then_backward(

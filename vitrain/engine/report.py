@@ -9,6 +9,7 @@ from vitrain import checkpoint as ckpt
 from vitrain.models import model_complexity
 from vitrain.optim import optimizer_kernel
 from vitrain.parallel import unwrap
+from vitrain.tasks.distill import describe_distillation
 
 if TYPE_CHECKING:
     from vitrain.engine.trainer import Trainer
@@ -43,6 +44,11 @@ def header_lines(trainer: Trainer) -> list[str]:
         lines.append(f"head: {trainer.head.extra_repr()}")
     if trainer.pipeline is not None:
         lines.append(trainer.pipeline.describe())
+    m, drop = cfg.model, trainer.train_step.token_drop
+    if drop is not None:
+        lines.append(drop.describe((m.image_size // m.patch_size) ** 2))
+    if cfg.train.distill.teacher:
+        lines.append(describe_distillation(cfg))
     tuned = trainer.tuned
     if tuned is not None:
         cached = f" (cached decision: {tuned.cached_at})" if tuned.from_cache else ""

@@ -218,7 +218,8 @@ def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
     # init_from only chose the starting weights; the checkpoint's weights replace them either way. The attention
     # kernel computes the same function of the same weights (auto may pick another one on another machine).
     same = {"init_from": "", "attention": "auto"}
-    if dataclasses.replace(saved.model, **same) != dataclasses.replace(cfg.model, **same):
+    distilled = bool(saved.train.distill.teacher), bool(cfg.train.distill.teacher)  # DeiT's token and head or not
+    if dataclasses.replace(saved.model, **same) != dataclasses.replace(cfg.model, **same) or len(set(distilled)) > 1:
         raise CheckpointError(
             f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
         )
@@ -312,9 +313,11 @@ def restore(trainer: Trainer, path: Path) -> None:
         trainer.notes.append(note)
 
 
-# What a checkpoint cannot continue under another value: the model's shape, the task, and the data order.
+# What a checkpoint cannot continue under another value: the model's shape (a distilled student's token and head
+# included), the task, and the data order.
 FROZEN_ON_RESUME = ("model.", "task.", "data.source", "data.root", "data.train_split", "data.val_split",
-                    "data.val_fraction", "data.repeated_aug", "train.seed", "train.batch_size")  # fmt: skip
+                    "data.val_fraction", "data.repeated_aug", "train.seed", "train.batch_size",
+                    "train.distill.teacher")  # fmt: skip
 FREE_ON_RESUME = ("model.attention", "model.init_from", "name", "log.out_dir")  # same weights, or where it lives
 CONFIG_HISTORY = "config_history.jsonl"
 

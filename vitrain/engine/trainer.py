@@ -26,13 +26,14 @@ from vitrain.engine.autotune import autotune
 from vitrain.engine.protocol import build_engine
 from vitrain.engine.runlog import RunLog, Speed, progress_bar
 from vitrain.engine.step import TrainStep
+from vitrain.engine.token_drop import TokenDrop
 from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.tasks import Task, build_task, is_better
+from vitrain.tasks import Task, build_task, is_better, teacher_of
 from vitrain.weights import load_pretrained
 
 
@@ -111,7 +112,9 @@ class Trainer:
         # save and load (vitrain/engine/protocol.py); the step drives it (vitrain/engine/step.py).
         decided = self.tuned.precision(cfg.precision) if self.tuned is not None else None
         self.engine = build_engine(cfg, model, self.dist, self.head, self.pipeline, precision=decided)
-        self.train_step = TrainStep(self.engine, self.task.loss, t.accum_steps)
+        # Token dropping's draws and the task's teacher (train.distill) belong to the step (vitrain/engine/step.py).
+        token_drop, teacher = TokenDrop.from_config(cfg, self.dist.rank), teacher_of(self.task, self.engine)
+        self.train_step = TrainStep(self.engine, self.task.loss, t.accum_steps, token_drop, teacher)
         self.model = self.engine.model  # the single-device model: parameter names, complexity
         self.forward = self.engine.forward  # what computes the loss and the evaluation
         self.precision = getattr(self.engine, "precision", None)  # the native engine's policy (tools and tests)
@@ -227,7 +230,8 @@ class Trainer:
                     self.setup_s = max_over_ranks(self.wall_s(), self.device)
                 position = self.schedule_position()
                 lr, size = self.schedule(position), self.image_size(position)
-                result = self.train_step(self._micro_batches(batches, size), lr)
+                micro_batches = self._micro_batches(batches, size)
+                result = self.train_step(micro_batches, lr, steps_done=self.step, progress=position / self.total_steps)
                 self.step += 1
                 if result.skipped:
                     fields, line = self.engine.skip_report()

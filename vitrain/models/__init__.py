@@ -59,10 +59,13 @@ def build_model(cfg: ModelConfig, embed_dim: int = 0, model: Any = None) -> nn.M
     return built
 
 
-def model_complexity(model: nn.Module) -> Complexity | None:
-    """The model's exact cost where it counts its own (vitrain's ViT), else None."""
+def model_complexity(model: nn.Module, kept_patches: int | None = None) -> Complexity | None:
+    """The model's exact cost where it counts its own (vitrain's ViT), else None; `kept_patches`: with token
+    dropping, the blocks' cost over that many patch tokens."""
     own = getattr(model, "complexity", None)
-    return own() if callable(own) else None
+    if not callable(own):
+        return None
+    return own(kept_patches=kept_patches) if kept_patches is not None else own()
 
 
 def check(cfg: Config) -> None:

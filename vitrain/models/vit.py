@@ -145,20 +145,33 @@ class VisionTransformer(nn.Module):
 
     `forward_features` gives the normalized token sequence, `forward_head` pools it and applies the head; with
     `embed_dim > 0` an `EmbeddingNeck` replaces the classifier and the model returns embeddings.
+
+    `distilled` (DeiT): a distillation token beside the class token, with its own classifier `head_dist`. In training
+    mode the model returns both heads' logits, (class head, distillation head), for the distillation loss; in eval
+    mode their average, which is what the deployed student predicts. The token has no row in the position table: a
+    learned position added to a learned token would be one more copy of the same parameter.
+
+    `forward(images, keep)`: `keep` (B, K) indices of the patch tokens each image keeps (token dropping; the class
+    and distillation tokens are always kept), drawn by the training step; None keeps every token.
     """
 
-    def __init__(self, cfg: ModelConfig, embed_dim: int = 0):
+    def __init__(self, cfg: ModelConfig, embed_dim: int = 0, distilled: bool = False):
         super().__init__()
+        if distilled and (embed_dim or cfg.pool != "cls"):
+            raise ValueError("a distillation token needs a classifier with the class token (pool=cls, no embedding)")
         rng_state = torch.get_rng_state()  # what the layers' own default inits, then ours, draw from
         self.cfg = cfg
         self.embed_dim = embed_dim
+        self.distilled = distilled
         if cfg.patch_embed == "conv":
             self.patch_embed = ConvStem(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width, cfg.stem)
         else:
             self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
-        self.num_prefix_tokens = 1 if cfg.pool == "cls" else 0
+        self.pos_prefix = 1 if cfg.pool == "cls" else 0  # tokens before the patches with a row in the position table
+        self.num_prefix_tokens = self.pos_prefix + (1 if distilled else 0)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width)) if cfg.pool == "cls" else None
-        seq_len = self.patch_embed.num_patches + self.num_prefix_tokens
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, cfg.width)) if distilled else None
+        seq_len = self.patch_embed.num_patches + self.pos_prefix
         if cfg.pos_embed == "learned":
             self.pos_embed = nn.Parameter(torch.zeros(1, seq_len, cfg.width))
         else:
@@ -172,6 +185,7 @@ class VisionTransformer(nn.Module):
         features = features_dim(cfg)
         self.neck = EmbeddingNeck(features, embed_dim) if embed_dim else nn.Identity()
         self.head = nn.Linear(features, cfg.num_classes) if not embed_dim else nn.Identity()
+        self.head_dist = nn.Linear(cfg.width, cfg.num_classes) if distilled else None
         if self.patch_embed.proj.weight.is_meta:
             # Built on the meta device (parallel.sharded_init): the weights are drawn later, shard by shard, from
             # the random state this build started from (vitrain/parallel/materialize.py).
@@ -207,29 +221,39 @@ class VisionTransformer(nn.Module):
             plan.append(("pos_embed", lambda t, g: t.copy_(self._sincos_table())))
         if self.cls_token is not None:
             plan.append(("cls_token", lambda t, g: nn.init.normal_(t, std=1e-6, generator=g)))
+        if self.dist_token is not None:
+            plan.append(("dist_token", lambda t, g: nn.init.trunc_normal_(t, std=0.02, generator=g)))
         return plan
 
     def _sincos_table(self) -> torch.Tensor:
         cfg = self.cfg
         table = sincos_2d(cfg.image_size // cfg.patch_size, cfg.width)
-        return torch.cat([torch.zeros(self.num_prefix_tokens, cfg.width), table]).unsqueeze(0)
+        return torch.cat([torch.zeros(self.pos_prefix, cfg.width), table]).unsqueeze(0)
 
-    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> the normalized token sequence (B, N, D), batch first in either layout."""
-        x = self.embed(images)
+    def forward_features(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Images (B, C, H, W) -> the normalized token sequence (B, N, D), batch first in either layout; N counts
+        only the kept patch tokens where `keep` is given."""
+        x = self.embed(images, keep)
         for block in self.blocks:
             x = block(x)
         return self.final_norm(x)
 
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Images -> the first block's input: patch tokens (after the class token), plus positions, in the layout."""
+    def embed(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Images -> the first block's input: the class (and distillation) token, then the patch tokens (those in
+        `keep` only, where given), each plus its position, in the layout."""
         x = self.patch_embed(images)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        pos = self.pos_embed
-        if x.shape[1] != pos.shape[1]:  # smaller images than model.image_size (data.min_size): fewer tokens
-            pos = resized_positions(pos, self.num_prefix_tokens, images.shape[-1] // self.cfg.patch_size)
-        x = self.pos_drop(x + pos)
+        pos, prefix = self.pos_embed, self.pos_prefix
+        if x.shape[1] + prefix != pos.shape[1]:  # smaller images than model.image_size (data.min_size): fewer tokens
+            pos = resized_positions(pos, prefix, images.shape[-1] // self.cfg.patch_size)
+        x = x + pos[:, prefix:]
+        if keep is not None:  # token dropping: after the positions are added, so each kept token keeps its own
+            x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        first = [] if self.cls_token is None else [self.cls_token + pos[:, :prefix]]
+        if self.dist_token is not None:
+            first.append(self.dist_token)
+        if first:
+            x = torch.cat([t.expand(x.shape[0], -1, -1) for t in first] + [x], dim=1)
+        x = self.pos_drop(x)
         return x.transpose(0, 1) if self.cfg.layout == "seq_first" else x
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,8 +261,11 @@ class VisionTransformer(nn.Module):
         x = self.norm(x)
         return x.transpose(0, 1) if self.cfg.layout == "seq_first" else x
 
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens (B, N, D) -> pooled features through the neck; then the classifier unless `pre_logits`."""
+    def forward_head(
+        self, tokens: torch.Tensor, pre_logits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (B, N, D) -> pooled features through the neck; then the classifier unless `pre_logits`. A
+        distilled model's logits: (class head, distillation head) in training mode, their average in eval mode."""
         if self.cfg.pool == "cls":
             x = tokens[:, 0]
         elif self.cfg.pool == "gap":
@@ -246,13 +273,22 @@ class VisionTransformer(nn.Module):
         else:
             x = tokens[:, self.num_prefix_tokens :].flatten(1)
         x = self.neck(self.fc_norm(x))
-        return x if pre_logits else self.head(x)
+        if pre_logits:
+            return x
+        logits = self.head(x)
+        if self.head_dist is None:
+            return logits
+        distilled = self.head_dist(tokens[:, 1])
+        return (logits, distilled) if self.training else (logits + distilled) / 2
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(images))
+    def forward(
+        self, images: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_head(self.forward_features(images, keep))
 
-    def complexity(self, batch_size: int = 1) -> Complexity:
-        return complexity(self.cfg, batch_size, self.embed_dim)
+    def complexity(self, batch_size: int = 1, kept_patches: int | None = None) -> Complexity:
+        """The cost of a forward pass; `kept_patches`: of one that keeps this many patch tokens (token dropping)."""
+        return complexity(self.cfg, batch_size, self.embed_dim, self.distilled, kept_patches)
 
     def parallel_plan(self, wrap: str) -> ParallelPlan:
         """Sharding units and checkpointable blocks for the strategies in vitrain/parallel."""
@@ -276,13 +312,13 @@ class ViTStage(VisionTransformer):
     def __init__(self, model: VisionTransformer, blocks: range | list[int]):
         nn.Module.__init__(self)  # the model's modules, not new ones
         self.cfg = model.cfg
-        self.embed_dim = model.embed_dim
-        self.num_prefix_tokens = model.num_prefix_tokens
+        self.embed_dim, self.distilled = model.embed_dim, model.distilled
+        self.num_prefix_tokens, self.pos_prefix = model.num_prefix_tokens, model.pos_prefix
         self.has_embedding = 0 in blocks
         self.has_head = self.cfg.depth - 1 in blocks
         if self.has_embedding:
             self.patch_embed = model.patch_embed
-            self.cls_token = model.cls_token
+            self.cls_token, self.dist_token = model.cls_token, model.dist_token
             if isinstance(model.pos_embed, nn.Parameter):
                 self.pos_embed = model.pos_embed
             else:  # sincos: a fixed table, not saved
@@ -291,6 +327,7 @@ class ViTStage(VisionTransformer):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
         if self.has_head:
             self.norm, self.fc_norm, self.neck, self.head = model.norm, model.fc_norm, model.neck, model.head
+            self.head_dist = model.head_dist
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (first stage) or the previous stage's tokens -> tokens for the next stage, or the model's output."""
@@ -350,15 +387,20 @@ class Complexity:
         return 3 * self.flops
 
 
-def complexity(cfg: ModelConfig, batch_size: int = 1, embed_dim: int = 0) -> Complexity:
+def complexity(
+    cfg: ModelConfig, batch_size: int = 1, embed_dim: int = 0, distilled: bool = False, kept_patches: int | None = None
+) -> Complexity:
     """Exact counts from the architecture alone (no tensors allocated, so it works for 120B presets).
 
-    `embed_dim > 0`: the embedding model (neck instead of classifier), as the face task builds it.
+    `embed_dim > 0`: the embedding model (neck instead of classifier), as the face task builds it. `distilled`:
+    with DeiT's distillation token and head. `kept_patches`: the blocks see only this many patch tokens (token
+    dropping; the patch embedding still sees them all).
     """
     d, h, depth = cfg.width, cfg.hidden_dim, cfg.depth
     p = cfg.patch_size
     n_patches = (cfg.image_size // p) ** 2
-    n = n_patches + (1 if cfg.pool == "cls" else 0)
+    n_pos = n_patches + (1 if cfg.pool == "cls" else 0)  # rows of the position table
+    n = (n_patches if kept_patches is None else kept_patches) + (1 if cfg.pool == "cls" else 0) + int(distilled)
     qkv_b = 3 * d if cfg.qkv_bias else 0
 
     block_params = (2 * d) + (3 * d * d + qkv_b) + (d * d + d) + (2 * d) + (d * h + h) + (h * d + d)
@@ -373,7 +415,11 @@ def complexity(cfg: ModelConfig, batch_size: int = 1, embed_dim: int = 0) -> Com
     if cfg.pool == "cls":
         params += d
     if cfg.pos_embed == "learned":
-        params += n * d
+        params += n_pos * d
+    if distilled:  # the token and its classifier
+        params += d + d * cfg.num_classes + cfg.num_classes
+        head_macs += d * cfg.num_classes
+        head_out += cfg.num_classes
 
     # Multiply-adds of the matmuls (including attention's QK^T and AV), per image.
     embed_macs = stem_macs

@@ -9,6 +9,7 @@ ones `model.name` and `data.source` name):
     model = task.build_model()                 # single-device backbone: classifier or embedding model
     head = task.build_head(device)             # parameters outside the backbone (the identity head), or None
     loss = task.loss(model_output, labels)     # fp32 under every precision policy
+    teacher = task.teacher(engine)             # optional: (images, labels) -> targets with a teacher's logits
     metrics = task.evaluate(forward, final, out_dir)
     task.best_metric, task.higher_is_better    # which checkpoint is "best"
 """
@@ -51,6 +52,12 @@ def build_task(cfg: Config, model: Any = None, data: Any = None) -> Task:
     """The task `task.name` names, over `cfg`; `model` (a module or a factory) replaces `model.name`'s model and
     `data` (datasets, or a function of the config making them) data.source's, where the task reads such data."""
     return registry.lookup("task", cfg.task.name)(cfg, model, data)
+
+
+def teacher_of(task: Task, engine: Any) -> Any:
+    """The task's teacher set up by `engine` (train.distill), or None; a task without a `teacher` method has none."""
+    own = getattr(task, "teacher", None)
+    return own(engine) if own is not None else None
 
 
 def is_better(task: Task, value: float, best: float | None) -> bool:

@@ -1,4 +1,7 @@
-"""Image classification: a linear classifier inside the model, cross-entropy, top-1/top-5; best = highest val_top1."""
+"""Image classification: a linear classifier inside the model, cross-entropy, top-1/top-5; best = highest val_top1.
+
+With train.distill.teacher the ViT gains DeiT's distillation token and head, the task a teacher (vitrain/tasks/
+distill.py) and its loss the teacher's term."""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ from torch import nn
 
 from vitrain.config import Config
 from vitrain.data import build_loaders
-from vitrain.models import build_model
+from vitrain.errors import ConfigError
+from vitrain.models import VisionTransformer, build_model
+from vitrain.tasks.distill import Taught, Teacher, distillation_loss, load_teacher
 from vitrain.tasks.evaluate import evaluate
 
 
@@ -32,12 +37,27 @@ class ClassificationTask:
         return train
 
     def build_model(self) -> nn.Module:
-        return build_model(self.cfg.model, model=self.model)
+        if not self.cfg.train.distill.teacher:
+            return build_model(self.cfg.model, model=self.model)
+        if self.model is not None:
+            raise ConfigError(
+                "train.distill.teacher gives vitrain's ViT a distillation token; a model handed to the library has "
+                "none: leave the model to model.name=vit or drop train.distill.teacher"
+            )
+        return VisionTransformer(self.cfg.model, distilled=True)
 
     def build_head(self, device: torch.device) -> None:
         return None
 
-    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def teacher(self, engine: Any) -> Teacher | None:
+        """train.distill.teacher loaded and set up by `engine` (its precision and sharding); None without one."""
+        if not self.cfg.train.distill.teacher:
+            return None
+        return Teacher(engine.frozen(load_teacher(self.cfg)))
+
+    def loss(self, output: Any, labels: torch.Tensor | Taught) -> torch.Tensor:
+        if isinstance(labels, Taught):  # the step added the teacher's logits (train.distill)
+            return distillation_loss(output, labels, self.cfg)
         return F.cross_entropy(output.float(), labels, label_smoothing=self.cfg.train.label_smoothing)
 
     def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]:
