@@ -17,6 +17,7 @@ import pytest
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain.config import load_config
 from vitrain.engine import Trainer, cluster
+from vitrain.engine.step import TrainStep
 from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError
 
@@ -114,21 +115,23 @@ def test_an_mlflow_file_store_run_holds_the_config_every_metric_and_the_summary(
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "summary.json"}
 
 
-def test_a_stopped_run_ends_its_tracker_runs_stopped_and_the_same_command_continues_them(tmp_path, wandb_home):
+def test_a_stopped_run_ends_its_tracker_runs_stopped_and_the_same_command_continues_them(
+    tmp_path, wandb_home, monkeypatch
+):
     pytest.importorskip("mlflow", reason=MLFLOW)
     for package in ("sqlalchemy", "alembic"):  # MLflow's default local store is SQLite
         pytest.importorskip(package, reason=f"{MLFLOW} (its SQLite store needs {package})")
     cfg = tiny_config(tmp_path, "stop", train={"max_steps": 4}, log={"wandb": True, "mlflow": True})
     trainer = Trainer(cfg)
-    step = trainer.train_step
+    real_step = TrainStep.__call__
 
-    def signalled_after_step_2(*args):
-        result = step(*args)
+    def signalled_after_step_2(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
         if trainer.step == 1:  # counted after this call returns: this is step 2
             os.kill(os.getpid(), signal.SIGUSR1)
         return result
 
-    trainer.train_step = signalled_after_step_2
+    monkeypatch.setattr(TrainStep, "__call__", signalled_after_step_2)
     with pytest.raises(cluster.Stopped):
         trainer.fit()
     uri = f"sqlite:///{(cfg.run_dir / 'mlflow' / 'mlflow.db').resolve()}"
@@ -136,6 +139,7 @@ def test_a_stopped_run_ends_its_tracker_runs_stopped_and_the_same_command_contin
     assert run.info.status == "KILLED" and sorted(_history(client, run.info.run_id, "train/loss")) == [1, 2]
     assert [e.exit_code for e in _of_kind(_wandb_records(cfg.run_dir), "exit")] == [cluster.EXIT_STOPPED]
 
+    monkeypatch.undo()
     Trainer(cfg, resume=True).fit()
     client, [continued] = _mlflow_runs(uri)
     assert continued.info.run_id == run.info.run_id and continued.info.status == "FINISHED"
@@ -162,14 +166,14 @@ def test_only_rank_0_logs_a_two_rank_run(tmp_path, file_store):
     assert run.info.status == "FINISHED" and _history(client, run.info.run_id, "train/loss") == losses(cfg.run_dir)
 
 
-def test_a_failing_run_ends_its_tracker_run_failed(tmp_path, file_store):
+def test_a_failing_run_ends_its_tracker_run_failed(tmp_path, file_store, monkeypatch):
     cfg = tiny_config(tmp_path, "fail", train={"max_steps": 3}, log={"mlflow": True, "mlflow_tracking_uri": file_store})
     trainer = Trainer(cfg)
 
-    def broken(*args):
+    def broken(self, *args, **kwargs):
         raise RuntimeError("a step that breaks")
 
-    trainer.train_step = broken
+    monkeypatch.setattr(TrainStep, "__call__", broken)
     with pytest.raises(RuntimeError, match="a step that breaks"):
         trainer.fit()
     _, [run] = _mlflow_runs(file_store)
