@@ -38,6 +38,14 @@ TRAIN_IMAGES = 50_000  # CIFAR-10's training split
 PLOTTED = ("recipe", "baseline")  # the rows curves.png draws: only these keep their per-step metrics
 TRAIN_KEYS = ("step", "epoch", "wall_s", "loss", "lr", "image_size")  # what a compact training record keeps
 
+HALF_WIDTH = [
+    "model.width=64",
+    "model.heads=2",
+    "model.mlp_dim=128",
+    "model.stem_channels=[16,32,64]",
+    "model.pool=cls",
+]
+
 # name -> (recipe, overrides, what the row shows). The ablations take one switch of the recipe back to the plain
 # choice; the baseline is the usual recipe of another library.
 ROWS: dict[str, tuple[str, list[str], str]] = {
@@ -66,6 +74,19 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
     "three-augment": ("cifar10-fast", ["data.three_augment=true"], "recipe plus DeiT III's 3-Augment"),
     "random-erasing": ("cifar10-fast", ["data.random_erasing=0.25"], "recipe plus random erasing (DeiT's 0.25)"),
     "repeated-aug": ("cifar10-fast", ["data.repeated_aug=3"], "recipe plus repeated augmentation (3 copies)"),
+    "token-drop": (
+        "cifar10-fast",
+        ["train.token_drop=0.5", "train.token_drop_until=0.9"],
+        "recipe training on half of each image's patch tokens, every token for the last 10% of the schedule",
+    ),
+    # A student half the recipe's width (DeiT's distillation needs a class token), taught by the recipe row's run
+    # ({runs}/recipe: run that row first), and the same student without a teacher.
+    "student": ("cifar10-fast", HALF_WIDTH, "a ViT half the recipe's width, class token, no teacher"),
+    "student-distilled": (
+        "cifar10-fast",
+        [*HALF_WIDTH, "train.distill.teacher={runs}/recipe", "train.distill.type=hard"],
+        "the half-width student with DeiT's hard distillation from the recipe row's model",
+    ),
 }
 
 
@@ -106,7 +127,7 @@ def run_row(name: str, budget_s: float, data: Path, out: Path) -> dict:
         f"log.out_dir={run_dir}",
         f"name={name}",
         "log.progress=false",
-        *overrides,
+        *(o.replace("{runs}", str(run_dir)) for o in overrides),
     ]
     if budget_s != DEFAULT_BUDGET_S:  # the recipes' own budget and marks are for 20 minutes
         scale = budget_s / DEFAULT_BUDGET_S
