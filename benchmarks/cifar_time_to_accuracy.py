@@ -79,6 +79,11 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
         ["train.token_drop=0.5", "train.token_drop_until=0.9"],
         "recipe training on half of each image's patch tokens, every token for the last 10% of the schedule",
     ),
+    "token-drop-uncapped": (
+        "cifar10-fast",
+        ["train.token_drop=0.5", "train.token_drop_until=0.9", "train.epochs=60"],
+        "token-drop with the epoch cap raised to 60, so the 20 minutes decide where it ends",
+    ),
     # A student half the recipe's width (DeiT's distillation needs a class token), taught by the recipe row's run
     # ({runs}/recipe: run that row first), and the same student without a teacher.
     "student": ("cifar10-fast", HALF_WIDTH, "a ViT half the recipe's width, class token, no teacher"),
