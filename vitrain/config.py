@@ -439,6 +439,17 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return plain(dataclasses.asdict(cfg))
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict (to_dict's) with dotted keys: {"model": {"width": 192}} -> {"model.width": 192}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from vitrain import checkpoint as ckpt
-from vitrain.config import Config, config_from_dict, load_config, to_dict, to_yaml
+from vitrain.config import Config, config_from_dict, flatten, load_config, to_dict, to_yaml
 from vitrain.data.loader import Position
 from vitrain.engine.cluster import requeued, slurm_job
 from vitrain.errors import CheckpointError
@@ -341,7 +341,7 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
         ) from None
     saved = load_config(base=saved_raw, check=False)  # what the run had; the config that runs is checked below
     resumed = load_config(base=saved_raw, overrides=overrides)
-    before, after = _flat(to_dict(saved)), _flat(to_dict(resumed))
+    before, after = flatten(to_dict(saved)), flatten(to_dict(resumed))
     changes = {key: (before.get(key), after[key]) for key in after if after[key] != before.get(key)}
     for key, (old, new) in changes.items():
         if key.startswith(FROZEN_ON_RESUME) and key not in FREE_ON_RESUME:
@@ -382,16 +382,6 @@ def keep_config_history(run_dir: Path, checkpoint: Path | None, changes: dict[st
     record = {"resumed_from": str(checkpoint), "changes": {k: [old, new] for k, (old, new) in changes.items()}}
     with open(run_dir / CONFIG_HISTORY, "a") as history:
         history.write(json.dumps(record) + "\n")
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= _flat(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _shown(value: Any) -> str:

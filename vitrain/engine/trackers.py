@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from vitrain.config import Config, to_dict, to_yaml
+from vitrain.config import Config, flatten, to_dict, to_yaml
 from vitrain.errors import ConfigError
 
 STATUSES = ("finished", "failed", "stopped")
@@ -66,26 +66,15 @@ def open_sinks(cfg: Config, run_dir: Path) -> list[Sink]:
 def scalars(fields: dict[str, Any]) -> dict[str, float]:
     """A metrics record's numbers by tracker name: evaluation fields under val/, the rest under train/ (step and
     epoch are the axes, not scalars; flags such as skipped=true are not numbers)."""
-    found = {}
-    for name, value in fields.items():
-        if name not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
-            group = "val" if name.startswith(("val_", "ema_val_")) else "train"
-            found[f"{group}/{name}"] = value
-    return found
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"model": {"width": 192}} -> {"model.width": 192}."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= _flat(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+    return {
+        f"{'val' if name.startswith(('val_', 'ema_val_')) else 'train'}/{name}": value
+        for name, value in _numbers(fields).items()
+        if name not in ("step", "epoch")
+    }
 
 
 def _numbers(fields: dict[str, Any]) -> dict[str, float]:
+    """The fields that are numbers (a bool is not)."""
     return {k: v for k, v in fields.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
@@ -205,7 +194,7 @@ class MlflowSink:
     def _log_params(self, cfg: Config) -> None:
         from mlflow.entities import Param
 
-        flat = _flat(to_dict(cfg)).items()
+        flat = flatten(to_dict(cfg)).items()
         params = [Param(key, value if isinstance(value, str) else json.dumps(value)) for key, value in flat]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
