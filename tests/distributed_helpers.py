@@ -35,6 +35,21 @@ def tiny_config(out_dir: Path, name: str, batch_size: int = 16, **sections: dict
     return load_config(base=raw)
 
 
+def whole_and_resumed(out_dir: Path, train: dict[str, Any], stop_at: int, **sections: dict[str, Any]):
+    """The same tiny run twice: "whole" straight through `train`, and "part" stopped after `stop_at` steps, then
+    resumed to train["max_steps"]. Returns (whole's config, part's config, the resumed Trainer after its fit)."""
+    from vitrain.engine import Trainer
+
+    whole = tiny_config(out_dir, "whole", train=train, **sections)
+    Trainer(whole).fit()
+    part = tiny_config(out_dir, "part", train={**train, "max_steps": stop_at}, **sections)
+    Trainer(part).fit()
+    part.train.max_steps = train["max_steps"]
+    resumed = Trainer(part, resume=True)
+    resumed.fit()
+    return whole, part, resumed
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """Training loss by step from a run's metrics.jsonl (rank 0 logs the mean over ranks)."""
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

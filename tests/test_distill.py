@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tests.conftest import TINY_MODEL, run_cli, tiny_overrides
-from tests.distributed_helpers import MODEL, losses, run_two_ranks, tiny_config
+from tests.distributed_helpers import MODEL, losses, run_two_ranks, tiny_config, whole_and_resumed
 from vitrain.config import load_config, resolve_config_path
 from vitrain.engine import Trainer
 from vitrain.engine.runs import resumed_config
@@ -190,12 +190,7 @@ def test_a_distilled_run_with_token_drop_resumes_exactly_and_exports(tmp_path):
     _export_teacher(tmp_path)
     both = {"epochs": 4, "max_steps": 6, "checkpoint_every_steps": 3, "token_drop": 0.5}
     both["distill"] = {"teacher": str(tmp_path / "teacher"), "type": "soft", "tau": 2.0}
-    whole = tiny_config(tmp_path, "whole", train=both)
-    Trainer(whole).fit()
-    part = tiny_config(tmp_path, "part", train={**both, "max_steps": 3})
-    Trainer(part).fit()
-    part.train.max_steps = 6
-    Trainer(part, resume=True).fit()
+    whole, part, _ = whole_and_resumed(tmp_path, both, stop_at=3)
     expected, got = losses(whole.run_dir), losses(part.run_dir)
     assert [got[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]  # exactly
     done = run_cli("export", str(whole.run_dir), str(tmp_path / "student"))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tests.conftest import REPO, TINY_MODEL, run_cli, shared_data
-from tests.distributed_helpers import losses, tiny_config
+from tests.distributed_helpers import losses, tiny_config, whole_and_resumed
 from vitrain import checkpoint as ckpt
 from vitrain.config import ModelConfig, load_config, resolve_config_path
 from vitrain.data.augment import progressive_size
@@ -96,13 +96,7 @@ def test_weight_average_follows_the_warmed_up_decay():
 
 def test_ema_is_evaluated_checkpointed_and_resumed_exactly(tmp_path):
     ema = {"ema": 0.9, "epochs": 4, "max_steps": 10, "checkpoint_every_steps": 5}
-    whole = tiny_config(tmp_path, "whole", train=ema)
-    Trainer(whole).fit()
-    part = tiny_config(tmp_path, "part", train={**ema, "max_steps": 5})
-    Trainer(part).fit()
-    part.train.max_steps = 10
-    resumed = Trainer(part, resume=True)
-    resumed.fit()
+    whole, part, resumed = whole_and_resumed(tmp_path, ema, stop_at=5)
     assert resumed.engine.ema.updates == 10
     records = [json.loads(line) for line in (whole.run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_top1" in r]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed_helpers import losses, run_two_ranks, tiny_config
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config, whole_and_resumed
 from tests.test_checkpoint import TEN_STEPS
 from vitrain.config import load_config, resolve_config_path
 from vitrain.engine import Trainer
@@ -97,12 +97,7 @@ def test_only_the_blocks_weight_matrices_follow_muon():
 
 def test_muon_trains_and_resumes_exactly(tmp_path):
     muon = {"name": "muon", "lr": 3e-3}
-    whole = tiny_config(tmp_path, "whole", train=TEN_STEPS, optim=muon)
-    Trainer(whole).fit()
-    part = tiny_config(tmp_path, "part", train={**TEN_STEPS, "max_steps": 5}, optim=muon)
-    Trainer(part).fit()
-    part.train.max_steps = 10
-    Trainer(part, resume=True).fit()
+    whole, part, _ = whole_and_resumed(tmp_path, TEN_STEPS, stop_at=5, optim=muon)
     expected, got = losses(whole.run_dir), losses(part.run_dir)
     assert [got[s] for s in range(6, 11)] == [expected[s] for s in range(6, 11)]
     assert expected[10] < expected[1]

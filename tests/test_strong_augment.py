@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed_helpers import losses, tiny_config
+from tests.distributed_helpers import losses, whole_and_resumed
 from tests.test_checkpoint import TEN_STEPS
 from tests.test_mistakes import error_line
 from vitrain.cli import main
 from vitrain.config import load_config
 from vitrain.data import BatchAugment
 from vitrain.data import strong as S
-from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 
 PIL = pytest.importorskip("PIL.Image", reason="Pillow is the reference the ops are compared with")
@@ -321,11 +320,7 @@ def test_the_digits_recipe_trains_with_each_switch_from_the_cli(tmp_path, switch
 
 def test_a_resume_mid_epoch_with_the_switches_on_continues_bit_for_bit(tmp_path):
     switches = {"randaugment": "rand-m9-mstd0.5-inc1", "random_erasing": 0.25, "repeated_aug": 3, "hflip": 0.5}
-    whole = tiny_config(tmp_path, "whole", train=TEN_STEPS, data=switches)
-    Trainer(whole).fit()
-    part = tiny_config(tmp_path, "part", train={**TEN_STEPS, "max_steps": 5}, data=switches)
-    Trainer(part).fit()  # stops after step 5, mid-epoch (3 steps per epoch)
-    part.train.max_steps = 10
-    Trainer(part, resume=True).fit()
+    # Stopped after step 5: mid-epoch (3 steps per epoch).
+    whole, part, _ = whole_and_resumed(tmp_path, TEN_STEPS, stop_at=5, data=switches)
     expected, got = losses(whole.run_dir), losses(part.run_dir)
     assert [got[s] for s in range(6, 11)] == [expected[s] for s in range(6, 11)]  # exactly, not approximately

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_MODEL, run_cli, tiny_overrides
-from tests.distributed_helpers import losses, tiny_config
+from tests.distributed_helpers import losses, tiny_config, whole_and_resumed
 from vitrain.bench.step import bench_step
 from vitrain.config import load_config
 from vitrain.engine import Trainer
@@ -86,12 +86,7 @@ def test_a_run_draws_per_step_and_trains_on_every_token_after_until(tmp_path, mo
 
 def test_a_resumed_run_draws_the_tokens_the_uninterrupted_run_drew(tmp_path):
     ten = {"epochs": 4, "max_steps": 10, "checkpoint_every_steps": 5, "token_drop": 0.5}
-    whole = tiny_config(tmp_path, "whole", train=ten)
-    Trainer(whole).fit()
-    part = tiny_config(tmp_path, "part", train={**ten, "max_steps": 5})
-    Trainer(part).fit()
-    part.train.max_steps = 10
-    Trainer(part, resume=True).fit()
+    whole, part, _ = whole_and_resumed(tmp_path, ten, stop_at=5)
     expected, got = losses(whole.run_dir), losses(part.run_dir)
     assert [got[s] for s in range(6, 11)] == [expected[s] for s in range(6, 11)]  # exactly
 
