@@ -74,15 +74,10 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
     "three-augment": ("cifar10-fast", ["data.three_augment=true"], "recipe plus DeiT III's 3-Augment"),
     "random-erasing": ("cifar10-fast", ["data.random_erasing=0.25"], "recipe plus random erasing (DeiT's 0.25)"),
     "repeated-aug": ("cifar10-fast", ["data.repeated_aug=3"], "recipe plus repeated augmentation (3 copies)"),
-    "token-drop": (
+    "no-token-drop": (
         "cifar10-fast",
-        ["train.token_drop=0.5", "train.token_drop_until=0.9"],
-        "recipe training on half of each image's patch tokens, every token for the last 10% of the schedule",
-    ),
-    "token-drop-uncapped": (
-        "cifar10-fast",
-        ["train.token_drop=0.5", "train.token_drop_until=0.9", "train.epochs=60"],
-        "token-drop with the epoch cap raised to 60, so the 20 minutes decide where it ends",
+        ["train.token_drop=0", "train.epochs=30"],
+        "recipe on every patch token throughout (the recipe before issue 31: 84.17% on the Zen 5)",
     ),
     # A student half the recipe's width (DeiT's distillation needs a class token), taught by the recipe row's run
     # ({runs}/recipe: run that row first), and the same student without a teacher.
@@ -243,9 +238,8 @@ def main() -> None:
         subprocess.run(
             [sys.executable, "-m", "vitrain", "plot", *(str(args.out / rows[n]["run_dir"]) for n in plotted)]
             + ["--names", ",".join(plotted), "--out", str(args.out / "curves.png")],
-            check=True,
             cwd=REPO,
-        )
+        )  # without matplotlib this says how to get it; the table and results.json are written already
     print((args.out / "table.md").read_text())
 
 
