@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import TINY_MODEL, model_section
@@ -63,8 +64,9 @@ def free_port() -> int:
 
 
 def run_two_ranks(job: Callable[..., None], *args: Any) -> None:
-    """Run `job(*args)` in 2 processes joined in one gloo group, as torchrun would set them up."""
-    mp.spawn(_worker, args=(free_port(), job, args), nprocs=2, join=True)
+    """Run `job(*args)` in 2 processes joined in one group, as torchrun would set them up: gloo on CPUs, and on a
+    machine with fewer than 2 GPUs too (NCCL wants a GPU per rank), NCCL where there are 2."""
+    mp.spawn(_worker, args=(free_port(), job, args, torch.cuda.device_count() < 2), nprocs=2, join=True)
 
 
 def torchrun_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
@@ -78,8 +80,10 @@ def torchrun_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
     }
 
 
-def _worker(rank: int, port: int, job: Callable[..., None], args: tuple) -> None:
+def _worker(rank: int, port: int, job: Callable[..., None], args: tuple, hide_gpus: bool) -> None:
     os.environ.update(torchrun_env(rank, port))
+    if hide_gpus:  # before anything in this fresh process asks CUDA: train.device=auto then resolves to the CPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from vitrain.parallel import shutdown
 
     try:

@@ -42,7 +42,9 @@ def test_bench_times_the_same_step_object_that_training_calls(tmp_path, monkeypa
 
 
 def test_bench_times_the_trainers_own_step(tmp_path):
-    cfg = load_config(None, tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256"))
+    cfg = load_config(
+        None, tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256", "train.device=cpu")
+    )  # on the CPU: its peak memory is the process's
     result = bench_step(cfg, steps=3, warmup=1, peaks={"fp32": (1e11, "given")})
     assert result["steps"] == 3 and result["global_batch"] == 64
     assert result["images_per_s"] == pytest.approx(64 / result["step_s"])
@@ -64,7 +66,7 @@ def test_bench_command_writes_json_and_a_profile(tmp_path):
     profile = tmp_path / "profile"
     done = run_cli(
         "bench",
-        *tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256"),
+        *tiny_overrides(tmp_path, "data.source=synthetic", "data.synthetic_samples=256", "train.device=cpu"),
         "--steps",
         "2",
         "--warmup",

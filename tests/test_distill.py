@@ -109,7 +109,7 @@ def test_a_teacher_loads_from_an_export_its_weights_file_and_a_run(tmp_path):
         assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
         torch.testing.assert_close(loaded(images), expected, rtol=0, atol=0)
     cfg.train.distill.teacher = str(run.run_dir)  # its newest checkpoint, read through the safe DCP reader
-    trained = trainer.model.eval()
+    trained = trainer.model.eval().cpu()  # a teacher is loaded on the CPU, wherever its run trained
     torch.testing.assert_close(load_teacher(cfg)(images), trained(images), rtol=0, atol=0)
 
 

@@ -110,10 +110,15 @@ def test_a_read_error_in_the_prefetch_thread_reaches_the_training_loop():
 
 
 def test_stopping_early_ends_the_prefetch_thread():
+    def prefetching() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "vitrain-prefetch"}
+
+    others = prefetching()  # an earlier test's loader in this process may not be collected yet
     batches = _loader(_image_set(), prefetch=2).epoch(0)
     next(batches)
+    assert prefetching() - others
     batches.close()
-    assert not any(t.name == "vitrain-prefetch" for t in threading.enumerate())
+    assert not prefetching() - others
 
 
 # ---------------------------------------------------------------------------------------------- prepared reads

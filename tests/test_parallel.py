@@ -125,6 +125,14 @@ def test_several_processes_with_strategy_single_are_refused(monkeypatch):
         init_distributed(torch.device("cpu"), "single")
 
 
+def test_more_processes_on_a_node_than_gpus_are_refused_naming_the_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=1 needs GPU 1 but this node has 1: launch at most one process"):
+        init_distributed(torch.device("cuda"), "ddp")
+
+
 def test_sharded_init_needs_an_fsdp_strategy():
     with pytest.raises(ConfigError, match="parallel.sharded_init=true draws FSDP2 shards, but parallel.strategy=ddp"):
         load_config(overrides=["parallel.strategy=ddp", "parallel.sharded_init=true"])

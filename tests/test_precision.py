@@ -345,7 +345,7 @@ def test_auto_selects_bf16_o1_on_a_cpu_with_bf16_units_and_says_why(monkeypatch)
 )
 def test_trainer_logs_why_auto_chose_its_precision(tmp_path, monkeypatch, units, label, logged):
     monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", units)
-    cfg = tiny_run(tmp_path, "precision.mode=auto", "train.max_steps=1")
+    cfg = tiny_run(tmp_path, "precision.mode=auto", "train.max_steps=1", "train.device=cpu")  # the CPU's rules
     summary = Trainer(cfg).fit()
     assert summary["precision"] == label
     assert logged in (cfg.run_dir / "log.txt").read_text()

@@ -241,7 +241,8 @@ class LowPrecisionIO(nn.Module):
         return tuple(o.float() for o in output) if isinstance(output, tuple) else output.float()
 
 
-def _norm_in_fp32(module: nn.Module, args: tuple) -> tuple:
+def norm_in_fp32(module: nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook that hands a norm its floating-point inputs in fp32."""
     return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
@@ -532,7 +533,7 @@ def _working_copy(
             for name, buf in master_mod.named_buffers(recurse=False):
                 work_mod._buffers[name] = buf
             if id(master_mod) not in inner:  # the top of a kept subtree: fp32 in, the low dtype out
-                work_mod.register_forward_pre_hook(_norm_in_fp32)
+                work_mod.register_forward_pre_hook(norm_in_fp32)
                 work_mod.register_forward_hook(norm_output_to(dtype))
             continue
         for name, param in list(work_mod.named_parameters(recurse=False)):

@@ -59,11 +59,14 @@ def trace(batches: Iterator[tuple[Any, Any, list]], what: str) -> Iterator[tuple
     appended to that file, after `what` (train or val), as the consumer takes it (what a training step consumed,
     not what prefetch read ahead)."""
     path = os.environ.get(TRACE_ENV)
-    for images, labels, keys in batches:
-        if path:
-            with open(path, "a") as f:
-                f.write(" ".join([what, *(str(k) for k in keys)]) + "\n")
-        yield images, labels
+    try:
+        for images, labels, keys in batches:
+            if path:
+                with open(path, "a") as f:
+                    f.write(" ".join([what, *(str(k) for k in keys)]) + "\n")
+            yield images, labels
+    finally:  # a consumer that stops early stops the prefetch thread now, not whenever `batches` is collected
+        getattr(batches, "close", lambda: None)()
 
 
 # The label of a sample that pads a rank's share (cross_entropy's default ignore_index: it adds no loss).

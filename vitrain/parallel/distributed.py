@@ -51,13 +51,19 @@ def init_distributed(
 
     Without torchrun a non-single strategy still gets a one-process group (an in-memory store), so that the
     same code path - and the same checkpoints - work with one process. CUDA: each process takes device
-    LOCAL_RANK (untested here: this machine has no GPU). `timeout_s` (run.collective_timeout_s): a collective
-    waiting longer raises instead of hanging; under NCCL its async error handling tears the process down.
+    LOCAL_RANK; more processes on a node than it has GPUs are refused in one line. `timeout_s`
+    (run.collective_timeout_s): a collective waiting longer raises instead of hanging; under NCCL its async error
+    handling tears the process down.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} needs GPU {local_rank} but this node has {torch.cuda.device_count()}: launch "
+                "at most one process per GPU (torchrun --nproc_per_node), or train.device=cpu"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if world_size > 1 and strategy == "single":

@@ -98,7 +98,7 @@ def fully_shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from vitrain.precision import norm_output_to
+    from vitrain.precision import norm_in_fp32, norm_output_to
 
     plan = plan_of(model, cfg.wrap, cfg.block, precision.fp32_modules if precision is not None else ())
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
@@ -120,12 +120,15 @@ def fully_shard_model(
         root_policy = MixedPrecisionPolicy(
             param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype, output_dtype=torch.float32
         )
-        # Each group of norms is its own fp32 unit (gathered, computed and reduced in fp32; its inputs are upcast
-        # on entry), and hands its output on in the compute dtype of the unit around it.
+        # Each group of norms is its own fp32 unit (gathered, computed and reduced in fp32), and each norm hands
+        # its output on in the compute dtype of the unit around it. FSDP2 casts a group's inputs only where the
+        # group's forward starts (a block's first norm), so every norm upcasts its own: a CUDA LayerNorm refuses
+        # bf16 inputs with fp32 weights, and a CPU one would run on bf16 inputs.
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for group in plan.norm_groups:
             fully_shard(group, mp_policy=fp32, **shard)
             for norm in group:
+                norm.register_forward_pre_hook(norm_in_fp32)
                 norm.register_forward_hook(norm_output_to(precision.param_dtype))
     for unit in plan.shard_units:
         fully_shard(unit, mp_policy=policy, **shard)
