@@ -187,6 +187,46 @@ def test_ladder_table_keeps_skipped_rows_with_their_reason(tmp_path):
         assert image.format == "PNG" and image.width > 600 and image.height > 80
 
 
+def test_ladder_rounds_give_each_row_its_median_spread_and_a_paired_ratio():
+    def row(name, images_per_s_by_round, failures=()):
+        made = ladder.Row(name, "g", lambda ctx: [])
+        for ips in images_per_s_by_round:
+            made.rounds.append(
+                {
+                    "images_per_s": ips,
+                    "step_s": 16 / ips,
+                    "breakdown_s": {"data": 0.0, "forward": 1.0, "backward": 2.0, "optimizer": 0.1},
+                    "peak_memory_bytes": 2**30,
+                    **{k: 0.5 if k == "mfu" else "x" for k in ("mfu", "precision", "optimizer", "engine")},
+                    **{k: "x" for k in ("strategy", "global_batch", "attention", "pool", "layout", "token_drop")},
+                }
+            )
+        made.failures.extend(failures)
+        ladder._settle(made, 3)
+        return made
+
+    # The machine slows down in round 3; the row stays 1.5x the baseline round by round.
+    base = row("baseline", [10.0, 10.0, 5.0])
+    fast = row("+ fast", [15.0, 15.0, 7.5])
+    noisy = row("+ noisy", [9.0, 11.5, 5.0])
+    broken = row("+ broken", [], failures=["boom"])
+    partial = row("+ partial", [10.0, 12.0], failures=["once"])
+    summary = ladder._summary(
+        [base, fast, noisy, broken, partial], _context(), 1, 3, 1, {}, 1.0, load_config(None, []), ["x"], 3
+    )
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert (
+        rows["+ fast"]["vs_baseline"] == pytest.approx(1.5) and not rows["+ fast"]["vs_baseline_spread"]["overlaps_1x"]
+    )
+    assert rows["+ fast"]["images_per_s"] == 15.0 and rows["+ fast"]["images_per_s_spread"]["min"] == 7.5
+    assert rows["+ noisy"]["vs_baseline_spread"]["overlaps_1x"]
+    assert rows["+ broken"]["status"] == "failed: boom" and "images_per_s" not in rows["+ broken"]
+    assert rows["+ partial"]["status"] == "1 of 3 rounds failed: once" and rows["+ partial"]["vs_baseline"] is None
+    markdown = ladder.to_markdown(summary)
+    assert "| + fast | 15.00 (7.50-15.00) | 1.50x (1.50-1.50) |" in markdown
+    assert "| + noisy | 9.00 (5.00-11.50) | 1.00x (0.90-1.15) ~ |" in markdown
+
+
 def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(ladder, "default_nproc", lambda device: 1)
     args = argparse.Namespace(steps=1, warmup=1, out=str(tmp_path / "out"), nproc=1, rows="fp32 reference,baseline")

@@ -176,8 +176,10 @@ def _parser() -> argparse.ArgumentParser:
         "run", help="time a recipe's real training step (the default: `vitrain bench CONFIG` means this)"
     )
     run.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, then overrides")
-    run.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 5; ladder rows 3)")
-    run.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 1)")
+    run.add_argument(
+        "--steps", type=int, default=None, help="timed optimizer steps (default 5; ladder rows 3; peers: rounds, 7)"
+    )
+    run.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 1; peers 3)")
     run.add_argument(
         "--synthetic", action="store_true", help="random images of the model's shape instead of the recipe's data"
     )
@@ -190,7 +192,16 @@ def _parser() -> argparse.ArgumentParser:
         "--rows", metavar="TEXT,...", help="--ladder: only rows whose names contain one of these (the rest: skipped)"
     )
     run.add_argument(
-        "--nproc", type=int, default=None, help="--ladder: processes per row (default: 2 on a CPU, the GPUs on CUDA)"
+        "--nproc",
+        type=int,
+        default=None,
+        help="--ladder: processes per row (default: 2 on a CPU, the GPUs on CUDA)",
+    )
+    run.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="--ladder: run every row this many times, rows taking turns; median and spread (default 1)",
     )
     # The ladder measures the GEMM peaks once and hands them to its rows: fp32=TFLOPS,bf16=TFLOPS.
     run.add_argument("--peaks", default=None, help=argparse.SUPPRESS)

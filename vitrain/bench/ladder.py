@@ -7,6 +7,11 @@ Each row is `vitrain bench CONFIG overrides` run under torchrun with the same nu
 memory is its own and a row that fails cannot take the others down; the GEMM peaks are measured once first and
 handed to every row, and every ratio is to the baseline row of the same run. A row that cannot run here (too few
 processes, DeepSpeed not installed) or that fails is kept in the table with the reason.
+
+`--repeats R` runs the whole ladder R times, rows taking turns (round 1: every row, then round 2, ...), so that a
+drift of the machine's speed touches every row alike: a row then gives its median images/s with the spread over
+the rounds, and its ratio to the baseline is taken round by round (median and spread, `~` where the spread reaches
+across 1.0x). Its other columns (step breakdown, memory, MFU) are those of its median round.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
 from vitrain.device import cpu_description, gemm_flops
 
@@ -55,10 +61,12 @@ class Row:
     group: str
     overrides: Callable[[Context], list[str]]
     needs: Callable[[Context], str | None] = lambda ctx: None  # a reason it cannot run here, or None
-    result: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None  # the median round's (the only round's without --repeats)
     status: str = "ok"
     command: str = ""
     wall_s: float = 0.0
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # every round's result that ran
+    failures: list[str] = field(default_factory=list)  # why a round failed
 
 
 def _multi(ctx: Context) -> str | None:
@@ -180,6 +188,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     nproc = args.nproc or default_nproc(device)
     steps = args.steps or 3
     warmup = 1 if args.warmup is None else args.warmup
+    repeats = getattr(args, "repeats", None) or 1
     batch = (
         cfg.train.batch_size
         if any(o.startswith("train.batch_size=") for o in overrides)
@@ -216,10 +225,11 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     started = time.perf_counter()
     print(
         f"ladder: {len(table_rows)} rows, {nproc} process(es) x {threads} thread(s), batch {batch}/rank, "
-        f"{warmup} warm-up + {steps} timed steps each -> {out}",
+        f"{warmup} warm-up + {steps} timed steps each, {repeats} round(s) -> {out}",
         file=sys.stderr,
     )
     wanted = [w.strip() for w in (args.rows or "").split(",") if w.strip()]
+    runnable = []
     for row in table_rows:
         reason = row.needs(ctx)
         if not reason and wanted and not any(w in row.name for w in wanted):
@@ -227,14 +237,18 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         if reason:
             row.status = f"skipped: {reason}"
             print(f"  {row.name}: {row.status}", file=sys.stderr)
-            continue
-        row_overrides = common + row.overrides(ctx)
-        _run_row(row, config, row_overrides, nproc, steps, warmup, peaks_arg, threads)
-        got = f"{row.result['images_per_s']:.2f} img/s" if row.result else row.status
-        print(f"  {row.name}: {got} ({row.wall_s:.0f} s)", file=sys.stderr)
+        else:
+            runnable.append(row)
+    for round_ in range(repeats):
+        for row in runnable:
+            _run_row(row, config, common + row.overrides(ctx), nproc, steps, warmup, peaks_arg, threads)
+            got = f"{row.rounds[-1]['images_per_s']:.2f} img/s" if row.rounds and not row.failures else row.status
+            print(f"  [{round_ + 1}/{repeats}] {row.name}: {got} ({row.wall_s:.0f} s)", file=sys.stderr)
+    for row in runnable:
+        _settle(row, repeats)
     total_s = time.perf_counter() - started
 
-    summary = _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, sys.argv)
+    summary = _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, sys.argv, repeats)
     (out / "ladder.json").write_text(json.dumps(summary, indent=2) + "\n")
     markdown = to_markdown(summary)
     (out / "ladder.md").write_text(markdown)
@@ -267,14 +281,25 @@ def _run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threa
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            row.status = f"failed: over {ROW_TIMEOUT_S} s"
+            row.failures.append(f"over {ROW_TIMEOUT_S} s")
             return
         finally:
             row.wall_s = time.perf_counter() - start
         if proc.returncode == 0 and result_path.exists():
-            row.result = json.loads(result_path.read_text())
+            row.rounds.append(json.loads(result_path.read_text()))
             return
-        row.status = f"failed: {_error_line(stderr)}"
+        row.failures.append(_error_line(stderr))
+
+
+def _settle(row: Row, repeats: int) -> None:
+    """The row's result (its median round by images/s) and its status once every round has run."""
+    if not row.rounds:
+        row.status = f"failed: {row.failures[-1]}" if row.failures else "failed: no round ran"
+        return
+    ordered = sorted(row.rounds, key=lambda r: r["images_per_s"])
+    row.result = ordered[(len(ordered) - 1) // 2]
+    if row.failures:
+        row.status = f"{len(row.failures)} of {repeats} rounds failed: {row.failures[-1]}"
 
 
 def _error_line(stderr: str) -> str:
@@ -287,17 +312,22 @@ def _error_line(stderr: str) -> str:
     return (lines[-1] if lines else "no output")[:300]
 
 
-def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv) -> dict[str, Any]:
-    baseline = next((r.result for r in table_rows if r.name.startswith("baseline") and r.result), None)
-    reference = baseline["images_per_s"] if baseline else None
+def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv, repeats=1) -> dict[str, Any]:
+    baseline = next((r for r in table_rows if r.name.startswith("baseline") and r.result), None)
     out_rows = []
     for row in table_rows:
         entry: dict[str, Any] = {"name": row.name, "group": row.group, "status": row.status, "command": row.command}
         if row.result:
             r = row.result
+            rounds = [x["images_per_s"] for x in row.rounds]
+            ratio = None
+            if baseline is not None and len(baseline.rounds) == len(rounds):  # paired round by round
+                ratio = paired_ratio(rounds, [x["images_per_s"] for x in baseline.rounds])
             entry.update(
-                images_per_s=r["images_per_s"],
-                vs_baseline=r["images_per_s"] / reference if reference else None,
+                images_per_s=spread(rounds)["median"],
+                images_per_s_spread=spread(rounds),
+                vs_baseline=ratio["median"] if ratio else None,
+                vs_baseline_spread=ratio,
                 step_ms=r["step_s"] * 1e3,
                 breakdown_ms={k: v * 1e3 for k, v in r["breakdown_s"].items()},
                 peak_memory_gib=r["peak_memory_bytes"] / 2**30,
@@ -323,6 +353,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv)
         "batch_per_rank": ctx.batch,
         "steps": steps,
         "warmup": warmup,
+        "repeats": repeats,
         "peaks_tflops_per_process": {k: v / 1e12 for k, v in peaks.items()},
         "comparison_precision": "amp_o2 bf16" if ctx.fast_low_precision else "fp32",
         "wall_s": total_s,
@@ -338,7 +369,9 @@ def to_markdown(summary: dict[str, Any]) -> str:
         f"- Device: {summary['device']}",
         f"- torch {summary['torch']}; {summary['processes']} process(es) x {summary['threads_per_process']} "
         f"thread(s); batch {summary['batch_per_rank']} per process; {summary['warmup']} warm-up + "
-        f"{summary['steps']} timed steps per row, each row in its own processes",
+        f"{summary['steps']} timed steps per row, each row in its own processes, "
+        f"{summary.get('repeats', 1)} round(s) of every row taking turns (images/s and x baseline: median "
+        "(min-max) over the rounds, the ratio paired round by round; `~`: its spread reaches across 1.0x)",
         f"- Command: `{summary['command']}` ({summary['wall_s']:.0f} s)",
         f"- Ratios are to the baseline row of this run; the DeepSpeed group and the native rows beside it compute in "
         f"{summary['comparison_precision']} (bf16 where its GEMM peak measured above 1.2x fp32's). Peak memory: the "
@@ -359,9 +392,13 @@ def to_markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {row['name']} | {row['status']} | | | | | | | |")
             continue
         b = row["breakdown_ms"]
-        ratio = f"{row['vs_baseline']:.2f}x" if row["vs_baseline"] else "-"
+        ips = row.get("images_per_s_spread") or {"median": row["images_per_s"], "n": 1}
+        spread_ = row.get("vs_baseline_spread") or {"median": row["vs_baseline"], "n": 1}
+        ratio = format_spread(spread_, unit="x") if row["vs_baseline"] else "-"
+        if spread_.get("overlaps_1x") and not row["name"].startswith("baseline"):
+            ratio += " ~"
         lines.append(
-            f"| {row['name']} | {row['images_per_s']:.2f} | {ratio} | {row['step_ms']:.0f} | "
+            f"| {row['name']} | {format_spread(ips)} | {ratio} | {row['step_ms']:.0f} | "
             f"{b['forward']:.0f} / {b['backward']:.0f} / {b['optimizer']:.0f} | {row['peak_memory_gib']:.2f} | "
             f"{row['mfu']:.3f} | {row['precision']} | {row['optimizer']} |"
         )

@@ -10,7 +10,10 @@ Every contender trains the same architecture (class token, 1000 classes) on the 
   fused kernels, in fp32 or under bf16 autocast, whichever is faster here (as `train.py --amp` would be used);
 - transformers: `ViTForImageClassification` with `attn_implementation="sdpa"`, torch's fused AdamW, fp32 or bf16
   autocast, whichever is faster here.
-Each peer's choice is timed first; then the three take turns, one step each per round, and the median step counts.
+Each peer's choice is timed first; then all take `--warmup` steps (default 3: autotune's and the allocator's first
+steps settle) and `--steps` rounds (default 7), one step each per round in turns. A row gives the median images/s
+and its spread (min-max over the rounds); a ratio to vitrain is taken round by round (pairing cancels drift between
+rounds) and its median and spread are given, marked where the spread reaches across 1.0x.
 
 The peers are an extra: `pip install 'vitrain[peers]'` (timm is imported as vitrain/models/external.py does, which
 lets the registry's CUDA-only torchvision import beside the CPU wheel).
@@ -23,7 +26,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED, dtype_key
 from vitrain.config import Config
 from vitrain.device import cpu_description, peak_flops, synchronize
@@ -217,8 +220,8 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     cfg = load_config(resolve_config_path(name) if name else None, (DEFAULT_BASE if name is None else []) + overrides)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    steps = args.steps or 3
-    warmup = 1 if args.warmup is None else args.warmup
+    steps = args.steps or 7
+    warmup = 3 if args.warmup is None else args.warmup
     out = Path(args.out or Path(cfg.log.out_dir) / "bench-peers")
     out.mkdir(parents=True, exist_ok=True)
     result = compare(cfg, steps, warmup)
@@ -271,21 +274,25 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     cost = complexity(cfg.model)
     peaks = {dtype: peak_flops(device, dtype) for dtype in {c.dtype for c in contenders}}
     rows = []
-    vitrain_ips = batch / statistics.median(times["vitrain"])
     for contender in contenders:
-        images_per_s = batch / statistics.median(times[contender.name])
-        flops = cost.train_flops * images_per_s
+        rounds = times[contender.name]
+        per_round = spread([batch / t for t in rounds])
+        ratio = paired_ratio(rounds, times["vitrain"])  # its step time over vitrain's: vitrain's speed-up
+        flops = cost.train_flops * per_round["median"]
         peak, source = peaks[contender.dtype]
         rows.append(
             {
                 "name": contender.name,
                 "setting": contender.setting,
-                "images_per_s": images_per_s,
-                "step_s": [round(t, 4) for t in times[contender.name]],
-                "vitrain_speedup": vitrain_ips / images_per_s,
+                "images_per_s": per_round["median"],
+                "images_per_s_spread": per_round,
+                "step_s": [round(t, 4) for t in rounds],
+                "vitrain_speedup": ratio["median"],
+                "vitrain_speedup_spread": ratio,
                 "model_gflops_per_s": flops / 1e9,
                 "compute_dtype": contender.dtype,
                 "mfu": flops / peak,
+                "peak_source": source,
             }
         )
     where = f"GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else cpu_description()
@@ -307,20 +314,26 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
 
 def to_markdown(result: dict[str, Any]) -> str:
     peaks = ", ".join(f"{dtype} {value:.0f}" for dtype, value in result["peaks_gflops_per_s"].items())
+    sources = sorted({row["peak_source"] for row in result["rows"] if row.get("peak_source")})
     lines = [
         f"# vitrain vs peers: {result['model']}, batch {result['batch']}",
         "",
         f"- Device: {result['device']}; {result['threads']} thread(s); torch {result['torch']}",
-        f"- {result['warmup']} warm-up + {result['steps']} timed steps each, taking turns; median step. "
-        f"Peak GEMM GFLOP/s measured here: {peaks}.",
+        f"- {result['warmup']} warm-up steps, then {result['steps']} rounds of one step each, taking turns. images/s: "
+        "median (min-max) over the rounds; vitrain x: the contender's step time over vitrain's in the same round, "
+        "median (min-max); `~` marks a ratio whose spread reaches across 1.0x.",
+        f"- Peak GFLOP/s for MFU: {peaks} ({'; '.join(sources) or 'measured here'}).",
         f"- Command: `{result.get('command', '')}` ({result['wall_s']:.0f} s)",
         "",
         "| contender | runs as | images/s | vitrain x | model GFLOP/s | MFU (its dtype) |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
+        ips = row.get("images_per_s_spread") or {"median": row["images_per_s"], "n": 1}
+        ratio = row.get("vitrain_speedup_spread") or {"median": row["vitrain_speedup"], "n": 1}
+        marker = " ~" if ratio.get("overlaps_1x") and row["name"] != "vitrain" else ""
         lines.append(
-            f"| {row['name']} | {row['setting']} | {row['images_per_s']:.2f} | {row['vitrain_speedup']:.2f}x | "
+            f"| {row['name']} | {row['setting']} | {format_spread(ips)} | {format_spread(ratio, unit='x')}{marker} | "
             f"{row['model_gflops_per_s']:.0f} | {row['mfu']:.3f} ({row['compute_dtype']}) |"
         )
     for peer, why in result["missing"].items():
