@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import run_cli, tiny_overrides
-from vitrain.bench import ladder
+from vitrain.bench import ladder, scaling
 from vitrain.bench.optim import bench_optimizer_step, default_impls
 from vitrain.bench.step import bench_step, dtype_key, parse_peaks
 from vitrain.cli import main
@@ -19,6 +19,7 @@ from vitrain.config import OptimConfig, load_config
 from vitrain.device import gemm_flops
 from vitrain.engine import Trainer
 from vitrain.engine.step import TrainStep
+from vitrain.errors import ConfigError
 from vitrain.optim import muon as muon_module
 
 
@@ -277,3 +278,36 @@ def test_bench_optim_refuses_a_kernel_the_optimizer_lacks_in_one_line(argv, name
     assert main(["bench", "optim", "--model", "vit_tiny_patch16", "--steps", "1", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0]
+
+
+# ------------------------------------------------------------------------------------------ scaling
+
+
+def test_scaling_layouts_keep_the_global_batch_and_use_every_core():
+    rows = scaling.layouts("cpu", nproc=2, cores=2)
+    assert rows[0] == ("1 process x 2 threads, single", "single", 1, 2)
+    assert [r[1:] for r in rows[1:]] == [("ddp", 2, 1), ("zero2", 2, 1), ("zero3", 2, 1)]
+    assert rows[1][0] == "2 processes x 1 thread(s), ddp"
+
+
+def test_scaling_runs_one_process_against_two_and_pairs_their_rounds(tmp_path):
+    args = argparse.Namespace(steps=1, warmup=1, out=str(tmp_path / "out"), nproc=2, repeats=1)
+    overrides = tiny_overrides(tmp_path, "train.batch_size=8", "data.mean=[0.5]", "data.std=[0.5]")
+    assert scaling.main(None, overrides, args) == 0
+    summary = json.loads((tmp_path / "out" / "scaling.json").read_text())
+    rows = {row["name"]: row for row in summary["rows"]}
+    assert list(rows)[0] == "1 process x 2 threads, single" and rows["1 process x 2 threads, single"]["efficiency"] == 1
+    for strategy in ("ddp", "zero2", "zero3"):
+        row = rows[f"2 processes x 1 thread(s), {strategy}"]
+        assert row["status"] == "ok" and row["efficiency"] > 0 and 0 < row["mfu"] < 2, row
+        assert "--nproc-per-node=2" in row["command"] and "train.batch_size=4" in row["command"]
+    assert (
+        summary["global_batch"] == 8
+        and "| 2 processes x 1 thread(s), zero3 |" in (tmp_path / "out" / "scaling.md").read_text()
+    )
+
+
+def test_scaling_refuses_a_global_batch_that_does_not_divide():
+    args = argparse.Namespace(steps=1, warmup=1, out=None, nproc=2, repeats=1)
+    with pytest.raises(ConfigError, match=r"train.batch_size=7 \(the global batch\) must divide by --nproc=2"):
+        scaling.main(None, ["train.batch_size=7"], args)

@@ -187,6 +187,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="FILE", help="also write the result (or the ladder/peers results) as JSON")
     run.add_argument("--ladder", action="store_true", help="the ablation ladder, each row in its own processes")
     run.add_argument("--peers", action="store_true", help="vitrain vs timm and transformers on the same model/batch")
+    run.add_argument(
+        "--scaling",
+        action="store_true",
+        help="one process on every core vs N processes (DDP, zero2, zero3), same model and global batch",
+    )
     run.add_argument("--out", metavar="DIR", help="--ladder/--peers: where the table, JSON and PNG go")
     run.add_argument(
         "--rows", metavar="TEXT,...", help="--ladder: only rows whose names contain one of these (the rest: skipped)"
@@ -195,13 +200,13 @@ def _parser() -> argparse.ArgumentParser:
         "--nproc",
         type=int,
         default=None,
-        help="--ladder: processes per row (default: 2 on a CPU, the GPUs on CUDA)",
+        help="--ladder/--scaling: processes per row (default: 2 on a CPU, the GPUs on CUDA; scaling: the cores)",
     )
     run.add_argument(
         "--repeats",
         type=int,
         default=None,
-        help="--ladder: run every row this many times, rows taking turns; median and spread (default 1)",
+        help="--ladder/--scaling: run every row this many times, rows taking turns; median and spread (default 1; 3)",
     )
     # The ladder measures the GEMM peaks once and hands them to its rows: fp32=TFLOPS,bf16=TFLOPS.
     run.add_argument("--peaks", default=None, help=argparse.SUPPRESS)
@@ -513,10 +518,11 @@ def _data_index(args: argparse.Namespace) -> int:
 def _bench_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    if args.ladder or args.peers:
+    if args.ladder or args.peers or args.scaling:
         import importlib
 
-        module = importlib.import_module("vitrain.bench.ladder" if args.ladder else "vitrain.bench.peers")
+        which = "ladder" if args.ladder else "peers" if args.peers else "scaling"
+        module = importlib.import_module(f"vitrain.bench.{which}")
         # Without a recipe these benchmarks use their own model (ViT-Ti/16, ViT-S/16 at 224 px), not digits.
         has_recipe = bool(args.args) and "=" not in args.args[0]
         name, overrides = (args.args[0], args.args[1:]) if has_recipe else (None, list(args.args))
