@@ -36,12 +36,20 @@ def run_autotune(cfg):
 
 
 def fake_steps(monkeypatch, seconds):
-    """Candidates whose steps take the given seconds: (mode, attention) -> s; records what ran."""
+    """Candidates whose steps take the given seconds: (mode, attention) -> s, or (wrap,) -> s; records what ran."""
     ran = []
 
-    def candidate(race, mode, attention):
-        ran.append((mode, attention))
-        return lambda: seconds[(mode, attention)]
+    def candidate(race, values):
+        key = (
+            (values["parallel.wrap"],)
+            if "parallel.wrap" in values
+            else (
+                values.get("precision.mode"),
+                values.get("model.attention"),
+            )
+        )
+        ran.append(key)
+        return lambda: seconds[key]
 
     monkeypatch.setattr(tune._Race, "candidate", candidate)
     return ran
@@ -58,9 +66,18 @@ def test_only_auto_values_are_tuned(tmp_path):
     # DeepSpeed: auto precision keeps its rules (vitrain/precision.py); attention is still timed.
     deepspeed = auto_cfg(tmp_path, "train.engine=deepspeed", "parallel.strategy=ddp")
     assert tune.candidates(deepspeed, CPU, pipelined=False) == {"model.attention": ["sdpa", "manual"]}
-    # Under zero2/zero3 and pipeline stages one device may not hold the whole model: nothing is timed.
+    # Under zero2/zero3 and pipeline stages one device may not hold the whole model: nothing is timed but the
+    # FSDP unit, where it is auto.
     assert tune.candidates(auto_cfg(tmp_path, "parallel.strategy=zero3"), CPU, pipelined=False) == {}
     assert tune.candidates(auto_cfg(tmp_path), CPU, pipelined=True) == {}
+    for strategy in ("zero2", "zero3"):
+        sharded = auto_cfg(tmp_path, f"parallel.strategy={strategy}", "parallel.wrap=auto")
+        assert tune.candidates(sharded, CPU, pipelined=False) == {"parallel.wrap": ["model", "block", "sublayer"]}
+        assert tune.candidates(sharded, CPU, pipelined=True) == {}
+    assert tune.candidates(auto_cfg(tmp_path, "parallel.strategy=ddp", "parallel.wrap=auto"), CPU, False) == {
+        "precision.mode": ["fp32", "amp_o1", "amp_o2"],
+        "model.attention": ["sdpa", "manual"],
+    }
 
 
 def test_the_fastest_combination_wins_where_the_keys_interact(tmp_path, autotune_on, monkeypatch):
@@ -234,3 +251,49 @@ def test_every_rank_races_the_face_task_with_its_collective_head_and_agrees(tmp_
     run_two_ranks(_face_autotune_on_two_ranks, tmp_path, faces, tmp_path / "cache")
     decisions = [json.loads((tmp_path / f"decision{rank}.json").read_text()) for rank in (0, 1)]
     assert decisions[0] == decisions[1]
+
+
+def test_the_fsdp_unit_is_the_fastest_measured_under_the_runs_own_sharding(tmp_path, autotune_on, monkeypatch):
+    ran = fake_steps(monkeypatch, {("model",): 0.030, ("block",): 0.020, ("sublayer",): 0.024})
+    cfg = auto_cfg(tmp_path, "parallel.strategy=zero3", "parallel.wrap=auto")
+    decision = run_autotune(cfg)
+    assert decision.values == {"parallel.wrap": "block"} and sorted(ran) == [("block",), ("model",), ("sublayer",)]
+    assert decision.images_per_s["wrap=block"] == max(decision.images_per_s.values())
+    assert "the fastest: parallel.wrap=block" in decision.reason
+    # The unit is raced over the ranks: another strategy is another decision.
+    zero2 = auto_cfg(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto")
+    assert tune.cache_path(zero2, CPU, tune.candidates(zero2, CPU, False)) != tune.cache_path(
+        cfg, CPU, tune.candidates(cfg, CPU, False)
+    )
+
+
+def test_a_zero3_run_with_wrap_auto_races_real_sharded_units_and_trains_with_the_winner(tmp_path, autotune_on):
+    cfg = load_config(
+        None, tiny_overrides(tmp_path, "parallel.strategy=zero3", "parallel.wrap=auto", "train.max_steps=2")
+    )
+    trainer = Trainer(cfg)
+    try:
+        decision = trainer.tuned
+        wrap = decision.values["parallel.wrap"]
+        assert set(decision.images_per_s) == {"wrap=model", "wrap=block", "wrap=sublayer"}
+        measured = {k: v for k, v in decision.images_per_s.items() if k.removeprefix("wrap=") not in decision.notes}
+        assert decision.images_per_s[f"wrap={wrap}"] == max(measured.values())  # never a slower one
+        assert trainer.cfg.parallel.wrap == wrap
+        units = [m for m in trainer.model.modules() if hasattr(m, "_get_fsdp_state")]
+        expected = {"model": 1, "block": 1 + 2, "sublayer": 1 + 2 + 4}[wrap]  # the root, 2 blocks, their attn + mlp
+        assert len(units) == expected, [type(m).__name__ for m in units]
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary["steps"] == 2
+    assert f"autotune: parallel.wrap={wrap}" in (trainer.run_dir / "log.txt").read_text()
+
+
+def test_wrap_auto_without_autotune_is_block(tmp_path, monkeypatch):
+    monkeypatch.setenv(tune.TUNE_ENV, "0")
+    cfg = load_config(None, tiny_overrides(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto"))
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.tuned is None and trainer.cfg.parallel.wrap == "block"
+    finally:
+        trainer.close()

@@ -409,7 +409,7 @@ def _recipe_setting(cfg) -> dict:
         raise ConfigError("vitrain estimate models fp32, amp_o1 and amp_o2; precision.mode=pure is not modelled")
     return {
         "strategy": p.strategy,
-        "wrap": p.wrap,
+        "wrap": "block" if p.wrap == "auto" else p.wrap,  # a config's auto, estimated as its rule
         "offload": p.offload == "params",
         "ac": p.activation_checkpointing != "none",
         "batch": cfg.train.batch_size,

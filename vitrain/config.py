@@ -276,8 +276,9 @@ class ParallelConfig:
     # zero2 / zero3: FSDP2 sharding that keeps / frees the gathered parameters between forward and backward.
     strategy: Literal["single", "ddp", "zero1", "zero2", "zero3"] = "single"
     # FSDP unit: the whole model, each block (peak = one block), or each block's attention and MLP separately
-    # (sublayer: half a block's parameters gathered at a time, for the lowest peak).
-    wrap: Literal["model", "block", "sublayer"] = "block"
+    # (sublayer: half a block's parameters gathered at a time, for the lowest peak); auto: autotune times the three
+    # under the run's own zero2/zero3 and keeps the fastest (block where it does not run).
+    wrap: Literal["auto", "model", "block", "sublayer"] = "block"
     # The class name of the repeated block that is a sharding unit and what activation checkpointing recomputes, for
     # a model other than vitrain's ViT; empty: the longest ModuleList/Sequential of one class (vitrain/models/plan.py).
     block: str = ""

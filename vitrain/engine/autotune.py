@@ -9,11 +9,15 @@ What is tuned, and among what:
   Under zero2/zero3 and pipelines auto keeps its rules in vitrain/precision.py.
 - `model.attention=auto`: sdpa and manual (the same weights and function; different kernels), where each device
   holds the whole model (single/ddp/zero1, no pipeline stages; elsewhere auto attention is sdpa).
+- `parallel.wrap=auto` (native engine, zero2/zero3, no pipeline stages): the FSDP unit, the whole model, each block or
+  each block's attention and MLP, timed under the run's own strategy over every rank (the units decide how many
+  collectives a step makes and how much of the model is gathered at once); block where it does not run.
 
 Each candidate is the run's own training step (vitrain/engine/step.py) over a native engine set up for it: the
 run's model built by its task from the candidate's config (the attention kernel is a config value, not a patch),
 the task's head and loss, the run's optimizer, on the run's first batch; one device per process (the strategy's
-wrapper and its communication are left out alike for every candidate). Every rank runs the race in lockstep (a
+wrapper and its communication are left out alike for every candidate), except for the FSDP unit, which is raced
+under the run's own sharding. Every rank runs the race in lockstep (a
 task's loss may be collective, as the face head's is) and each step counts at its slowest rank, so every rank makes
 the same choices; rank 0 reads and writes the cache. Two warm-up steps, then up to `steps` timed ones, the
 candidates taking turns; one 1.5x slower than the best in the first timed round is dropped (where steps take
@@ -29,6 +33,7 @@ import copy
 import dataclasses
 import gc
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -53,6 +58,8 @@ from vitrain.tasks import teacher_of
 TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
 CACHE_ENV = "VITRAIN_CACHE_DIR"
 PRECISION_STRATEGIES = ("single", "ddp", "zero1")
+SHARDED_STRATEGIES = ("zero2", "zero3")
+WRAPS = ("model", "block", "sublayer")
 PRUNE_RATIO = 1.5
 WARMUP_DROP_RATIO = 2.0
 SLOW_STEP_S = 5.0  # a warm-up step longer than this: one timed step per candidate instead of `steps`
@@ -92,6 +99,9 @@ def candidates(cfg: Config, device: torch.device, pipelined: bool) -> dict[str, 
         tuned["precision.mode"] = ["fp32", "amp_o1", "amp_o2"]
     if replicated and cfg.model.attention == "auto":
         tuned["model.attention"] = ["sdpa", "manual"]
+    sharded = cfg.parallel.strategy in SHARDED_STRATEGIES and not pipelined
+    if sharded and cfg.parallel.wrap == "auto" and cfg.train.engine == "native":
+        tuned["parallel.wrap"] = list(WRAPS)
     return tuned
 
 
@@ -127,28 +137,25 @@ def autotune(
     rounds: list[str] = []
     # Every combination: the keys interact (on a CPU sdpa's bf16 backward is slow while manual attention gains from
     # bf16, so precision judged under one kernel can pick the wrong pair). Slow candidates leave the race early.
-    labels = {}
-    for mode in options.get("precision.mode", [None]):
-        for attention in options.get("model.attention", [None]):
-            label = _label(mode, attention)
-            if mode is not None and (reason := fits(mode)):
-                notes[label] = reason
-            else:
-                labels[label] = (mode, attention)
+    labels: dict[str, dict[str, str]] = {}
+    for combination in itertools.product(*options.values()):
+        values = dict(zip(options, combination, strict=True))
+        label = _label(values)
+        mode = values.get("precision.mode")
+        if mode is not None and (reason := fits(mode)):
+            notes[label] = reason
+        else:
+            labels[label] = values
     # Taking turns keeps every candidate in memory at once: where they would not all fit (or on a GPU, where a
     # run fills the memory and timings are steadier), one at a time instead. The processes of a node share it.
-    together = sum(need(labels[label][0]) for label in labels) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    together = sum(need(values.get("precision.mode")) for values in labels.values())
+    together *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     interleave = broadcast_object(device.type == "cpu" and (available is None or together < available))
     with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
         race = _Race(cfg, task, dist, sample())
-        mode, attention = _race(race, labels, steps, seconds, notes, rounds, interleave)
+        values = _race(race, labels, steps, seconds, notes, rounds, interleave)
     batch = cfg.train.batch_size
     images_per_s = {label: batch / s for label, s in seconds.items()}
-    values = {}
-    if mode is not None:
-        values["precision.mode"] = mode
-    if attention is not None:
-        values["model.attention"] = attention
     measured = "; ".join(rounds)
     skipped = "".join(f"; {label}: {note}" for label, note in notes.items() if label not in seconds)
     where = "GPU " + torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description().split(";")[0]
@@ -172,13 +179,16 @@ class _Race:
         self.cfg, self.task, self.dist, self.device = cfg, task, dist, dist.device
         self.batch = [batch]
 
-    def candidate(self, mode: str | None, attention: str | None) -> Callable[[], float]:
+    def candidate(self, values: dict[str, str]) -> Callable[[], float]:
         cfg = self.cfg
-        parallel = dataclasses.replace(cfg.parallel, strategy="single", pipeline_stages=1)
+        if "parallel.wrap" in values:  # the unit is raced under the run's own sharding, over every rank
+            parallel = dataclasses.replace(cfg.parallel, wrap=values["parallel.wrap"])
+        else:
+            parallel = dataclasses.replace(cfg.parallel, strategy="single", pipeline_stages=1)
         cfg = dataclasses.replace(
             cfg,
-            precision=dataclasses.replace(cfg.precision, mode=mode or cfg.precision.mode),
-            model=dataclasses.replace(cfg.model, attention=attention or cfg.model.attention),
+            precision=dataclasses.replace(cfg.precision, mode=values.get("precision.mode", cfg.precision.mode)),
+            model=dataclasses.replace(cfg.model, attention=values.get("model.attention", cfg.model.attention)),
             parallel=parallel,
         )
         task = copy.copy(self.task)  # the run's task (its data), building the candidate's model and head
@@ -203,14 +213,14 @@ class _Race:
 
 def _race(
     race: _Race,
-    labels: dict[str, tuple[str | None, str | None]],
+    labels: dict[str, dict[str, str]],
     steps: int,
     seconds: dict[str, float],
     notes: dict[str, str],
     rounds: list[str],
     interleave: bool = True,
-) -> tuple[str | None, str | None]:
-    """Time the candidates round-robin (a passing load slows each alike); returns the fastest (mode, attention).
+) -> dict[str, str]:
+    """Time the candidates round-robin (a passing load slows each alike); returns the fastest's values.
 
     Warm-up: two steps each (allocator and kernel caches settle after the first); where a step is slow (over
     SLOW_STEP_S), one, after which a candidate over WARMUP_DROP_RATIO x the best is dropped. Then `steps` timed
@@ -219,7 +229,7 @@ def _race(
     """
     if not interleave:
         return _one_at_a_time(race, labels, steps, seconds, rounds)
-    runs = {label: race.candidate(*labels[label]) for label in labels}
+    runs = {label: race.candidate(labels[label]) for label in labels}
     first = {label: run() for label, run in runs.items()}
     slow = max(first.values()) > SLOW_STEP_S
     for label in list(runs):  # slow steps: a first step twice the best one's is not worth timing further
@@ -257,14 +267,14 @@ def _race(
 
 def _one_at_a_time(
     race: _Race,
-    labels: dict[str, tuple[str | None, str | None]],
+    labels: dict[str, dict[str, str]],
     steps: int,
     seconds: dict[str, float],
     rounds: list[str],
-) -> tuple[str | None, str | None]:
+) -> dict[str, str]:
     measured = {}
-    for label, (mode, attention) in labels.items():
-        run = race.candidate(mode, attention)
+    for label, values in labels.items():
+        run = race.candidate(values)
         slow = run() > SLOW_STEP_S
         if not slow:
             run()
@@ -282,8 +292,11 @@ def _one_at_a_time(
     return labels[min(measured, key=measured.get)]
 
 
-def _label(mode: str | None, attention: str | None) -> str:
-    return " + ".join(part for part in (mode and f"{mode}{'' if mode == 'fp32' else ' bf16'}", attention) if part)
+def _label(values: dict[str, str]) -> str:
+    """A candidate's name in the log: `amp_o2 bf16 + manual`, `wrap=block`."""
+    mode, attention, wrap = (values.get(k) for k in ("precision.mode", "model.attention", "parallel.wrap"))
+    parts = (mode and f"{mode}{'' if mode == 'fp32' else ' bf16'}", attention, wrap and f"wrap={wrap}")
+    return " + ".join(part for part in parts if part)
 
 
 def _memory_check(cfg: Config, available: int | None) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
@@ -323,6 +336,8 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
         "precision": [cfg.precision.mode, cfg.precision.dtype],
         "options": options,
     }
+    if "parallel.wrap" in options:  # raced over every rank: the strategy and the ranks are part of the shape
+        key["parallel"] = [cfg.parallel.strategy, os.environ.get("WORLD_SIZE", "1"), cfg.parallel.offload]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"
     return root / f"{digest}.json"

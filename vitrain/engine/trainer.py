@@ -29,6 +29,7 @@ from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
 from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError, VitrainError
+from vitrain.models.plan import AUTO_WRAP
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
@@ -93,6 +94,10 @@ class Trainer:
         if self.tuned is not None and "model.attention" in self.tuned.values:
             model_cfg = dataclasses.replace(cfg.model, attention=self.tuned.values["model.attention"])
             cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, model=model_cfg)
+        if cfg.parallel.wrap == "auto":  # the unit autotune timed fastest, or its rule (vitrain/models/plan.py)
+            wrap = self.tuned.values.get("parallel.wrap", AUTO_WRAP) if self.tuned is not None else AUTO_WRAP
+            parallel_cfg = dataclasses.replace(cfg.parallel, wrap=wrap)
+            cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, parallel=parallel_cfg)
 
         # parallel.sharded_init: built on the meta device; the strategy draws this rank's shards of the same weights.
         with torch.device("meta") if cfg.parallel.sharded_init else contextlib.nullcontext():

@@ -84,6 +84,9 @@ def stage_blocks(depth: int, stages: int) -> list[range]:
     return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
+AUTO_WRAP = "block"  # what parallel.wrap=auto is where autotune does not time it
+
+
 def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[str, ...] = ()) -> ParallelPlan:
     """The model's own plan (`model.parallel_plan(wrap)`), or one read from its repeated blocks.
 
@@ -91,6 +94,7 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
     children share one class. `fp32_modules`: class names grouped with the norms as fp32 units (a model of vitrain's
     own names its norms itself).
     """
+    wrap = AUTO_WRAP if wrap == "auto" else wrap  # autotune did not decide it (vitrain/engine/autotune.py)
     own = getattr(model, "parallel_plan", None)
     if own is not None:
         plan = own(wrap)
