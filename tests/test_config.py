@@ -79,6 +79,21 @@ def test_preset_fills_architecture_and_explicit_fields_override_it():
     assert (cfg.model.width, cfg.model.heads, cfg.model.mlp_dim, cfg.model.depth) == (768, 12, 3072, 6)
 
 
+def test_a_preset_on_the_command_line_replaces_the_recipes_architecture(tmp_path):
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text(
+        "model:\n  image_size: 16\n  patch_size: 4\n  width: 128\n  depth: 4\n  heads: 4\n  in_chans: 1\n"
+    )
+    cfg = load_config(recipe, ["model.preset=vit_small_patch16"]).model
+    assert (cfg.image_size, cfg.patch_size, cfg.width, cfg.depth, cfg.heads) == (224, 16, 384, 12, 6)
+    assert cfg.in_chans == 1  # not part of a preset: the recipe's
+    cfg = load_config(recipe, ["model.preset=vit_small_patch16", "model.image_size=64"]).model
+    assert (cfg.image_size, cfg.width) == (64, 384)
+    # A preset in the recipe itself is filled in under the recipe's own fields, as before.
+    recipe.write_text("model:\n  preset: vit_small_patch16\n  image_size: 32\n")
+    assert load_config(recipe, []).model.image_size == 32
+
+
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(ConfigError, match=r"unknown config key model\.dpeth; did you mean model\.depth\?"):
         load_config(None, ["model.dpeth=6"])

@@ -409,12 +409,20 @@ def load_config(
     check: bool = True,
 ) -> Config:
     """Resolve a config: defaults <- model preset <- YAML file (or `base` dict) <- `section.key=value` overrides;
-    validated unless `check` is off (a resume reads only where the run is from it, and checks the run's own)."""
+    validated unless `check` is off (a resume reads only where the run is from it, and checks the run's own).
+
+    A preset named by an override replaces the architecture the file gives (`vitrain bench model.preset=
+    vit_base_patch16` on the digits recipe is ViT-B/16 at 224 px, not its width on 16 px digits); the overrides'
+    own architecture fields still win over it."""
     raw: dict[str, Any] = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         raw = _read_yaml(Path(path))
-    for item in overrides or []:
-        _merge(raw, _parse_override(item))
+    parsed = [_parse_override(item) for item in overrides or []]
+    if any(isinstance(p.get("model"), dict) and "preset" in p["model"] for p in parsed):
+        for key in PRESET_FIELDS:
+            (raw.get("model") or {}).pop(key, None)
+    for item in parsed:
+        _merge(raw, item)
     _apply_preset(raw)
     cfg = _build(Config, raw, prefix="")
     if check:
@@ -615,6 +623,9 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
             base[k] = v
 
 
+PRESET_FIELDS = ("width", "depth", "heads", "mlp_dim", "patch_size", "image_size")  # what a model preset sets
+
+
 def _apply_preset(raw: dict[str, Any]) -> None:
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("preset"):
@@ -626,14 +637,7 @@ def _apply_preset(raw: dict[str, Any]) -> None:
         close = difflib.get_close_matches(str(model["preset"]), preset_names(), n=1)
         hint = f"did you mean {close[0]}?" if close else "run `vitrain models` for the list"
         raise ConfigError(f"model.preset={model['preset']} is not a known preset; {hint}")
-    arch = {
-        "width": preset.width,
-        "depth": preset.depth,
-        "heads": preset.heads,
-        "mlp_dim": preset.mlp_dim,
-        "patch_size": preset.patch_size,
-        "image_size": preset.image_size,
-    }
+    arch = {field: getattr(preset, field) for field in PRESET_FIELDS}
     raw["model"] = {**arch, **model, "preset": preset.name}
 
 
