@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vitrain.bench import write_results
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED, dtype_key
 from vitrain.config import Config
@@ -226,11 +226,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     out.mkdir(parents=True, exist_ok=True)
     result = compare(cfg, steps, warmup)
     result["command"] = " ".join(["vitrain", *sys.argv[1:]])
-    (out / "peers.json").write_text(json.dumps(result, indent=2) + "\n")
-    markdown = to_markdown(result)
-    (out / "peers.md").write_text(markdown)
-    print(markdown)
-    print(f"wrote {out / 'peers.md'} and {out / 'peers.json'}")
+    write_results(out, "peers", result, to_markdown(result))
     return 0
 
 

@@ -16,7 +16,6 @@ latency, the optimizer step).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from vitrain.bench import write_results
 from vitrain.bench.ladder import Row, _run_row, _settle
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
@@ -110,11 +110,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     )
     summary["wall_s"] = time.perf_counter() - started
     summary["command"] = shlex.join(["vitrain", *sys.argv[1:]])
-    (out / "scaling.json").write_text(json.dumps(summary, indent=2) + "\n")
-    markdown = to_markdown(summary)
-    (out / "scaling.md").write_text(markdown)
-    print(markdown)
-    print(f"wrote {out / 'scaling.md'} and {out / 'scaling.json'}")
+    write_results(out, "scaling", summary, to_markdown(summary))
     return 0
 
 
