@@ -19,6 +19,12 @@ class Preset:
     image_size: int = 224
     # timm model that has exactly this architecture (None for vitrain's own large presets).
     timm_name: str | None = None
+    num_frames: int = 1  # > 1: a space-time video ViT (model.name=video_vit) over clips of this many frames
+    tubelet_size: int = 1  # video: frames per tubelet token
+
+    @property
+    def is_video(self) -> bool:
+        return self.num_frames > 1
 
 
 PRESETS: dict[str, Preset] = {
@@ -37,6 +43,11 @@ PRESETS: dict[str, Preset] = {
         Preset("vit_22b_patch14", "ViT-22B/14", 6144, 48, 48, 24576, 14),
         Preset("vit_60b_patch14", "ViT-60B/14", 8192, 74, 64, 32768, 14),
         Preset("vit_120b_patch14", "ViT-120B/14", 12288, 66, 96, 49152, 14),
+        # Space-time ViTs as VideoMAE builds them (Tong et al. 2022): 16 frames of 224 px in 2x16x16 tubelets (1,568
+        # tokens), joint space-time attention, mean pooling, fixed sine-cosine positions (tests/test_video.py).
+        Preset("video_vit_tiny_patch16", "ViViT-Ti/16x2", 192, 12, 3, 768, 16, num_frames=16, tubelet_size=2),
+        Preset("video_vit_small_patch16", "ViViT-S/16x2", 384, 12, 6, 1536, 16, num_frames=16, tubelet_size=2),
+        Preset("video_vit_base_patch16", "ViViT-B/16x2", 768, 12, 12, 3072, 16, num_frames=16, tubelet_size=2),
     ]
 }
 
