@@ -64,10 +64,6 @@ def check(cfg: Config) -> None:
         from vitrain.data.video import check as check_video  # PyAV is imported only where clips are decoded
 
         check_video(cfg)
-    elif m.num_frames > 1 and d.source in ("digits", "folder", "prepared", "shards", "recordio", "synthetic"):
-        raise ConfigError(
-            f"model.num_frames={m.num_frames} takes clips; data.source={d.source} gives images: set data.source=video"
-        )
 
 
 def _check_strong(cfg: Config) -> None:
