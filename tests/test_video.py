@@ -221,3 +221,19 @@ def test_zero3_amp_o2_and_checkpointing_on_two_ranks_resume_in_one_process_and_e
     weights = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert weights["patch_embed.proj.weight"].shape == (32, 3, 2, 4, 4)  # the tubelet kernel, in fp32
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())
+
+
+def test_the_trainer_inflates_model_inflate_from_before_training(tmp_path):
+    from vitrain.engine import Trainer
+
+    make_clip_tree(tmp_path / "clips", frames=6)
+    image, _, path = _image_and_video(tmp_path, "cls")
+    cfg = load_config(overrides=[*_cli_overrides(tmp_path, tmp_path / "clips"), f"model.inflate_from={path}",
+                                 "model.inflate=center"])  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        kernel = trainer.model.patch_embed.proj.weight.detach()
+        assert torch.equal(kernel[:, :, 1], image.patch_embed.proj.weight) and not kernel[:, :, 0].any()
+        assert torch.equal(trainer.model.blocks[1].mlp.fc2.weight, image.blocks[1].mlp.fc2.weight)
+    finally:
+        trainer.close()
