@@ -167,13 +167,26 @@ def _cli_overrides(tmp_path: Path, root: Path, *extra: str) -> list[str]:
             "log.progress=false", "log.every_steps=1", f"log.out_dir={tmp_path / 'runs'}", *extra]  # fmt: skip
 
 
-def test_the_cli_trains_a_video_vit_on_clips_and_reports_clip_and_video_accuracy(tmp_path):
+def test_the_cli_trains_the_frame_baseline_and_a_video_vit_that_reports_it(tmp_path):
     make_clip_tree(tmp_path / "clips")
-    done = run_cli("train", *_cli_overrides(tmp_path, tmp_path / "clips", "name=clips"))
+    image = ["model.name=vit", "model.num_frames=1", "model.tubelet_size=1", "task.eval_clips=4", "name=frames"]
+    done = run_cli("train", *_cli_overrides(tmp_path, tmp_path / "clips", *image))
+    assert done.returncode == 0, done.stderr
+    frames = json.loads((tmp_path / "runs" / "frames" / "summary.json").read_text())
+    assert frames["val_samples"] == 4 * 4 and frames["eval_clips"] == 4  # 4 frames of each of 4 videos averaged
+    baseline = f"task.baseline_run={tmp_path / 'runs' / 'frames'}"
+    done = run_cli("train", *_cli_overrides(tmp_path, tmp_path / "clips", "name=clips", baseline))
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "runs" / "clips" / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["val_videos"] == 4 and summary["val_samples"] == 8
     assert 0.0 <= summary["val_video_top1"] <= 1.0 and "val_top1" in summary
+    assert summary["baseline"]["val_video_top1"] == frames["val_video_top1"]
+
+
+def test_a_baseline_run_without_a_summary_is_refused_before_training(tmp_path):
+    make_clip_tree(tmp_path / "clips", frames=4)
+    done = run_cli("train", *_cli_overrides(tmp_path, tmp_path / "clips", f"task.baseline_run={tmp_path / 'none'}"))
+    assert done.returncode == 2 and "has no readable summary.json; train the baseline first" in done.stderr
 
 
 def test_the_cli_names_a_gap_in_a_frame_folder_and_exits_2(tmp_path):

@@ -400,6 +400,9 @@ class TaskConfig:
     # video: clips per validation video, uniformly spaced, their logits averaged for the video accuracy (Kinetics'
     # multi-view protocol); 1: the centre clip
     eval_clips: int = 4
+    # video: a finished run of the frame-averaged image baseline (its folder, with summary.json); its top-1 is reported
+    # as `baseline` in this run's summary beside the model's own. Empty: none.
+    baseline_run: str = ""
 
 
 @dataclass

@@ -11,6 +11,7 @@ random frames, and evaluation averages the logits of eval_clips frames per video
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ class VideoTask:
         self.model = model  # a module or factory from the library caller; None: the one model.name names
         self.data = data  # (train, val) clip sets or a function of the config making them; None: data.source's
         self.val_loader: Any = None
+        self.baseline: dict[str, Any] | None = None  # task.baseline_run's accuracy
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -50,10 +52,27 @@ class VideoTask:
             )
 
     def build_data(self, device: torch.device, rank: int, world_size: int) -> Any:
+        self.baseline = self._baseline()
         train, self.val_loader = build_loaders(self.cfg, device, rank, world_size, self.data)
         if not hasattr(self.val_loader.data, "video_of"):
             raise DataError("task.name=video needs clip sets (video_of, videos) from data.source=video")
         return train
+
+    def _baseline(self) -> dict[str, Any] | None:
+        """task.baseline_run's accuracy, read before training so that a wrong path costs nothing."""
+        run = self.cfg.task.baseline_run
+        if not run:
+            return None
+        path = Path(run).expanduser() / "summary.json"
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise ConfigError(
+                f"task.baseline_run={run} has no readable summary.json; train the baseline first (vitrain train "
+                "video-weizmann-baseline) or leave task.baseline_run empty"
+            ) from None
+        keys = ("val_video_top1", "val_top1", "eval_clips")
+        return {"run": str(run), **{k: summary[k] for k in keys if k in summary}}
 
     def build_model(self) -> nn.Module:
         return build_model(self.cfg.model, model=self.model)
@@ -104,13 +123,17 @@ class VideoTask:
             "val_samples": int(total),
             "val_videos": videos,
             "eval_clips": data.clips,
-        }
+        } | ({"baseline": self.baseline} if self.baseline is not None else {})
 
     def eval_line(self, metrics: dict[str, Any]) -> str:
-        return (
+        line = (
             f"val_video_top1={metrics['val_video_top1']:.4f} ({metrics['eval_clips']} clips/video) "
             f"val_top1={metrics['val_top1']:.4f} val_top5={metrics['val_top5']:.4f} val_loss={metrics['val_loss']:.4f}"
         )
+        baseline = metrics.get("baseline", {})
+        if "val_video_top1" in baseline:
+            line += f" | baseline val_video_top1={baseline['val_video_top1']:.4f} ({baseline['run']})"
+        return line
 
     def describe_data(self) -> str:
         data = self.val_loader.data
