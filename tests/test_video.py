@@ -181,6 +181,10 @@ def test_the_cli_trains_the_frame_baseline_and_a_video_vit_that_reports_it(tmp_p
     assert summary["steps"] == 4 and summary["val_videos"] == 4 and summary["val_samples"] == 8
     assert 0.0 <= summary["val_video_top1"] <= 1.0 and "val_top1" in summary
     assert summary["baseline"]["val_video_top1"] == frames["val_video_top1"]
+    done = run_cli("eval", str(tmp_path / "runs" / "clips"))  # the latest checkpoint is the final one
+    assert done.returncode == 0, done.stderr
+    evaluated = json.loads(done.stdout)
+    assert evaluated["val_video_top1"] == summary["val_video_top1"] and evaluated["val_samples"] == 8
 
 
 def test_a_baseline_run_without_a_summary_is_refused_before_training(tmp_path):

@@ -311,6 +311,11 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--pairs, --root and --out verify face models; {path} was trained with task.name={cfg.task.name}"
         )
+    elif cfg.task.name == "video":  # clip and multi-clip video accuracy (vitrain/tasks/video.py)
+        task = build_task(cfg)
+        task.build_data(device, 0, 1)
+        metrics = task.evaluate(model, True, ckpt.run_dir_of(path))
+        result = {"checkpoint": str(path), "step": meta.get("step"), **metrics}
     else:
         _, loader = build_loaders(cfg, device)
         metrics = evaluate(model, loader, flip=cfg.train.eval_flip)
