@@ -155,8 +155,8 @@ class DataConfig:
     # (<class>/<clip>.mp4|.avi); a tree may hold both (docs/video.md)
     video_frames: bool = False
     frame_stride: int = 1  # data.source=video: a clip takes every this-many-th frame (model.num_frames of them)
-    # data.source=video: clips whose path (relative to data.root) matches this regex are the validation split
-    # (e.g. "actor[678]_"); empty: train_split/val_split folders, else val_fraction of the clips held out
+    # data.source=video: clips whose path (relative to data.root) matches this regex, such as "actor[678]_", are the
+    # validation split; empty: train_split/val_split folders, else val_fraction of the clips held out
     val_match: str = ""
 
 

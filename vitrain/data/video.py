@@ -172,7 +172,8 @@ def split_clips(names: list[str], cfg: Config) -> tuple[list[int], list[int]]:
         if not val or len(val) == len(names):
             what = "no clip" if not val else "every clip"
             raise DataError(f"data.val_match={d.val_match!r} matches {what} of {len(names)}; it must leave both splits")
-        return val, [i for i in range(len(names)) if i not in set(val)]
+        held_out = set(val)
+        return val, [i for i in range(len(names)) if i not in held_out]
     folders = [PurePosixPath(n).parts[:-2] for n in names]
     val = [i for i, parts in enumerate(folders) if d.val_split in parts]
     if val:
