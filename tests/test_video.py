@@ -17,7 +17,7 @@ from vitrain.cli import main
 from vitrain.config import load_config
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import build_model, complexity, count_parameters, plan_of
-from vitrain.models.video import VideoTransformer, inflate_into
+from vitrain.models.video import VideoTransformer, inflate_into, sincos_3d
 from vitrain.models.vit import Block, VisionTransformer
 
 VIDEO_CFG = dataclasses.replace(VIDEO_MODEL, name="video_vit")
@@ -43,6 +43,13 @@ def test_the_video_model_counts_its_own_parameters_and_flops_exactly(pool, pos_e
     n, d, h, kernel = 32 + (pool == "cls"), 32, 128, 2 * 4 * 4 * 3
     blocks = 2 * (n * 3 * d * d + 2 * n * n * d + n * d * d + 2 * n * d * h)
     assert complexity(cfg).macs == 32 * kernel * d + blocks + d * 2
+
+
+def test_the_fixed_space_time_table_gives_every_tubelet_position_its_own_row():
+    table = sincos_3d(frames=3, grid=4, width=32)
+    assert table.shape == (3 * 16, 32)
+    assert len({tuple(row.tolist()) for row in table}) == 48
+    assert torch.equal(table[:16, 10:], table[16:32, 10:])  # time owns the first 2 x 5 channels, space the rest
 
 
 def test_the_same_blocks_as_the_image_vit_are_its_sharding_and_checkpointing_units():
