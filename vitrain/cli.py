@@ -327,6 +327,11 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--pairs, --root and --out verify face models; {path} was trained with task.name={cfg.task.name}"
         )
+    elif cfg.task.name == "video":  # clip and multi-clip video accuracy (vitrain/tasks/video.py)
+        task = build_task(cfg)
+        task.build_data(device, 0, 1)
+        metrics = task.evaluate(model, True, ckpt.run_dir_of(path))
+        result = {"checkpoint": str(path), "step": meta.get("step"), **metrics}
     else:
         _, loader = build_loaders(cfg, device)
         metrics = evaluate(model, loader, flip=cfg.train.eval_flip)
@@ -426,12 +431,14 @@ def _models(args: argparse.Namespace) -> int:
     from vitrain.models import PRESETS, complexity
 
     bytes_per_param = 16  # fp32 AdamW: weights 4 + gradients 4 + two moments 8
-    print(f"{'preset':<22}{'alias':<13}{'params':>16}{'image':>7}{'GFLOPs':>11}{'train GiB':>12}")
+    print(f"{'preset':<24}{'alias':<14}{'params':>16}{'image':>7}{'GFLOPs':>11}{'train GiB':>12}")
     for p in PRESETS.values():
         cost = complexity(load_config(overrides=[f"model.preset={p.name}"]).model)
         gib = cost.params * bytes_per_param / 2**30
-        print(f"{p.name:<22}{p.alias:<13}{cost.params:>16,}{p.image_size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}")
-    print("GFLOPs: one forward pass of one image, multiply-add = 2 FLOPs (timm's tables count MACs: half).")
+        size = f"{p.num_frames}x{p.image_size}" if p.is_video else str(p.image_size)
+        print(f"{p.name:<24}{p.alias:<14}{cost.params:>16,}{size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}")
+    print("GFLOPs: one forward pass of one image (video: one 16-frame clip), multiply-add = 2 FLOPs (timm's tables")
+    print("count MACs: half).")
     print("train GiB: fp32 AdamW model state (weights, gradients, two moments) without activations.")
     return 0
 

@@ -58,10 +58,23 @@ class ModelConfig:
     drop_path: float = 0.0  # stochastic depth: the last block's drop rate (linear from 0)
     dropout: float = 0.0  # dropout after the position embedding
     init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
+    # video_vit: frames of each clip the model sees (data.source=video samples this many); 1: an image model
+    num_frames: int = 1
+    # video_vit: frames per tubelet token (the Conv3d's temporal kernel and stride); must divide num_frames
+    tubelet_size: int = 1
+    # video_vit: an image ViT's weights (.safetensors/.pt/.pth, vitrain export or timm) inflated to this video model
+    # (vitrain/models/video.py); empty: random initialisation
+    inflate_from: str = ""
+    inflate: Literal["average", "center"] = "average"  # the patch embedding over time: weights / t, or centre frame
 
     @property
     def hidden_dim(self) -> int:
         return self.mlp_dim if self.mlp_dim is not None else 4 * self.width
+
+    @property
+    def num_patches(self) -> int:
+        """Patch tokens of one input: (num_frames / tubelet_size) x (image_size / patch_size)^2."""
+        return (self.num_frames // self.tubelet_size) * (self.image_size // self.patch_size) ** 2
 
     @property
     def stem(self) -> tuple[tuple[int, int], ...]:
@@ -138,6 +151,13 @@ class DataConfig:
     # in log.txt and counted as skipped_samples.
     skip_bad: int = 0
     verify: Literal["once", "always"] = "once"  # prepared data: sha256 once per file change, or every load
+    # data.source=video: read the frame folders (<class>/<clip>/NNN.jpg) instead of the video files
+    # (<class>/<clip>.mp4|.avi); a tree may hold both (docs/video.md)
+    video_frames: bool = False
+    frame_stride: int = 1  # data.source=video: a clip takes every this-many-th frame (model.num_frames of them)
+    # data.source=video: clips whose path (relative to data.root) matches this regex, such as "actor[678]_", are the
+    # validation split; empty: train_split/val_split folders, else val_fraction of the clips held out
+    val_match: str = ""
 
 
 @dataclass
@@ -378,6 +398,12 @@ class TaskConfig:
     generated_pairs: int = 3000  # generated: up to this many matched and as many mismatched pairs
     flip_fusion: bool = True  # embedding = normalize(f(image) + f(flipped image))
     baseline: bool = True  # also score the pairs with raw-pixel cosine similarity, for comparison
+    # video: clips per validation video, uniformly spaced, their logits averaged for the video accuracy (Kinetics'
+    # multi-view protocol); 1: the centre clip
+    eval_clips: int = 4
+    # video: a finished run of the frame-averaged image baseline (its folder, with summary.json); its top-1 is reported
+    # as `baseline` in this run's summary beside the model's own. Empty: none.
+    baseline_run: str = ""
 
 
 @dataclass
@@ -418,8 +444,12 @@ def load_config(
     if path is not None:
         raw = _read_yaml(Path(path))
     parsed = [_parse_override(item) for item in overrides or []]
-    if any(isinstance(p.get("model"), dict) and "preset" in p["model"] for p in parsed):
-        for key in PRESET_FIELDS:
+    named = [p["model"]["preset"] for p in parsed if isinstance(p.get("model"), dict) and "preset" in p["model"]]
+    if named:
+        from vitrain.presets import find_preset  # models import config: import late
+
+        preset = find_preset(str(named[-1]))
+        for key in PRESET_FIELDS + (VIDEO_PRESET_FIELDS if preset is not None and preset.is_video else ()):
             (raw.get("model") or {}).pop(key, None)
     for item in parsed:
         _merge(raw, item)
@@ -624,6 +654,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
 
 
 PRESET_FIELDS = ("width", "depth", "heads", "mlp_dim", "patch_size", "image_size")  # what a model preset sets
+VIDEO_PRESET_FIELDS = ("name", "num_frames", "tubelet_size", "pool", "pos_embed")  # and a video preset besides
 
 
 def _apply_preset(raw: dict[str, Any]) -> None:
@@ -638,6 +669,9 @@ def _apply_preset(raw: dict[str, Any]) -> None:
         hint = f"did you mean {close[0]}?" if close else "run `vitrain models` for the list"
         raise ConfigError(f"model.preset={model['preset']} is not a known preset; {hint}")
     arch = {field: getattr(preset, field) for field in PRESET_FIELDS}
+    if preset.is_video:  # VideoMAE's choices; the model section may still override each
+        arch |= {"name": "video_vit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size,
+                 "pool": "gap", "pos_embed": "sincos"}  # fmt: skip
     raw["model"] = {**arch, **model, "preset": preset.name}
 
 

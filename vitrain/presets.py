@@ -19,6 +19,12 @@ class Preset:
     image_size: int = 224
     # timm model that has exactly this architecture (None for vitrain's own large presets).
     timm_name: str | None = None
+    num_frames: int = 1  # > 1: a space-time video ViT (model.name=video_vit) over clips of this many frames
+    tubelet_size: int = 1  # video: frames per tubelet token
+
+    @property
+    def is_video(self) -> bool:
+        return self.num_frames > 1
 
 
 PRESETS: dict[str, Preset] = {
@@ -32,6 +38,11 @@ PRESETS: dict[str, Preset] = {
         # g/14 and G/14 use timm's non-4x MLP ratios (48/11 and 64/13), giving hidden widths 6144 and 8192.
         Preset("vit_giant_patch14", "ViT-g/14", 1408, 40, 16, 6144, 14, timm_name="vit_giant_patch14_224"),
         Preset("vit_gigantic_patch14", "ViT-G/14", 1664, 48, 16, 8192, 14, timm_name="vit_gigantic_patch14_224"),
+        # Space-time ViTs as VideoMAE builds them (Tong et al. 2022): 16 frames of 224 px in 2x16x16 tubelets (1,568
+        # tokens), joint space-time attention, mean pooling, fixed sine-cosine positions (tests/test_video.py).
+        Preset("video_vit_tiny_patch16", "ViViT-Ti/16x2", 192, 12, 3, 768, 16, num_frames=16, tubelet_size=2),
+        Preset("video_vit_small_patch16", "ViViT-S/16x2", 384, 12, 6, 1536, 16, num_frames=16, tubelet_size=2),
+        Preset("video_vit_base_patch16", "ViViT-B/16x2", 768, 12, 12, 3072, 16, num_frames=16, tubelet_size=2),
         # Large presets: 4x MLP, head dim 128, width a multiple of 1024 so that every matmul tiles well.
         Preset("vit_10b_patch14", "ViT-10B/14", 5120, 32, 40, 20480, 14),
         Preset("vit_22b_patch14", "ViT-22B/14", 6144, 48, 48, 24576, 14),

@@ -24,10 +24,11 @@ from vitrain.errors import ConfigError
 
 KINDS = ("model", "task", "engine", "data")
 _BUILTIN: dict[str, dict[str, str]] = {
-    "model": {"vit": "vitrain.models:build_vit"},
+    "model": {"vit": "vitrain.models:build_vit", "video_vit": "vitrain.models.video:build_video_vit"},
     "task": {
         "classification": "vitrain.tasks.classification:ClassificationTask",
         "face": "vitrain.tasks.face:FaceTask",
+        "video": "vitrain.tasks.video:VideoTask",
     },
     "engine": {"native": "vitrain.engine.native:NativeEngine", "deepspeed": "vitrain.engine.deepspeed:DeepSpeedEngine"},
     "data": {
@@ -37,6 +38,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "recordio": "vitrain.data.records:recordio_source",
         "shards": "vitrain.data.stream:shards_source",
         "synthetic": "vitrain.data.sources:synthetic_source",
+        "video": "vitrain.data.video:video_source",
     },
 }
 # Families: `NAME:ARGUMENT` calls the factory with ARGUMENT (it returns the component itself).

@@ -60,6 +60,10 @@ def check(cfg: Config) -> None:
     if not 0.0 <= d.cutmix_prob <= 1.0:
         raise ConfigError(f"data.cutmix_prob={d.cutmix_prob} is a probability and must be in [0, 1]")
     _check_strong(cfg)
+    if d.source == "video":
+        from vitrain.data.video import check as check_video  # PyAV is imported only where clips are decoded
+
+        check_video(cfg)
 
 
 def _check_strong(cfg: Config) -> None:

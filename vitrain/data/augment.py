@@ -24,7 +24,7 @@ class BatchAugment:
     with `F.cross_entropy`.
     """
 
-    def __init__(self, cfg: DataConfig, channels: int, train: bool, image_size: int, num_classes: int):
+    def __init__(self, cfg: DataConfig, channels: int, train: bool, image_size: int, num_classes: int, frames: int = 1):
         self.image_size = image_size
         self.num_classes = num_classes
         self.random_resized_crop = cfg.random_resized_crop and train
@@ -42,6 +42,8 @@ class BatchAugment:
         self.erasing = RandomErasing(cfg.random_erasing, mean, std) if train and cfg.random_erasing else None
         # (x - mean) / std as one fused x * scale + shift, which also reads uint8 without a float copy first.
         self.scale, self.shift = 1.0 / std, -mean / std
+        # Clips arrive as (B, T*C, H, W): crops and flips move all T frames alike; each frame normalized per channel.
+        self.scale, self.shift = self.scale.repeat(1, frames, 1, 1), self.shift.repeat(1, frames, 1, 1)
 
     def __call__(
         self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator | None = None

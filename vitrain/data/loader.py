@@ -27,6 +27,14 @@ class BatchSource(Protocol):
     def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def read_batch(data: BatchSource, rows: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`data.read(rows)`; a source whose reads are random (`draws_on_read`: a video set's training clips start at a
+    random frame) draws from the batch's generator, before augmentation does, so a resume replays its draws too."""
+    if getattr(data, "draws_on_read", False):
+        return data.read(rows, generator)
+    return data.read(rows)
+
+
 @dataclass
 class Position:
     """Where a loader stands in an epoch: what a checkpoint keeps so that a resume continues with the samples an
@@ -232,13 +240,14 @@ class BatchLoader(PermutationPosition):
 
     def _batch(self, index: torch.Tensor, epoch: int, b: int, number: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         rows = index[b * self.batch_size : (b + 1) * self.batch_size]
-        images, labels = self.data.read(rows)
+        generator = batch_generator(self.seed, epoch, number, self.rank)
+        images, labels = read_batch(self.data, rows, generator)
         labels = mask_padding(labels, b * self.batch_size, len(self.data), self.rank, self.world_size)
         if self.pin:
             images, labels = images.pin_memory(), labels.pin_memory()
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        images, labels = self.augment(images, labels, batch_generator(self.seed, epoch, number, self.rank))
+        images, labels = self.augment(images, labels, generator)
         return images, labels, rows.tolist()
 
 

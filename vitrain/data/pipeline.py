@@ -42,7 +42,7 @@ def build_loaders(
         make(
             data,
             t.batch_size,
-            BatchAugment(d, m.in_chans, train, m.image_size, m.num_classes),
+            BatchAugment(d, m.in_chans, train, m.image_size, m.num_classes, frames=m.num_frames),
             device,
             shuffle=train,
             seed=t.seed if train else 0,

@@ -84,6 +84,11 @@ def build_datasets(cfg: Config, source: Any = None) -> tuple[ImageSet | Prepared
             f"data.source={source} has {channels}-channel images but model.in_chans={m.in_chans}; "
             f"set model.in_chans={channels}"
         )
+    if getattr(train, "num_frames", 1) != m.num_frames:
+        raise DataError(
+            f"model.num_frames={m.num_frames} takes clips; data.source={source} gives "
+            f"{getattr(train, 'num_frames', 1)}-frame samples: set data.source=video (docs/video.md)"
+        )
     if len(train.classes) != m.num_classes:
         raise DataError(
             f"data.source={source} has {len(train.classes)} classes but model.num_classes={m.num_classes}; "

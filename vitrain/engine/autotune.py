@@ -321,7 +321,7 @@ def _memory_check(cfg: Config, available: int | None) -> tuple[Callable[[str], s
 def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]]) -> Path:
     """Where the decision for this device, torch, thread count and run shape is kept."""
     model = to_dict(cfg)["model"]
-    for key in ("attention", "init_from", "preset"):
+    for key in ("attention", "init_from", "inflate_from", "inflate", "preset"):
         model.pop(key, None)
     key = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description(),

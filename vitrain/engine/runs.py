@@ -217,7 +217,7 @@ def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
     saved = config_from_dict(meta["config"])
     # init_from only chose the starting weights; the checkpoint's weights replace them either way. The attention
     # kernel computes the same function of the same weights (auto may pick another one on another machine).
-    same = {"init_from": "", "attention": "auto"}
+    same = {"init_from": "", "inflate_from": "", "inflate": "average", "attention": "auto"}
     distilled = bool(saved.train.distill.teacher), bool(cfg.train.distill.teacher)  # DeiT's token and head or not
     if dataclasses.replace(saved.model, **same) != dataclasses.replace(cfg.model, **same) or len(set(distilled)) > 1:
         raise CheckpointError(
@@ -318,7 +318,8 @@ def restore(trainer: Trainer, path: Path) -> None:
 FROZEN_ON_RESUME = ("model.", "task.", "data.source", "data.root", "data.train_split", "data.val_split",
                     "data.val_fraction", "data.repeated_aug", "train.seed", "train.batch_size",
                     "train.distill.teacher")  # fmt: skip
-FREE_ON_RESUME = ("model.attention", "model.init_from", "name", "log.out_dir")  # same weights, or where it lives
+# same weights, or where the run lives
+FREE_ON_RESUME = ("model.attention", "model.init_from", "model.inflate_from", "model.inflate", "name", "log.out_dir")
 CONFIG_HISTORY = "config_history.jsonl"
 
 

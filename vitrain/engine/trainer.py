@@ -104,6 +104,10 @@ class Trainer:
             model = self.task.build_model()  # the same initial weights on every rank (seed)
         if cfg.model.init_from:
             load_pretrained(model, Path(cfg.model.init_from))
+        if cfg.model.inflate_from:  # an image ViT's weights spread over time (vitrain/models/video.py)
+            from vitrain.models.video import inflate_into
+
+            inflate_into(model, Path(cfg.model.inflate_from), cfg.model.inflate)
         if self.pipeline is not None:  # this rank's stages only, before they take device memory
             model = self.pipeline.split(model)
         if not cfg.parallel.sharded_init:

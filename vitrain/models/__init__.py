@@ -74,10 +74,25 @@ def check(cfg: Config) -> None:
     for name in ("image_size", "in_chans", "num_classes"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.name != "video_vit" and (m.num_frames != 1 or m.tubelet_size != 1 or m.inflate_from):
+        raise ConfigError(
+            f"model.num_frames={m.num_frames}, tubelet_size={m.tubelet_size} and inflate_from are the video ViT's; "
+            f"model.name={m.name} is not it: set model.name=video_vit, or num_frames=1 and tubelet_size=1"
+        )
     if m.name == "vit":
         check_vit(m)
         return
     p = cfg.parallel
+    if m.name == "video_vit":
+        from vitrain.models.video import check as check_video
+
+        check_video(m)
+        if p.pipeline_stages > 1 or p.sharded_init:
+            raise ConfigError(
+                "parallel.pipeline_stages>1 and parallel.sharded_init are not built for model.name=video_vit yet: set "
+                "parallel.pipeline_stages=1 and parallel.sharded_init=false (zero3 shards it after it is built)"
+            )
+        return
     if p.pipeline_stages > 1 or p.sharded_init:
         what = f"parallel.pipeline_stages={p.pipeline_stages}" if p.pipeline_stages > 1 else "parallel.sharded_init"
         raise ConfigError(

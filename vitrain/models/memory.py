@@ -104,7 +104,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: 
     outside = one - block  # patch embedding, final norm, head
     if not ac:
         return (outside + cfg.depth * block) * bytes_per_element
-    tokens = (cfg.image_size // cfg.patch_size) ** 2 + (1 if cfg.pool == "cls" else 0)
+    tokens = cfg.num_patches + (1 if cfg.pool == "cls" else 0)
     block_input = batch * tokens * cfg.width
     return (outside + cfg.depth * block_input + block) * bytes_per_element
 
@@ -249,7 +249,7 @@ def ladder(base: dict | None = None, steps: int = 16) -> list[ModelConfig]:
     """
     from vitrain.models import PRESETS
 
-    presets = list(PRESETS.values())
+    presets = [p for p in PRESETS.values() if not p.is_video]  # the image family's proportions
     models: list[ModelConfig] = []
     for a, b in zip(presets[:-1], presets[1:], strict=True):
         for k in range(steps + (1 if b is presets[-1] else 0)):

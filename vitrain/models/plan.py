@@ -48,7 +48,7 @@ def vit_plan(model: nn.Module, wrap: str) -> ParallelPlan:
         units += blocks
     norm_groups = fp32_groups(model, blocks)
     # From the config: a later pipeline stage holds no position table.
-    tokens = (model.cfg.image_size // model.cfg.patch_size) ** 2 + model.num_prefix_tokens
+    tokens = model.cfg.num_patches + model.num_prefix_tokens
     width = model.cfg.width
     seq_first = model.cfg.layout == "seq_first"
 

@@ -163,10 +163,7 @@ class VisionTransformer(nn.Module):
         self.cfg = cfg
         self.embed_dim = embed_dim
         self.distilled = distilled
-        if cfg.patch_embed == "conv":
-            self.patch_embed = ConvStem(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width, cfg.stem)
-        else:
-            self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
+        self.patch_embed = self.make_patch_embed(cfg)
         self.pos_prefix = 1 if cfg.pool == "cls" else 0  # tokens before the patches with a row in the position table
         self.num_prefix_tokens = self.pos_prefix + (1 if distilled else 0)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width)) if cfg.pool == "cls" else None
@@ -193,6 +190,12 @@ class VisionTransformer(nn.Module):
         else:
             self.reset_parameters()
 
+    def make_patch_embed(self, cfg: ModelConfig) -> nn.Module:
+        """The module that turns the input into patch tokens (B, N, D) and knows N as `num_patches`."""
+        if cfg.patch_embed == "conv":
+            return ConvStem(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width, cfg.stem)
+        return PatchEmbed(cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.width)
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         tensors = dict(self.named_parameters()) | dict(self.named_buffers())
         for name, init in self.init_plan():
@@ -203,7 +206,7 @@ class VisionTransformer(nn.Module):
         plan = []
         for prefix, module in self.named_modules():
             at = f"{prefix}." if prefix else ""
-            if isinstance(module, nn.Linear | nn.Conv2d):
+            if isinstance(module, nn.Linear | nn.Conv2d | nn.Conv3d):
                 plan.append((f"{at}weight", lambda t, g: nn.init.trunc_normal_(t, std=0.02, generator=g)))
                 if module.bias is not None:
                     plan.append((f"{at}bias", lambda t, g: nn.init.zeros_(t)))
@@ -345,7 +348,7 @@ class ViTStage(VisionTransformer):
 def features_dim(cfg: ModelConfig) -> int:
     """Width of what the head (or neck) receives: one token's width, or every patch token's under pool=flatten."""
     if cfg.pool == "flatten":
-        return (cfg.image_size // cfg.patch_size) ** 2 * cfg.width
+        return cfg.num_patches * cfg.width
     return cfg.width
 
 
@@ -397,8 +400,7 @@ def complexity(
     dropping; the patch embedding still sees them all).
     """
     d, h, depth = cfg.width, cfg.hidden_dim, cfg.depth
-    p = cfg.patch_size
-    n_patches = (cfg.image_size // p) ** 2
+    n_patches = cfg.num_patches  # (num_frames / tubelet_size) x (image_size / patch_size)^2
     n_pos = n_patches + (1 if cfg.pool == "cls" else 0)  # rows of the position table
     n = (n_patches if kept_patches is None else kept_patches) + (1 if cfg.pool == "cls" else 0) + int(distilled)
     qkv_b = 3 * d if cfg.qkv_bias else 0
@@ -449,9 +451,10 @@ def complexity(
 def _stem_cost(cfg: ModelConfig) -> tuple[int, int, int]:
     """(params, multiply-adds, activations) per image of the patch embedding, up to its projection to width."""
     d, p = cfg.width, cfg.patch_size
-    n_patches = (cfg.image_size // p) ** 2
-    if cfg.patch_embed != "conv":
-        return cfg.in_chans * p * p * d + d, n_patches * cfg.in_chans * p * p * d, n_patches * d
+    n_patches = cfg.num_patches
+    if cfg.patch_embed != "conv":  # a tubelet of t frames: a (t, p, p) kernel, t = 1 for images
+        kernel = cfg.tubelet_size * p * p * cfg.in_chans
+        return kernel * d + d, n_patches * kernel * d, n_patches * d
     params = macs = acts = 0
     size, in_chans = cfg.image_size, cfg.in_chans
     for channels, stride in cfg.stem:
