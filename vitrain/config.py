@@ -58,6 +58,10 @@ class ModelConfig:
     drop_path: float = 0.0  # stochastic depth: the last block's drop rate (linear from 0)
     dropout: float = 0.0  # dropout after the position embedding
     init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
+    # task.name=detection (ViTDet): blocks attend within windows of this many tokens a side (ViTDet: 14); 0: every
+    # block attends globally
+    window_size: int = 14
+    global_blocks: tuple[int, ...] = (2, 5, 8, 11)  # task.name=detection: the blocks that attend over the whole map
 
     @property
     def hidden_dim(self) -> int:
@@ -138,6 +142,9 @@ class DataConfig:
     # in log.txt and counted as skipped_samples.
     skip_bad: int = 0
     verify: Literal["once", "always"] = "once"  # prepared data: sha256 once per file change, or every load
+    # task.name=detection: large-scale jitter (ViTDet's is [0.1, 2.0]): each training image is rescaled by a factor
+    # from this range, then cropped or padded back to model.image_size; [1, 1] turns it off.
+    jitter_scale: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass
@@ -377,6 +384,12 @@ class TaskConfig:
     generated_pairs: int = 3000  # generated: up to this many matched and as many mismatched pairs
     flip_fusion: bool = True  # embedding = normalize(f(image) + f(flipped image))
     baseline: bool = True  # also score the pairs with raw-pixel cosine similarity, for comparison
+    # detection: the feature pyramid's channels and the FCOS head's 3x3 convs per tower (docs/detection.md)
+    pyramid_channels: int = 256
+    head_convs: int = 4  # detection: 3x3 conv + GroupNorm + ReLU layers in each of the head's two towers
+    score_threshold: float = 0.05  # detection: detections below this class probability are dropped
+    nms_iou: float = 0.6  # detection: a box overlapping a better one of its class by more than this IoU is dropped
+    max_detections: int = 100  # detection: detections kept per image
 
 
 @dataclass

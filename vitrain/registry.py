@@ -28,9 +28,11 @@ _BUILTIN: dict[str, dict[str, str]] = {
     "task": {
         "classification": "vitrain.tasks.classification:ClassificationTask",
         "face": "vitrain.tasks.face:FaceTask",
+        "detection": "vitrain.tasks.detection:DetectionTask",
     },
     "engine": {"native": "vitrain.engine.native:NativeEngine", "deepspeed": "vitrain.engine.deepspeed:DeepSpeedEngine"},
     "data": {
+        "detection": "vitrain.data.detection:detection_source",
         "digits": "vitrain.data.sources:digits_source",
         "folder": "vitrain.data.sources:folder_source",
         "prepared": "vitrain.data.sources:prepared_source",
