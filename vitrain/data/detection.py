@@ -309,6 +309,11 @@ def load_split(cfg: Config, split: str, train: bool) -> DetectionSet:
     return DetectionSet(images, targets, scales, records, annotations.classes, skipped)
 
 
+def read_classes(cfg: Config) -> list[str]:
+    """The class names of data.root's training split, read from its annotations alone (no image decoded)."""
+    return read_annotations(cfg, cfg.data.train_split, True)[1].classes
+
+
 def detection_source(cfg: Config) -> tuple[DetectionSet, DetectionSet]:
     """(train, val) of data.root's detection annotations, split by data.train_split / data.val_split."""
     if not cfg.data.root:

@@ -22,7 +22,11 @@ from vitrain.models.fcos import FCOSHead, Points
 from vitrain.models.plan import ParallelPlan, fp32_groups
 from vitrain.models.vit import Block, PatchEmbed
 
-PYRAMID_STRIDES = (4, 8, 16, 32)
+
+
+def pyramid_strides(patch_size: int) -> tuple[int, int, int, int]:
+    """The pyramid levels' strides in pixels: a quarter, half, one and two patches (4, 8, 16, 32 for patch 16)."""
+    return (patch_size // 4, patch_size // 2, patch_size, 2 * patch_size)
 
 
 def window_partition(x: torch.Tensor, window: int) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -78,7 +82,7 @@ class LayerNorm2d(nn.LayerNorm):
 
 
 class SimplePyramid(nn.Module):
-    """The stride-16 map -> maps at strides 4, 8, 16, 32, each with `channels` channels (ViTDet's simple pyramid)."""
+    """The patch map (stride 16 for patch 16) -> maps at strides 4, 8, 16, 32, each with `channels` channels (ViTDet's simple pyramid)."""
 
     def __init__(self, width: int, channels: int):
         super().__init__()
@@ -127,7 +131,7 @@ class ViTDet(nn.Module):
         windows = [0 if i in cfg.global_blocks else cfg.window_size for i in range(cfg.depth)]
         self.blocks = nn.ModuleList(WindowedBlock(cfg, r, w) for r, w in zip(rates, windows, strict=True))
         self.pyramid = SimplePyramid(cfg.width, pyramid_channels)
-        self.head = FCOSHead(pyramid_channels, cfg.num_classes, head_convs, PYRAMID_STRIDES)
+        self.head = FCOSHead(pyramid_channels, cfg.num_classes, head_convs, pyramid_strides(cfg.patch_size))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -209,6 +213,10 @@ def check_vitdet(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.image_size={m.image_size} must be a multiple of 2 x model.patch_size={m.patch_size} (the "
             "pyramid's stride-32 level halves the patch grid)"
+        )
+    if m.patch_size % 4:
+        raise ConfigError(
+            f"model.patch_size={m.patch_size} must be divisible by 4 (the pyramid's finest level has stride patch/4)"
         )
     if m.width % 4:
         raise ConfigError(f"model.width={m.width} must be divisible by 4 (the pyramid's stride-4 level has width/4)")
