@@ -199,8 +199,12 @@ def read_voc(tree: ImageTree, read: Any, skip_bad: int) -> tuple[dict[str, Image
             except (TypeError, ValueError):
                 bad(what, "has no numeric bndbox xmin, ymin, xmax, ymax")
                 continue
+            label = label_of[(obj.findtext("name") or "").strip()]
+            if x2 <= x1 or y2 <= y1:  # a point or a line as written (BCCD has two): reported as such
+                check_box(Box(x1, y1, x2, y2, label, what), record, bad, degenerate)
+                continue
             # VOC numbers pixels from 1: pixel columns xmin..xmax are the box, (xmin - 1, xmax) in edges
-            box = Box(x1 - 1, y1 - 1, x2, y2, label_of[(obj.findtext("name") or "").strip()], what)
+            box = Box(x1 - 1, y1 - 1, x2, y2, label, what)
             if check_box(box, record, bad, degenerate):
                 record.boxes.append(box)
         records[PurePosixPath(name).stem] = record
