@@ -23,7 +23,6 @@ from vitrain.models.plan import ParallelPlan, fp32_groups
 from vitrain.models.vit import Block, PatchEmbed
 
 
-
 def pyramid_strides(patch_size: int) -> tuple[int, int, int, int]:
     """The pyramid levels' strides in pixels: a quarter, half, one and two patches (4, 8, 16, 32 for patch 16)."""
     return (patch_size // 4, patch_size // 2, patch_size, 2 * patch_size)
@@ -82,7 +81,8 @@ class LayerNorm2d(nn.LayerNorm):
 
 
 class SimplePyramid(nn.Module):
-    """The patch map (stride 16 for patch 16) -> maps at strides 4, 8, 16, 32, each with `channels` channels (ViTDet's simple pyramid)."""
+    """The patch map (stride 16 for patch 16) -> maps at strides 4, 8, 16, 32, each with `channels` channels
+    (ViTDet's simple pyramid)."""
 
     def __init__(self, width: int, channels: int):
         super().__init__()
@@ -233,3 +233,17 @@ def check_vitdet(m: ModelConfig) -> None:
             "model.name=vitdet uses a learned position table, the linear patch embedding and the batch_first layout; "
             "leave model.pos_embed, patch_embed, layout and pool at their defaults"
         )
+
+
+def parameter_count(m: ModelConfig, pyramid_channels: int, head_convs: int) -> int:
+    """The detector's exact parameter count from the config alone (pycls's habit: every model knows its cost)."""
+    d, h, c, k = m.width, m.hidden_dim, pyramid_channels, m.num_classes
+    qkv_bias = 3 * d if m.qkv_bias else 0
+    block = 2 * d + (3 * d * d + qkv_bias) + (d * d + d) + 2 * d + (d * h + h) + (h * d + d)
+    backbone = m.in_chans * m.patch_size**2 * d + d + (m.image_size // m.patch_size) ** 2 * d + m.depth * block
+    half, quarter = d // 2, d // 4
+    scales = (4 * d * half + half) + 2 * half + (4 * half * quarter + quarter) + (4 * d * half + half)
+    outputs = sum(dim * c + 2 * c + 9 * c * c + 2 * c for dim in (quarter, half, d, d))
+    towers = 2 * head_convs * (9 * c * c + c + 2 * c)
+    predictions = (9 * c * k + k) + (9 * c * 4 + 4) + (9 * c + 1) + 4  # + one scale per level
+    return backbone + scales + outputs + towers + predictions
