@@ -21,11 +21,11 @@ from torch import nn
 
 from vitrain import registry
 from vitrain.config import Config
-from vitrain.data.detection import DetectionAugment, DetectionSet, read_classes
+from vitrain.data.detection import DetectionAugment, DetectionSet, load_split, read_classes
 from vitrain.data.loader import BatchLoader
 from vitrain.errors import ConfigError
 from vitrain.models.fcos import Points, decode, fcos_losses, make_points
-from vitrain.models.vitdet import ViTDet, pyramid_strides, check_vitdet
+from vitrain.models.vitdet import ViTDet, check_vitdet, pyramid_strides
 from vitrain.parallel import distributed
 
 METRICS = ("val_ap", "val_ap50", "val_ap75", "val_ap_small", "val_ap_medium", "val_ap_large")  # COCOeval.stats[:6]
@@ -79,10 +79,12 @@ class DetectionTask:
             if getattr(section, name):
                 where = "train" if name == "token_drop" else "data"
                 raise ConfigError(f"{where}.{name} does not move boxes; set {where}.{name}=0 for task.name=detection")
-        if d.randaugment or d.trivialaugment or d.three_augment or d.random_resized_crop or d.crop_padding:
+        moving = ("randaugment", "trivialaugment", "three_augment", "random_resized_crop", "crop_padding")
+        on = [f"data.{name}={getattr(d, name)}" for name in moving if getattr(d, name)]
+        if on:
             raise ConfigError(
-                "task.name=detection augments with data.jitter_scale and data.hflip only (they move the boxes); turn "
-                "off data.randaugment, trivialaugment, three_augment, random_resized_crop and crop_padding"
+                f"{on[0]} moves pixels but not boxes; task.name=detection augments with data.jitter_scale and "
+                "data.hflip only: turn it off"
             )
         low, high = d.jitter_scale
         if not 0.0 < low <= high:
@@ -228,3 +230,17 @@ def draw_detections(
         picture.save(path)
         paths.append(path)
     return paths
+
+
+def evaluate_checkpoint(
+    model: nn.Module, cfg: Config, device: torch.device, out_dir: Path, show: int
+) -> dict[str, Any]:
+    """`vitrain eval` of a detector: COCO AP on the run's validation split (data.root and data.val_split may be
+    overridden), and with `show` > 0 that many images drawn with their detections under `out_dir`."""
+    task = DetectionTask(cfg)
+    val = load_split(cfg, cfg.data.val_split, train=False)
+    found = task.predict(model, val, device)
+    result: dict[str, Any] = coco_metrics(val, found)
+    if show:
+        result["pictures"] = [str(p) for p in draw_detections(val, found, out_dir, show)]
+    return result
