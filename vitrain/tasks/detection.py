@@ -139,7 +139,9 @@ class DetectionTask:
         return None
 
     def loss(self, output: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
-        parts = fcos_losses(output, targets, self.points.to(targets.device))
+        if self.points.centres.device != targets.device:
+            self.points = self.points.to(targets.device)
+        parts = fcos_losses(output, targets, self.points)
         return parts["cls"] + parts["box"] + parts["centerness"]
 
     def predict(self, forward: nn.Module, data: DetectionSet, device: torch.device) -> list[tuple]:
