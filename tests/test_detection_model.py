@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -112,3 +114,16 @@ def test_the_plan_shards_and_checkpoints_the_blocks():
     assert plan.checkpoint_units == list(model.blocks) and plan.shard_units == list(model.blocks)
     assert plan.block_input_shape(3) == (3, 8, 8, 32)
     assert any(isinstance(m, torch.nn.GroupNorm) for m in plan.norm_groups[-1])  # the head's norms stay fp32
+
+
+@pytest.mark.parametrize("global_blocks", [(1, 3), ()])
+def test_flops_are_exact_with_padded_windows_and_global_blocks(global_blocks):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # window 3 on an 8 x 8 grid: padded to 9 x 9, whose padding tokens also pass the attention's projections.
+    # manual attention: the counter sees its matmuls (it does not count sdpa's kernel on the CPU).
+    cfg = dataclasses.replace(TINY, window_size=3, global_blocks=global_blocks, attention="manual")
+    model = ViTDet(cfg, 16, 2)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randn(2, 3, 64, 64))
+    assert model.complexity(batch_size=2).flops == counter.get_total_flops()

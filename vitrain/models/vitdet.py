@@ -20,7 +20,7 @@ from vitrain.config import ModelConfig
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models.fcos import FCOSHead, Points
 from vitrain.models.plan import ParallelPlan, fp32_groups
-from vitrain.models.vit import Block, PatchEmbed
+from vitrain.models.vit import Block, Complexity, PatchEmbed
 
 
 def pyramid_strides(patch_size: int) -> tuple[int, int, int, int]:
@@ -130,6 +130,7 @@ class ViTDet(nn.Module):
         rates = torch.linspace(0, cfg.drop_path, cfg.depth, device="cpu").tolist()
         windows = [0 if i in cfg.global_blocks else cfg.window_size for i in range(cfg.depth)]
         self.blocks = nn.ModuleList(WindowedBlock(cfg, r, w) for r, w in zip(rates, windows, strict=True))
+        self.pyramid_channels, self.head_convs = pyramid_channels, head_convs
         self.pyramid = SimplePyramid(cfg.width, pyramid_channels)
         self.head = FCOSHead(pyramid_channels, cfg.num_classes, head_convs, pyramid_strides(cfg.patch_size))
         self.reset_parameters()
@@ -161,6 +162,10 @@ class ViTDet(nn.Module):
     def points(self, image_size: int | None = None) -> Points:
         """The head's points for a square input (default model.image_size)."""
         return self.head.points(image_size or self.cfg.image_size)
+
+    def complexity(self, batch_size: int = 1) -> Complexity:
+        """The cost of a forward pass at model.image_size (the run's start line, `vitrain bench`)."""
+        return complexity(self.cfg, self.pyramid_channels, self.head_convs, batch_size)
 
     def parallel_plan(self, wrap: str) -> ParallelPlan:
         """The blocks as sharding and checkpointing units, as for vitrain's ViT (the pyramid and head are small)."""
@@ -247,3 +252,34 @@ def parameter_count(m: ModelConfig, pyramid_channels: int, head_convs: int) -> i
     towers = 2 * head_convs * (9 * c * c + c + 2 * c)
     predictions = (9 * c * k + k) + (9 * c * 4 + 4) + (9 * c + 1) + 4  # + one scale per level
     return backbone + scales + outputs + towers + predictions
+
+
+def complexity(m: ModelConfig, pyramid_channels: int, head_convs: int, batch_size: int = 1) -> Complexity:
+    """Exact parameters and multiply-adds of the convs, linears and attention matmuls of one forward pass (a windowed
+    block's projections also run on the padding tokens); activations: the elements those layers, the norms and the
+    attention scores produce."""
+    d, h, c, k = m.width, m.hidden_dim, pyramid_channels, m.num_classes
+    grid = m.image_size // m.patch_size
+    n = grid * grid
+    macs = n * m.in_chans * m.patch_size**2 * d
+    acts = n * d
+    for i in range(m.depth):
+        window = 0 if i in m.global_blocks else m.window_size
+        if window:
+            side = -(-grid // window) * window
+            windows, tokens = (side // window) ** 2, side * side
+            scores = windows * window**4
+        else:
+            tokens, scores = n, n * n
+        macs += tokens * 4 * d * d + 2 * scores * d + n * 2 * d * h
+        acts += n * d + tokens * 4 * d + m.heads * scores + n * (d + 2 * h + d)
+    half, quarter = d // 2, d // 4
+    sides = [grid * 4, grid * 2, grid, grid // 2]
+    macs += sides[1] ** 2 * d * half + sides[0] ** 2 * half * quarter + sides[1] ** 2 * d * half
+    acts += 2 * sides[1] ** 2 * half + sides[0] ** 2 * quarter + sides[1] ** 2 * half + sides[3] ** 2 * d
+    per_point = 2 * head_convs * 9 * c * c + 9 * c * (k + 4 + 1)
+    for side, dim in zip(sides, (quarter, half, d, d), strict=True):
+        macs += side * side * (dim * c + 9 * c * c + per_point)
+        acts += side * side * (4 * c + 2 * head_convs * 3 * c + k + 4 + 1)
+    params = parameter_count(m, pyramid_channels, head_convs)
+    return Complexity(params, macs * batch_size, 2 * macs * batch_size, acts * batch_size)
