@@ -179,3 +179,22 @@ def test_bccd_reads_its_split_and_reports_its_degenerate_boxes():
     lines = test.skipped.lines()
     assert len(lines) == 2 and all("zero-size box" in line for line in lines)
     assert "BloodImage_00338.xml object" in " ".join(lines)
+
+
+def test_an_image_that_does_not_decode_is_named(tmp_path: Path):
+    root = write_voc(tmp_path, {"train": 2, "val": 1})
+    (root / "JPEGImages" / "img_001.png").write_bytes(b"not a picture")
+    with pytest.raises(DataError, match=r"^cannot decode image .*img_001.png \(not an image PIL can read\)"):
+        detection_source(detection_cfg(root))
+
+
+def test_decoding_in_worker_processes_gives_the_same_pixels(tmp_path: Path):
+    from vitrain.data.detection import letterbox_files
+    from vitrain.data.sources import ImageTree
+
+    root = write_voc(tmp_path, {"train": 300})  # two chunks of 256
+    tree = ImageTree(root)
+    names = sorted(n for n in tree.names if n.endswith(".png"))
+    one, scales = letterbox_files(tree, names, 32, workers=1)
+    two, _ = letterbox_files(tree, names, 32, workers=2)
+    assert torch.equal(one, two) and scales.shape == (300,)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import xml.etree.ElementTree as ET
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vitrain.config import Config
-from vitrain.data.sources import ImageTree, Skipped, file_reader, held_out_split, location
+from vitrain.data.sources import ImageTree, Skipped, decode_failure, file_reader, held_out_split, location
 from vitrain.errors import DataError
 
 
@@ -293,24 +294,47 @@ def load_split(cfg: Config, split: str, train: bool) -> DetectionSet:
     tree, annotations = read_annotations(cfg, split, train)
     size = cfg.model.image_size
     records = annotations.images
+    images, scales = letterbox_files(tree, [r.name for r in records], size, cfg.data.decode_workers)
     most = max(1, max(len(r.boxes) for r in records))
-    images = torch.zeros(len(records), 3, size, size, dtype=torch.uint8)
     targets = torch.full((len(records), most, 5), -1.0)
-    scales = torch.zeros(len(records))
-    with file_reader(tree.root, tree.is_zip) as read:
-        for i, record in enumerate(records):
-            try:
-                pixels, scale = letterbox(read(record.name), size)
-            except Exception as error:  # Pillow raises many kinds for a file that is not an image
-                where = location(tree.root, tree.is_zip, record.name)
-                raise DataError(f"{where} does not decode as an image ({type(error).__name__}); replace it") from None
-            images[i], scales[i] = torch.from_numpy(pixels), scale
-            for j, box in enumerate(record.boxes):
-                targets[i, j] = torch.tensor(
-                    [box.x1 * scale, box.y1 * scale, box.x2 * scale, box.y2 * scale, box.label]
-                )
+    for i, (record, scale) in enumerate(zip(records, scales.tolist(), strict=True)):
+        for j, box in enumerate(record.boxes):
+            targets[i, j] = torch.tensor([box.x1 * scale, box.y1 * scale, box.x2 * scale, box.y2 * scale, box.label])
     skipped = Skipped(undecodable=list(annotations.skipped))
     return DetectionSet(images, targets, scales, records, annotations.classes, skipped)
+
+
+def letterbox_files(tree: ImageTree, names: list[str], size: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 3, size, size) uint8 letterboxed images of a tree's files and their scale factors, decoded in chunks by
+    `workers` processes (data.decode_workers); a file that does not decode is an error naming it."""
+    chunks = [names[i : i + 256] for i in range(0, len(names), 256)]
+    jobs = [(str(tree.root), tree.is_zip, chunk, size) for chunk in chunks]
+    if workers <= 1 or len(chunks) == 1:
+        results = [_letterbox_chunk(job) for job in jobs]
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(_letterbox_chunk, jobs))
+    for start, (_, _, failed) in zip(range(0, len(names), 256), results, strict=True):
+        if failed:
+            row, reason = failed[0]
+            where = location(tree.root, tree.is_zip, names[start + row])
+            raise DataError(f"cannot decode image {where} ({reason}); fix or remove the file and its annotations")
+    images = torch.from_numpy(np.concatenate([r[0] for r in results]))
+    return images, torch.from_numpy(np.concatenate([r[1] for r in results]))
+
+
+def _letterbox_chunk(job: tuple[str, bool, list[str], int]) -> tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]:
+    root, is_zip, names, size = job
+    images = np.zeros((len(names), 3, size, size), dtype=np.uint8)
+    scales = np.zeros(len(names), dtype=np.float32)
+    failed = []
+    with file_reader(root, is_zip) as read:
+        for i, name in enumerate(names):
+            try:
+                images[i], scales[i] = letterbox(read(name), size)
+            except Exception as error:  # Pillow raises many kinds for a file that is not an image
+                failed.append((i, decode_failure(error)))
+    return images, scales, failed
 
 
 def read_classes(cfg: Config) -> list[str]:
