@@ -198,3 +198,36 @@ def test_decoding_in_worker_processes_gives_the_same_pixels(tmp_path: Path):
     one, scales = letterbox_files(tree, names, 32, workers=1)
     two, _ = letterbox_files(tree, names, 32, workers=2)
     assert torch.equal(one, two) and scales.shape == (300,)
+
+
+def write_yolo(root: Path, lines: dict[str, str]) -> Path:
+    """images/<split>/<stem>.png (80 x 40) and labels/<split>/<stem>.txt for each 'split/stem' key; data.yaml."""
+    from tests.detection_helpers import drawn_image
+
+    for key, text in lines.items():
+        split, stem = key.split("/")
+        drawn_image(root / "images" / split / f"{stem}.png", 80, 40, [])
+        (root / "labels" / split).mkdir(parents=True, exist_ok=True)
+        (root / "labels" / split / f"{stem}.txt").write_text(text)
+    (root / "data.yaml").write_text("names: [cell, dot]\n")
+    return root
+
+
+def test_yolo_labels_are_read_in_fractions_of_the_image(tmp_path: Path):
+    root = write_yolo(tmp_path, {"train/a": "1 0.5 0.5 0.25 0.5\n", "val/b": "0 0.1 0.1 0.1 0.1\n"})
+    train, val = detection_source(detection_cfg(root))
+    assert train.classes == ["cell", "dot"] and (len(train), len(val)) == (1, 1)
+    assert train.targets[0, 0].tolist() == pytest.approx([24.0, 8.0, 40.0, 24.0, 1.0])  # (30, 10, 50, 30) x 0.8
+
+
+def test_a_yolo_class_out_of_range_names_the_label_file_and_line(tmp_path: Path):
+    root = write_yolo(tmp_path, {"train/a": "0 0.5 0.5 0.2 0.2\n5 0.5 0.5 0.2 0.2\n", "val/b": ""})
+    with pytest.raises(DataError, match=r"labels/train/a.txt line 2: names class 5, but the data has classes 0 to 1"):
+        detection_source(detection_cfg(root))
+
+
+def test_a_yolo_label_without_its_image_is_named(tmp_path: Path):
+    root = write_yolo(tmp_path, {"train/a": "0 0.5 0.5 0.2 0.2\n", "val/b": ""})
+    (root / "labels" / "train" / "ghost.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    with pytest.raises(DataError, match=r"labels/train/ghost.txt: names an image that is not in images/"):
+        detection_source(detection_cfg(root))

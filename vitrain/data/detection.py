@@ -6,6 +6,8 @@ Layouts under data.root (a folder or a .zip of one, possibly inside one top fold
   `<split>/`, `images/`, then beside the annotations' folder.
 - Pascal VOC: `Annotations/<name>.xml`, `JPEGImages/<filename>`, and the split's image names in
   `ImageSets/Main/<split>.txt` (without one, data.val_fraction of the images is held out as validation).
+- YOLO (Ultralytics' layout): `images/<split>/*`, `labels/<split>/<stem>.txt` (`class x_centre y_centre width
+  height` in fractions of the image), the class names in `data.yaml` (`names:`) or `classes.txt`.
 
 The class list is read from the data (COCO's categories by id; VOC's object names, sorted). Every image is resized
 with its aspect kept so that its longer side is model.image_size, then zero-padded at the bottom and right to a
@@ -34,7 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from vitrain.config import Config
-from vitrain.data.sources import ImageTree, Skipped, decode_failure, file_reader, held_out_split, location
+from vitrain.data.sources import (
+    IMAGE_SUFFIXES,
+    ImageTree,
+    Skipped,
+    decode_failure,
+    file_reader,
+    held_out_split,
+    location,
+)
 from vitrain.errors import DataError
 
 
@@ -101,11 +111,13 @@ def find_layout(tree: ImageTree) -> str:
     names = tree.names
     if any(PurePosixPath(n).parent.name == "Annotations" and n.endswith(".xml") for n in names):
         return "voc"
+    if any(n.endswith(".txt") and "labels/" in n for n in names) and any("images/" in n for n in names):
+        return "yolo"
     if any(n.endswith(".json") for n in names):
         return "coco"
     raise DataError(
         f"data.root={tree.root} holds neither COCO-format annotations (a .json file) nor Pascal VOC ones "
-        "(Annotations/*.xml); see docs/detection.md for the layouts"
+        "(Annotations/*.xml) nor YOLO ones (images/<split>/, labels/<split>/*.txt); see docs/detection.md"
     )
 
 
@@ -163,6 +175,66 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
     if not records:
         raise DataError(f"{where} lists no images; a split needs at least one")
     return Annotations(list(records.values()), [str(c["name"]) for c in categories], bad.found + degenerate)
+
+
+def yolo_classes(tree: ImageTree, read: Any) -> list[str]:
+    """YOLO class names: `names` of data.yaml / dataset.yaml (a list, or a dict by index), else classes.txt lines."""
+    import yaml
+
+    for file in sorted((n for n in tree.names if PurePosixPath(n).name in ("data.yaml", "dataset.yaml")), key=len):
+        names = (yaml.safe_load(read(file)) or {}).get("names")
+        if isinstance(names, dict):
+            return [str(names[i]) for i in sorted(names)]
+        if isinstance(names, list):
+            return [str(n) for n in names]
+    for file in sorted((n for n in tree.names if PurePosixPath(n).name == "classes.txt"), key=len):
+        return [line.strip() for line in read(file).decode().splitlines() if line.strip()]
+    raise DataError(
+        f"data.root={tree.root} holds YOLO labels but no class names: add data.yaml with names: [...] or classes.txt"
+    )
+
+
+def read_yolo(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotations:
+    """A YOLO split (Ultralytics' layout): images/<split>/*, labels/<split>/<stem>.txt with one
+    `class x_centre y_centre width height` line per box, in fractions of the image; an image without a label file
+    has no objects."""
+    from PIL import Image
+
+    classes = yolo_classes(tree, read)
+    images = sorted(n for n in tree.names if f"images/{split}/" in n and n.lower().endswith(IMAGE_SUFFIXES))
+    labels = {n for n in tree.names if f"labels/{split}/" in n and n.endswith(".txt")}
+    bad, degenerate, records = BadAnnotations(skip_bad), [], []
+    label_of_image = {}
+    for name in images:
+        head, _, tail = name.rpartition("images/")
+        label_of_image[name] = f"{head}labels/{str(PurePosixPath(tail).with_suffix('.txt'))}"
+    for orphan in sorted(labels - set(label_of_image.values())):
+        bad(location(tree.root, tree.is_zip, orphan), "names an image that is not in images/ (no file of its stem)")
+    for name in images:
+        with Image.open(io.BytesIO(read(name))) as img:
+            width, height = img.size
+        record = ImageRecord(name, width, height, len(records) + 1)
+        label = label_of_image[name]
+        if label in labels:
+            where = location(tree.root, tree.is_zip, label)
+            for number, line in enumerate(read(label).decode().splitlines()):
+                if not line.strip():
+                    continue
+                what = f"{where} line {number + 1}"
+                try:
+                    index, cx, cy, w, h = (float(v) for v in line.split()[:5])
+                except ValueError:
+                    bad(what, f"is not `class x_centre y_centre width height`: {line.strip()!r}")
+                    continue
+                if not index.is_integer() or not 0 <= index < len(classes):
+                    bad(what, f"names class {index:g}, but the data has classes 0 to {len(classes) - 1}")
+                    continue
+                x1, y1 = (cx - w / 2) * width, (cy - h / 2) * height
+                box = Box(x1, y1, x1 + w * width, y1 + h * height, int(index), what)
+                if check_box(box, record, bad, degenerate):
+                    record.boxes.append(box)
+        records.append(record)
+    return Annotations(records, classes, bad.found + degenerate)
 
 
 def read_voc(tree: ImageTree, read: Any, skip_bad: int) -> tuple[dict[str, ImageRecord], list[str], list]:
@@ -233,10 +305,15 @@ def read_annotations(cfg: Config, split: str, train: bool) -> tuple[ImageTree, A
         raise DataError(f"data.root={cfg.data.root} does not exist; give a COCO or VOC folder or a .zip of one")
     tree = ImageTree(root)
     with file_reader(tree.root, tree.is_zip) as read:
-        if find_layout(tree) == "coco":
+        layout = find_layout(tree)
+        if layout == "coco":
             return tree, read_coco(tree, read, split, cfg.data.skip_bad)
-        records, classes, skipped = read_voc(tree, read, cfg.data.skip_bad)
-        images = voc_split(tree, read, records, split, train, cfg)
+        if layout == "yolo":
+            annotations = read_yolo(tree, read, split, cfg.data.skip_bad)
+            images, classes, skipped = annotations.images, annotations.classes, annotations.skipped
+        else:
+            records, classes, skipped = read_voc(tree, read, cfg.data.skip_bad)
+            images = voc_split(tree, read, records, split, train, cfg)
     if not images:
         raise DataError(f"data.root={cfg.data.root}: split {split} lists no images; a split needs at least one")
     return tree, Annotations(images, classes, skipped)
