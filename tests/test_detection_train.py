@@ -98,3 +98,16 @@ def test_zero3_amp_o2_checkpointing_on_two_ranks_then_resumes_on_one(tmp_path: P
     assert summary["steps"] == 6
     records = [json.loads(line) for line in (out / "sharded" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]  # continued at 6, not started over
+
+
+def test_a_stopped_detection_run_resumes_bit_for_bit_with_jitter_and_flips(tmp_path: Path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    root = write_voc(tmp_path, {"train": 8, "val": 2})
+    common = [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={tmp_path}", "train.eval_every_epochs=100"]
+    Trainer(load_config(None, [*common, "name=whole", "train.max_steps=6"])).fit()
+    Trainer(load_config(None, [*common, "name=part", "train.max_steps=3"])).fit()  # stops mid-epoch (4 steps an epoch)
+    Trainer(load_config(None, [*common, "name=part", "train.max_steps=6"]), resume=True).fit()
+    whole, part = losses(tmp_path / "whole"), losses(tmp_path / "part")
+    assert [part[s] for s in range(4, 7)] == [whole[s] for s in range(4, 7)]
