@@ -231,3 +231,19 @@ def test_a_yolo_label_without_its_image_is_named(tmp_path: Path):
     (root / "labels" / "train" / "ghost.txt").write_text("0 0.5 0.5 0.2 0.2\n")
     with pytest.raises(DataError, match=r"labels/train/ghost.txt: names an image that is not in images/"):
         detection_source(detection_cfg(root))
+
+
+def test_detection_data_for_another_task_is_refused_in_one_line(tmp_path: Path):
+    from vitrain.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match="^data.source=detection reads boxes for task.name=detection, not task.name=cl"
+    ):
+        load_config(None, ["data.source=detection", f"data.root={tmp_path}"])
+
+
+def test_pixel_only_augmentation_is_refused_for_detection(tmp_path: Path):
+    from vitrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^data.crop_padding=4 moves pixels but not boxes; .* turn it off"):
+        detection_cfg(tmp_path, "data.crop_padding=4")
