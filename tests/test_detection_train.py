@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import run_cli
 from tests.detection_helpers import write_voc
@@ -111,3 +112,17 @@ def test_a_stopped_detection_run_resumes_bit_for_bit_with_jitter_and_flips(tmp_p
     Trainer(load_config(None, [*common, "name=part", "train.max_steps=6"]), resume=True).fit()
     whole, part = losses(tmp_path / "whole"), losses(tmp_path / "part")
     assert [part[s] for s in range(4, 7)] == [whole[s] for s in range(4, 7)]
+
+
+def test_freeze_backbone_trains_only_the_pyramid_and_head(tmp_path: Path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    root = write_voc(tmp_path, {"train": 4, "val": 2})
+    overrides = [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={tmp_path}", "train.max_steps=2"]
+    trainer = Trainer(load_config(None, [*overrides, "task.freeze_backbone=true"]))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.fit()
+    after = dict(trainer.model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+    assert changed and all(n.startswith(("pyramid.", "head.")) for n in changed)

@@ -390,6 +390,9 @@ class TaskConfig:
     score_threshold: float = 0.05  # detection: detections below this class probability are dropped
     nms_iou: float = 0.6  # detection: a box overlapping a better one of its class by more than this IoU is dropped
     max_detections: int = 100  # detection: detections kept per image
+    # detection: train only the pyramid and head over a fixed backbone (its start: random, or model.init_from): the
+    # baseline that shows what training the backbone adds
+    freeze_backbone: bool = False
 
 
 @dataclass

@@ -133,7 +133,12 @@ class DetectionTask:
         model_cfg = self.cfg.model
         if model_cfg.num_classes != len(self.classes):  # the data's class list sizes the head
             model_cfg = dataclasses.replace(model_cfg, num_classes=len(self.classes))
-        return ViTDet(model_cfg, self.cfg.task.pyramid_channels, self.cfg.task.head_convs)
+        model = ViTDet(model_cfg, self.cfg.task.pyramid_channels, self.cfg.task.head_convs)
+        if self.cfg.task.freeze_backbone:
+            for param in [model.patch_embed.proj.weight, model.patch_embed.proj.bias, model.pos_embed]:
+                param.requires_grad_(False)
+            model.blocks.requires_grad_(False)
+        return model
 
     def build_head(self, device: torch.device) -> None:
         return None
