@@ -384,8 +384,7 @@ class TaskConfig:
     generated_pairs: int = 3000  # generated: up to this many matched and as many mismatched pairs
     flip_fusion: bool = True  # embedding = normalize(f(image) + f(flipped image))
     baseline: bool = True  # also score the pairs with raw-pixel cosine similarity, for comparison
-    # detection: the feature pyramid's channels and the FCOS head's 3x3 convs per tower (docs/detection.md)
-    pyramid_channels: int = 256
+    pyramid_channels: int = 256  # detection: channels of each feature pyramid level and of the FCOS head (ViTDet: 256)
     head_convs: int = 4  # detection: 3x3 conv + GroupNorm + ReLU layers in each of the head's two towers
     score_threshold: float = 0.05  # detection: detections below this class probability are dropped
     nms_iou: float = 0.6  # detection: a box overlapping a better one of its class by more than this IoU is dropped
