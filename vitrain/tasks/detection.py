@@ -91,8 +91,11 @@ class DetectionTask:
             raise ConfigError(
                 f"data.jitter_scale={list(d.jitter_scale)} must be scale factors 0 < low <= high (ViTDet: [0.1, 2.0])"
             )
-        if p.pipeline_stages > 1:
-            raise ConfigError("task.name=detection does not support parallel.pipeline_stages > 1; set it to 1")
+        if p.pipeline_stages > 1 or p.sharded_init:
+            raise ConfigError(
+                "task.name=detection supports neither parallel.pipeline_stages > 1 nor parallel.sharded_init (both cut "
+                "or draw the classifier ViT by its anatomy); set parallel.pipeline_stages=1 parallel.sharded_init=false"
+            )
         if cfg.train.distill.teacher:
             raise ConfigError("train.distill.teacher distils classifiers; drop it for task.name=detection")
         if k.pyramid_channels <= 0 or k.head_convs < 0:
