@@ -245,5 +245,5 @@ def test_detection_data_for_another_task_is_refused_in_one_line(tmp_path: Path):
 def test_pixel_only_augmentation_is_refused_for_detection(tmp_path: Path):
     from vitrain.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^data.crop_padding=4 moves pixels but not boxes; .* turn it off"):
+    with pytest.raises(ConfigError, match=r"^data.crop_padding=4 changes the pixels but not the boxes; .* turn it off"):
         detection_cfg(tmp_path, "data.crop_padding=4")

@@ -74,17 +74,18 @@ class DetectionTask:
             )
         if d.loader != "fast":
             raise ConfigError("task.name=detection reads its data with the fast loader: set data.loader=fast")
-        for name in ("mixup_alpha", "cutmix_alpha", "random_erasing", "min_size", "token_drop"):
-            section = cfg.train if name == "token_drop" else d
-            if getattr(section, name):
-                where = "train" if name == "token_drop" else "data"
-                raise ConfigError(f"{where}.{name} does not move boxes; set {where}.{name}=0 for task.name=detection")
-        moving = ("randaugment", "trivialaugment", "three_augment", "random_resized_crop", "crop_padding")
-        on = [f"data.{name}={getattr(d, name)}" for name in moving if getattr(d, name)]
+        if cfg.train.token_drop:
+            raise ConfigError(
+                f"train.token_drop={cfg.train.token_drop} drops patches the feature pyramid needs; set "
+                "train.token_drop=0 for task.name=detection"
+            )
+        pixel_only = ("randaugment", "trivialaugment", "three_augment", "random_resized_crop", "crop_padding",
+                      "mixup_alpha", "cutmix_alpha", "random_erasing", "min_size")  # fmt: skip
+        on = [f"data.{name}={getattr(d, name)}" for name in pixel_only if getattr(d, name)]
         if on:
             raise ConfigError(
-                f"{on[0]} moves pixels but not boxes; task.name=detection augments with data.jitter_scale and "
-                "data.hflip only: turn it off"
+                f"{on[0]} changes the pixels but not the boxes; task.name=detection augments with data.jitter_scale "
+                "and data.hflip only: turn it off"
             )
         low, high = d.jitter_scale
         if not 0.0 < low <= high:
