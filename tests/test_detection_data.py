@@ -247,3 +247,13 @@ def test_pixel_only_augmentation_is_refused_for_detection(tmp_path: Path):
 
     with pytest.raises(ConfigError, match=r"^data.crop_padding=4 changes the pixels but not the boxes; .* turn it off"):
         detection_cfg(tmp_path, "data.crop_padding=4")
+
+
+def test_a_voc_tree_without_split_lists_holds_out_val_fraction(tmp_path: Path):
+    import shutil
+
+    root = write_voc(tmp_path, {"all": 10})
+    shutil.rmtree(root / "ImageSets")
+    train, val = detection_source(detection_cfg(root, "data.val_fraction=0.3"))
+    assert (len(train), len(val)) == (7, 3)
+    assert not {r.name for r in train.records} & {r.name for r in val.records}
