@@ -257,3 +257,11 @@ def test_a_voc_tree_without_split_lists_holds_out_val_fraction(tmp_path: Path):
     train, val = detection_source(detection_cfg(root, "data.val_fraction=0.3"))
     assert (len(train), len(val)) == (7, 3)
     assert not {r.name for r in train.records} & {r.name for r in val.records}
+
+
+def test_a_box_sticking_out_by_under_a_pixel_is_clipped_not_refused(tmp_path: Path):
+    write_coco(tmp_path, "train", [coco_image(1)], [coco_box(1, 1, [-0.5, 30, 10, 10.75])])  # 80 x 40 image
+    write_coco(tmp_path, "val", [coco_image(1)], [])
+    train, _ = detection_source(detection_cfg(tmp_path))
+    box = train.records[0].boxes[0]
+    assert (box.x1, box.y1, box.x2, box.y2) == (0.0, 30.0, 9.5, 40.0)

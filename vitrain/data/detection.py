@@ -47,6 +47,9 @@ from vitrain.data.sources import (
 )
 from vitrain.errors import DataError
 
+# A box may stick out of its image by this much (labelling tools' rounding, COCO's float corners): it is clipped.
+OUTSIDE_SLACK_PX = 1.0
+
 
 @dataclass
 class Box:
@@ -89,7 +92,8 @@ class BadAnnotations:
 
 
 def check_box(box: Box, record: ImageRecord, bad: BadAnnotations, degenerate: list[tuple[str, str]]) -> bool:
-    """Whether `box` is kept: inside its image with a positive width and height."""
+    """Whether `box` is kept: inside its image (clipped to it where it sticks out by OUTSIDE_SLACK_PX at most) with a
+    positive width and height."""
     w, h = box.x2 - box.x1, box.y2 - box.y1
     if w < 0 or h < 0:
         bad(box.annotation, f"box width {w:g} and height {h:g}: a negative size (x2 < x1 or y2 < y1)")
@@ -97,13 +101,16 @@ def check_box(box: Box, record: ImageRecord, bad: BadAnnotations, degenerate: li
     if w == 0 or h == 0:
         degenerate.append((box.annotation, f"zero-size box (width {w:g}, height {h:g}) skipped"))
         return False
-    if box.x1 < 0 or box.y1 < 0 or box.x2 > record.width or box.y2 > record.height:
+    slack = OUTSIDE_SLACK_PX
+    if box.x1 < -slack or box.y1 < -slack or box.x2 > record.width + slack or box.y2 > record.height + slack:
         bad(
             box.annotation,
             f"box ({box.x1:g}, {box.y1:g}, {box.x2:g}, {box.y2:g}) lies outside its {record.width}x{record.height} "
             "image",
         )
         return False
+    box.x1, box.y1 = max(box.x1, 0.0), max(box.y1, 0.0)
+    box.x2, box.y2 = min(box.x2, float(record.width)), min(box.y2, float(record.height))
     return True
 
 
