@@ -127,3 +127,15 @@ def test_flops_are_exact_with_padded_windows_and_global_blocks(global_blocks):
     with FlopCounterMode(display=False) as counter:
         model(torch.randn(2, 3, 64, 64))
     assert model.complexity(batch_size=2).flops == counter.get_total_flops()
+
+
+def test_layer_decay_lowers_the_backbone_lr_and_leaves_pyramid_and_head_at_full_lr():
+    from vitrain.config import OptimConfig
+    from vitrain.optim.optimizers import param_groups
+
+    model = ViTDet(TINY, 32, 2)
+    groups = param_groups(model, OptimConfig(layer_decay=0.5))
+    scale_of = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    assert scale_of[id(model.patch_embed.proj.weight)] == 0.5**5  # 4 blocks: embeddings 5 layers below the top
+    assert scale_of[id(model.blocks[3].mlp.fc1.weight)] == 0.5
+    assert scale_of[id(model.pyramid.outputs[0][0].weight)] == 1.0 and scale_of[id(model.head.cls_logits.weight)] == 1.0
