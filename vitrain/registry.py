@@ -27,8 +27,8 @@ _BUILTIN: dict[str, dict[str, str]] = {
     "model": {"vit": "vitrain.models:build_vit"},
     "task": {
         "classification": "vitrain.tasks.classification:ClassificationTask",
-        "face": "vitrain.tasks.face:FaceTask",
         "detection": "vitrain.tasks.detection:DetectionTask",
+        "face": "vitrain.tasks.face:FaceTask",
     },
     "engine": {"native": "vitrain.engine.native:NativeEngine", "deepspeed": "vitrain.engine.deepspeed:DeepSpeedEngine"},
     "data": {
