@@ -97,6 +97,8 @@ class DetectionTask:
                 "task.name=detection supports neither parallel.pipeline_stages > 1 nor parallel.sharded_init (both cut "
                 "or draw the classifier ViT by its anatomy); set parallel.pipeline_stages=1 parallel.sharded_init=false"
             )
+        if cfg.train.eval_flip:
+            raise ConfigError("train.eval_flip averages a classifier's logits; set train.eval_flip=false for detection")
         if cfg.train.distill.teacher:
             raise ConfigError("train.distill.teacher distils classifiers; drop it for task.name=detection")
         if k.pyramid_channels <= 0 or k.head_convs < 0:
