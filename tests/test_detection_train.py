@@ -55,6 +55,8 @@ def test_the_cli_trains_three_steps_and_evaluates_with_pictures(tmp_path: Path):
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["task"] == "detection" and summary["steps"] == 3
     assert 0.0 <= summary["val_ap"] <= 1.0 and "val_ap50" in summary
+    terms = [summary[f"val_loss_{t}"] for t in ("cls", "box", "centerness")]
+    assert summary["val_loss"] == pytest.approx(sum(terms)) and all(t > 0 for t in terms)
     assert sorted(p.name for p in (out / "run" / "detections").iterdir()) == ["img_004.png", "img_005.png"]
     log = (out / "run" / "log.txt").read_text()
     assert "2 classes (cell, dot)" in log and "val_ap=" in log

@@ -29,6 +29,7 @@ from vitrain.models.vitdet import ViTDet, check_vitdet, pyramid_strides
 from vitrain.parallel import distributed
 
 METRICS = ("val_ap", "val_ap50", "val_ap75", "val_ap_small", "val_ap_medium", "val_ap_large")  # COCOeval.stats[:6]
+LOSS_TERMS = ("cls", "box", "centerness")  # fcos_losses' terms, summed to the training loss
 SHOWN_AT_END = 4  # validation images drawn with their detections after the final evaluation
 
 
@@ -153,21 +154,25 @@ class DetectionTask:
         if self.points.centres.device != targets.device:
             self.points = self.points.to(targets.device)
         parts = fcos_losses(output, targets, self.points)
-        return parts["cls"] + parts["box"] + parts["centerness"]
+        return sum(parts[term] for term in LOSS_TERMS)
 
-    def predict(self, forward: nn.Module, data: DetectionSet, device: torch.device) -> list[tuple]:
-        """Each image's detections (boxes in original image pixels, scores, classes), in the split's order."""
+    def predict(self, forward: nn.Module, data: DetectionSet, device: torch.device) -> tuple[list[tuple], dict]:
+        """Each image's detections (boxes in original image pixels, scores, classes), in the split's order; and the
+        split's FCOS losses per image (val_loss and its three terms)."""
         k, size = self.cfg.task, self.cfg.model.image_size
         normalize = DetectionAugment(self.cfg, train=False)
         points, found = self.points.to(device), []
+        sums = dict.fromkeys(LOSS_TERMS, 0.0)
         was_training = forward.training
         forward.eval()
         with torch.inference_mode():
             for start in range(0, len(data), self.cfg.train.batch_size):
                 rows = torch.arange(start, min(start + self.cfg.train.batch_size, len(data)))
                 images, targets = data.read(rows)
-                images, _ = normalize(images.to(device), targets.to(device), torch.Generator())
+                images, targets = normalize(images.to(device), targets.to(device), torch.Generator())
                 output = forward(images)
+                for term, value in fcos_losses(output, targets, points).items():
+                    sums[term] += float(value) * len(rows)
                 for (boxes, scores, classes), scale in zip(
                     decode(output, points, size, k.score_threshold, k.nms_iou, k.max_detections),
                     data.scales[rows].tolist(),
@@ -175,18 +180,20 @@ class DetectionTask:
                 ):
                     found.append(((boxes / scale).cpu(), scores.cpu(), classes.cpu()))
         forward.train(was_training)
-        return found
+        losses = {f"val_loss_{term}": total / len(data) for term, total in sums.items()}
+        return found, {"val_loss": sum(losses.values())} | losses
 
     def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]:
         assert self.val is not None, "build_data first"
-        found = self.predict(forward, self.val, self.device)
-        metrics = coco_metrics(self.val, found)
+        found, losses = self.predict(forward, self.val, self.device)
+        metrics = coco_metrics(self.val, found) | losses
         if final and distributed.rank() == 0:
             draw_detections(self.val, found, out_dir / "detections", SHOWN_AT_END)
         return metrics
 
     def eval_line(self, metrics: dict[str, Any]) -> str:
-        return " ".join(f"{name}={metrics[name]:.4f}" for name in METRICS) + f" detections={metrics['val_detections']}"
+        scores = " ".join(f"{name}={metrics[name]:.4f}" for name in METRICS)
+        return f"{scores} detections={metrics['val_detections']} val_loss={metrics['val_loss']:.4f}"
 
     def describe_data(self) -> str:
         assert self.val is not None and self.classes is not None
@@ -252,8 +259,8 @@ def evaluate_checkpoint(
     overridden), and with `show` > 0 that many images drawn with their detections under `out_dir`."""
     task = DetectionTask(cfg)
     val = load_split(cfg, cfg.data.val_split, train=False)
-    found = task.predict(model, val, device)
-    result: dict[str, Any] = coco_metrics(val, found)
+    found, losses = task.predict(model, val, device)
+    result: dict[str, Any] = coco_metrics(val, found) | losses
     if show:
         result["pictures"] = [str(p) for p in draw_detections(val, found, out_dir, show)]
     return result
