@@ -134,8 +134,9 @@ def load_pretrained(model: nn.Module, path: Path, config_key: str = "model.init_
     (fine-tuning to new classes); any other difference is an error naming the tensor (and `config_key`, the config key
     that named the file)."""
     state = read_weights(path, config_key)
-    own_loader = getattr(model, "load_pretrained", None)
-    if callable(own_loader):  # a model that maps an image checkpoint onto itself (ViTDet's backbone)
+    # A model that maps an image classifier's weights onto itself (ViTDet: its backbone, positions resampled).
+    own_loader = getattr(model, "load_image_backbone", None)
+    if callable(own_loader):
         own_loader(state, f"{config_key}={path}")
         return
     own = model.state_dict()

@@ -175,7 +175,7 @@ class ViTDet(nn.Module):
         grid, width = self.grid, self.cfg.width
         return ParallelPlan(units, blocks, fp32_groups(self, blocks), lambda n: (n, grid, grid, width))
 
-    def load_pretrained(self, state: dict[str, torch.Tensor], where: str) -> None:
+    def load_image_backbone(self, state: dict[str, torch.Tensor], where: str) -> None:
         """Start the backbone from a vitrain or timm image ViT's state dict: its patch embedding and blocks as they
         are, its position table resampled to the detection grid (the class token's row dropped); its class token,
         final norm and classifier have no counterpart here and are left out. The pyramid and head start fresh."""
