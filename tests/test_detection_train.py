@@ -128,3 +128,21 @@ def test_freeze_backbone_trains_only_the_pyramid_and_head(tmp_path: Path):
     after = dict(trainer.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
     assert changed and all(n.startswith(("pyramid.", "head.")) for n in changed)
+
+
+def test_model_init_from_starts_the_detector_from_an_image_vit(tmp_path: Path):
+    from vitrain.config import ModelConfig, load_config
+    from vitrain.engine import Trainer
+    from vitrain.models import VisionTransformer
+
+    image_vit = VisionTransformer(ModelConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2, num_classes=5))
+    torch.save(image_vit.state_dict(), tmp_path / "vit.pt")
+    root = write_voc(tmp_path, {"train": 2, "val": 1})
+    overrides = [
+        *TINY_DETECTION,
+        f"data.root={root}",
+        f"log.out_dir={tmp_path}",
+        f"model.init_from={tmp_path / 'vit.pt'}",
+    ]
+    trainer = Trainer(load_config(None, overrides))
+    torch.testing.assert_close(trainer.model.blocks[1].attn.qkv.weight, image_vit.blocks[1].attn.qkv.weight)
