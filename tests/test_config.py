@@ -37,7 +37,7 @@ def test_recipes_live_inside_the_package():
 def test_an_unknown_recipe_lists_the_shipped_ones_and_points_to_config_list():
     with pytest.raises(
         ConfigError,
-        match=r"config file cifar100 not found; .*cifar10, cifar10-baseline, cifar10-fast, cifar10-shards, dig.*`vitr",
+        match=r"config file cifar100 not found; .*cifar10, cifar10-baseline, cifar10-fast, cifar10-shards, det.*`vitr",
     ):
         resolve_config_path("cifar100")
 

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--root", default=None, help="face models: identity folders (or a .zip) the pairs name")
     evaluate.add_argument("--out", default=None, help="face models: where verification.json and the ROC plot go")
+    evaluate.add_argument(
+        "--show", type=int, default=0, metavar="N", help="detection: draw N validation images' detections as PNGs"
+    )
     evaluate.set_defaults(func=_eval)
 
     export = sub.add_parser(
@@ -323,6 +326,15 @@ def _eval(args: argparse.Namespace) -> int:
         root = Path(args.root).expanduser() if args.root else None
         report = verify(model, cfg, device, root, args.pairs, out)
         result = {"checkpoint": str(path), "step": meta.get("step"), **report}
+    elif cfg.task.name == "detection":
+        from vitrain.tasks.detection import evaluate_checkpoint
+
+        out = Path(args.out) if args.out else ckpt.run_dir_of(path) / "eval"
+        result = {
+            "checkpoint": str(path),
+            "step": meta.get("step"),
+            **evaluate_checkpoint(model, cfg, device, out, args.show),
+        }
     elif args.pairs or args.root or args.out:
         raise ConfigError(
             f"--pairs, --root and --out verify face models; {path} was trained with task.name={cfg.task.name}"

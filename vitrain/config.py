@@ -55,6 +55,10 @@ class ModelConfig:
     # conv: output channels of each 3x3 conv; the last log2(patch_size) have stride 2, any before them stride 1.
     # Empty: log2(patch_size) convs widening to width (e.g. patch 4, width 192: [96, 192]).
     stem_channels: tuple[int, ...] = ()
+    # task.name=detection (ViTDet): blocks attend within windows of this many tokens a side (ViTDet: 14); 0: every
+    # block attends globally
+    window_size: int = 14
+    global_blocks: tuple[int, ...] = (2, 5, 8, 11)  # task.name=detection: the blocks that attend over the whole map
     drop_path: float = 0.0  # stochastic depth: the last block's drop rate (linear from 0)
     dropout: float = 0.0  # dropout after the position embedding
     init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
@@ -106,6 +110,9 @@ class DataConfig:
     std: tuple[float, ...] = (0.5,)  # per-channel normalization std
     crop_padding: int = 0  # random crop after padding by this many pixels; 0 turns it off
     hflip: float = 0.0  # probability of a horizontal flip
+    # task.name=detection: large-scale jitter (ViTDet's is [0.1, 2.0]): each training image is rescaled by a factor
+    # from this range, then cropped or padded back to model.image_size; [1, 1] turns it off.
+    jitter_scale: tuple[float, float] = (1.0, 1.0)
     decode_workers: int = 2  # processes decoding image files once at start
     # folder, shards, recordio (not faces): JPEGs at least twice model.image_size decode at the smallest DCT scale
     # (1/8 steps) still >= it, then resize: less decoding work, pixels slightly unlike a full decode's.
@@ -374,6 +381,14 @@ class TaskConfig:
     """What the model is trained to do: its head, loss, evaluation and best metric (vitrain/tasks)."""
 
     name: str = "classification"  # classification, face, or a user's task class by import path (mypkg.tasks:MyTask)
+    pyramid_channels: int = 256  # detection: channels of each feature pyramid level and of the FCOS head (ViTDet: 256)
+    head_convs: int = 4  # detection: 3x3 conv + GroupNorm + ReLU layers in each of the head's two towers
+    score_threshold: float = 0.05  # detection: detections below this class probability are dropped
+    nms_iou: float = 0.6  # detection: a box overlapping a better one of its class by more than this IoU is dropped
+    max_detections: int = 100  # detection: detections kept per image
+    # detection: train only the pyramid and head over a fixed backbone (its start: random, or model.init_from): the
+    # baseline that shows what training the backbone adds
+    freeze_backbone: bool = False
     # face: the backbone ends in an embedding neck (Linear to embed_dim, then BatchNorm1d) instead of a classifier;
     # the identity centres live in a margin head outside the backbone, with optim.head_lr_scale and
     # optim.head_weight_decay as its own lr and weight decay.

@@ -27,11 +27,13 @@ _BUILTIN: dict[str, dict[str, str]] = {
     "model": {"vit": "vitrain.models:build_vit", "video_vit": "vitrain.models.video:build_video_vit"},
     "task": {
         "classification": "vitrain.tasks.classification:ClassificationTask",
+        "detection": "vitrain.tasks.detection:DetectionTask",
         "face": "vitrain.tasks.face:FaceTask",
         "video": "vitrain.tasks.video:VideoTask",
     },
     "engine": {"native": "vitrain.engine.native:NativeEngine", "deepspeed": "vitrain.engine.deepspeed:DeepSpeedEngine"},
     "data": {
+        "detection": "vitrain.data.detection:detection_source",
         "digits": "vitrain.data.sources:digits_source",
         "folder": "vitrain.data.sources:folder_source",
         "prepared": "vitrain.data.sources:prepared_source",

@@ -134,6 +134,11 @@ def load_pretrained(model: nn.Module, path: Path, config_key: str = "model.init_
     (fine-tuning to new classes); any other difference is an error naming the tensor (and `config_key`, the config key
     that named the file)."""
     state = read_weights(path, config_key)
+    # A model that maps an image classifier's weights onto itself (ViTDet: its backbone, positions resampled).
+    own_loader = getattr(model, "load_image_backbone", None)
+    if callable(own_loader):
+        own_loader(state, f"{config_key}={path}")
+        return
     own = model.state_dict()
     if "pos_embed" in state and "pos_embed" not in own:  # a timm export of a sin-cos model: the table is fixed
         state.pop("pos_embed")

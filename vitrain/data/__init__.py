@@ -35,6 +35,10 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
     if not 0.0 <= d.hflip <= 1.0:
         raise ConfigError(f"data.hflip={d.hflip} is a probability and must be in [0, 1]")
+    if d.source == "detection" and cfg.task.name != "detection":
+        raise ConfigError(
+            f"data.source=detection reads boxes for task.name=detection, not task.name={cfg.task.name}; set both"
+        )
     if d.source == "prepared" and not d.root:
         raise ConfigError("data.source=prepared needs data.root=PATH (a folder made by `vitrain data prepare`)")
     if d.loader == "plain" and d.source != "folder":

@@ -1,0 +1,148 @@
+"""Detection end to end: the CLI trains and evaluates a tiny ViTDet on a drawn VOC set; bad data exits 2; the
+detector trains under zero3 + amp_o2 + activation checkpointing on 2 ranks and resumes in one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+from tests.detection_helpers import write_voc
+from tests.distributed_helpers import losses, run_two_ranks
+
+pytest.importorskip("pycocotools", reason="detection evaluation needs pycocotools: pip install 'vitrain[detection]'")
+
+TINY_DETECTION = [
+    "task.name=detection",
+    "task.pyramid_channels=16",
+    "task.head_convs=1",
+    "data.source=detection",
+    "data.val_split=val",
+    "data.hflip=0.5",
+    "data.jitter_scale=[0.5,1.5]",
+    "model.image_size=64",
+    "model.patch_size=8",
+    "model.width=32",
+    "model.depth=2",
+    "model.heads=2",
+    "model.window_size=4",
+    "model.global_blocks=[1]",
+    "model.attention=sdpa",
+    "train.batch_size=2",
+    "train.threads=1",
+    "log.progress=false",
+    "log.every_steps=1",
+    "precision.mode=fp32",
+]
+
+
+def test_the_cli_trains_three_steps_and_evaluates_with_pictures(tmp_path: Path):
+    root = write_voc(tmp_path, {"train": 4, "val": 2})
+    out = tmp_path / "runs"
+    done = run_cli(
+        "train",
+        "detection-bccd",
+        *TINY_DETECTION,
+        "name=run",
+        f"data.root={root}",
+        "train.max_steps=3",
+        f"log.out_dir={out}",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["task"] == "detection" and summary["steps"] == 3
+    assert 0.0 <= summary["val_ap"] <= 1.0 and "val_ap50" in summary
+    terms = [summary[f"val_loss_{t}"] for t in ("cls", "box", "centerness")]
+    assert summary["val_loss"] == pytest.approx(sum(terms)) and all(t > 0 for t in terms)
+    assert sorted(p.name for p in (out / "run" / "detections").iterdir()) == ["img_004.png", "img_005.png"]
+    log = (out / "run" / "log.txt").read_text()
+    assert "2 classes (cell, dot)" in log and "val_ap=" in log
+    shown = run_cli("eval", str(out / "run"), "--show", "1", f"--out={tmp_path / 'shown'}")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert json.loads(shown.stdout)["pictures"] == [str(tmp_path / "shown" / "img_004.png")]
+
+
+def test_a_bad_box_stops_the_cli_with_exit_2_and_one_line(tmp_path: Path):
+    root = write_voc(tmp_path, {"train": 2, "val": 1})
+    xml = root / "Annotations" / "img_001.xml"
+    xml.write_text(xml.read_text().replace("<xmin>", "<xmin>9", 1))  # xmin beyond xmax: a negative width
+    done = run_cli(
+        "train", "detection-bccd", *TINY_DETECTION, "name=run", f"data.root={root}", f"log.out_dir={tmp_path / 'runs'}"
+    )
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{xml} object 0: box width" in last and "a negative size" in last and "data.skip_bad" in last
+
+
+def _sharded_job(root: Path, out: Path) -> None:
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    overrides = [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={out}", "name=sharded", "train.max_steps=5"]
+    overrides += ["parallel.strategy=zero3", "parallel.activation_checkpointing=block", "precision.mode=amp_o2"]
+    overrides += ["train.checkpoint_every_steps=5", "train.eval_every_epochs=100"]
+    Trainer(load_config(None, overrides)).fit()
+
+
+def test_zero3_amp_o2_checkpointing_on_two_ranks_then_resumes_on_one(tmp_path: Path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    root = write_voc(tmp_path, {"train": 8, "val": 2})
+    out = tmp_path / "runs"
+    run_two_ranks(_sharded_job, root, out)
+    assert sorted(losses(out / "sharded")) == [1, 2, 3, 4, 5]
+    overrides = [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={out}", "name=sharded", "train.max_steps=6"]
+    overrides += ["precision.mode=amp_o2", "train.eval_every_epochs=100"]
+    summary = Trainer(load_config(None, overrides), resume=True).fit()
+    assert summary["steps"] == 6
+    records = [json.loads(line) for line in (out / "sharded" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]  # continued at 6, not started over
+
+
+def test_a_stopped_detection_run_resumes_bit_for_bit_with_jitter_and_flips(tmp_path: Path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    root = write_voc(tmp_path, {"train": 8, "val": 2})
+    common = [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={tmp_path}", "train.eval_every_epochs=100"]
+    Trainer(load_config(None, [*common, "name=whole", "train.max_steps=6"])).fit()
+    Trainer(load_config(None, [*common, "name=part", "train.max_steps=3"])).fit()  # stops mid-epoch (4 steps an epoch)
+    Trainer(load_config(None, [*common, "name=part", "train.max_steps=6"]), resume=True).fit()
+    whole, part = losses(tmp_path / "whole"), losses(tmp_path / "part")
+    assert [part[s] for s in range(4, 7)] == [whole[s] for s in range(4, 7)]
+
+
+def test_freeze_backbone_trains_only_the_pyramid_and_head(tmp_path: Path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    root = write_voc(tmp_path, {"train": 4, "val": 2})
+    overrides = [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={tmp_path}", "train.max_steps=2"]
+    trainer = Trainer(load_config(None, [*overrides, "task.freeze_backbone=true"]))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.fit()
+    after = dict(trainer.model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+    assert changed and all(n.startswith(("pyramid.", "head.")) for n in changed)
+
+
+def test_model_init_from_starts_the_detector_from_an_image_vit(tmp_path: Path):
+    from vitrain.config import ModelConfig, load_config
+    from vitrain.engine import Trainer
+    from vitrain.models import VisionTransformer
+
+    image_vit = VisionTransformer(ModelConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2, num_classes=5))
+    torch.save(image_vit.state_dict(), tmp_path / "vit.pt")
+    root = write_voc(tmp_path, {"train": 2, "val": 1})
+    overrides = [
+        *TINY_DETECTION,
+        f"data.root={root}",
+        f"log.out_dir={tmp_path}",
+        f"model.init_from={tmp_path / 'vit.pt'}",
+    ]
+    trainer = Trainer(load_config(None, overrides))
+    torch.testing.assert_close(trainer.model.blocks[1].attn.qkv.weight, image_vit.blocks[1].attn.qkv.weight)
