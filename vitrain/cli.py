@@ -181,7 +181,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 1; peers 3)")
     run.add_argument(
-        "--synthetic", action="store_true", help="random images of the model's shape instead of the recipe's data"
+        "--synthetic",
+        action="store_true",
+        help="random images (clips of model.num_frames frames for a video model) of the model's shape instead of the "
+        "recipe's data",
     )
     run.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace and op table of one timed step")
     run.add_argument("--json", metavar="FILE", help="also write the result (or the ladder/peers results) as JSON")

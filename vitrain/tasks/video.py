@@ -45,7 +45,7 @@ class VideoTask:
     def check(cfg: Config) -> None:
         if cfg.train.distill.teacher:
             raise ConfigError("task.name=video has no distillation token; drop train.distill.teacher")
-        if cfg.data.source != "video" and ":" not in cfg.data.source:
+        if cfg.data.source not in ("video", "synthetic") and ":" not in cfg.data.source:
             raise ConfigError(
                 f"task.name=video evaluates whole videos; data.source={cfg.data.source} gives images: set "
                 "data.source=video"

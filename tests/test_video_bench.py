@@ -1,0 +1,62 @@
+"""`vitrain bench` for video models: synthetic clips of model.num_frames frames, clips/s, the video model's FLOPs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TINY, model_overrides
+from tests.video_helpers import VIDEO_OVERRIDES
+from vitrain.cli import main
+from vitrain.config import load_config
+from vitrain.data import build_datasets
+from vitrain.models import complexity
+
+BENCH = [*VIDEO_OVERRIDES, "train.batch_size=4", "data.synthetic_samples=16", "precision.mode=fp32", "train.threads=1"]
+
+
+def bench(tmp_path: Path, capsys, *extra: str) -> tuple[str, dict]:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "run", *BENCH, *extra, "--synthetic", "--steps", "2", "--warmup", "1", "--json", str(out)]
+    assert main(argv) == 0
+    return capsys.readouterr().out, json.loads(out.read_text())
+
+
+def test_synthetic_data_for_a_video_model_is_clips_of_its_frames():
+    cfg = load_config(None, [*BENCH, "data.source=synthetic"])
+    train, val = build_datasets(cfg)
+    clips, labels = train.read(torch.tensor([0, 1, 2]), torch.Generator().manual_seed(0))
+    assert clips.shape == (3, 4 * 3, 16, 16) and clips.dtype == torch.uint8  # (B, T*C, H, W), as data.source=video
+    assert (train.num_frames, train.channels, len(train) + len(val)) == (4, 3, 16)
+    assert labels.max() < 2
+
+
+def test_bench_times_the_video_step_in_clips_per_second_with_the_video_models_flops(tmp_path, capsys):
+    text, result = bench(tmp_path, capsys)
+    assert "clips/s" in text and "GFLOP/clip" in text and "images/s" not in text
+    assert "4 frames x 16px" in result["model"]
+    assert (result["unit"], result["num_frames"]) == ("clip", 4)
+    assert result["clips_per_s"] == result["images_per_s"] > 0  # the image benches' key stays, counting clips
+    # 2 x 4 x 4 tubelets of the video model, not the 16 patches of one 16 px frame:
+    cfg = load_config(None, BENCH)
+    assert result["train_gflops_per_image"] * 1e9 == pytest.approx(complexity(cfg.model).train_flops)
+    assert complexity(cfg.model).train_flops > 1.9 * complexity(load_config(None, model_overrides()).model).train_flops
+    assert 0 < result["mfu"] < 1
+
+
+def test_bench_under_activation_checkpointing_reports_the_peak_memory_of_the_video_step(tmp_path, capsys):
+    text, result = bench(tmp_path, capsys, "parallel.activation_checkpointing=block")
+    assert "clips/s" in text and "peak memory" in text
+    assert result["peak_memory_bytes"] > 0 and result["clips_per_s"] > 0
+
+
+def test_an_image_bench_keeps_its_units(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "run", *TINY, "train.batch_size=4", "data.synthetic_samples=16", "train.threads=1"]
+    assert main([*argv, "--synthetic", "--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "images/s" in capsys.readouterr().out
+    assert (result["unit"], result["num_frames"]) == ("image", 1) and "clips_per_s" not in result
