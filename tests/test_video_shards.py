@@ -12,6 +12,7 @@ import torch
 from tests.conftest import run_cli
 from tests.video_helpers import VIDEO_OVERRIDES, clip_pixels, make_clip_tree, write_video
 from vitrain.config import load_config
+from vitrain.data import build_loaders
 from vitrain.data.shards import ShardWriter, read_samples
 from vitrain.data.stream import shards_source
 from vitrain.data.video import video_source
@@ -87,9 +88,18 @@ def test_training_clips_from_shards_start_where_the_seed_epoch_and_key_say(tmp_p
     assert len(starts) > 1
 
 
-def test_the_cli_trains_a_video_vit_from_shards_and_evaluates_whole_videos(tmp_path):
-    write_shards(tmp_path / "clips", tmp_path / "shards")
-    done = run_cli("train", *overrides(tmp_path, "shards", tmp_path / "shards"))
+def test_a_video_tree_packed_to_shards_trains_from_the_cli_and_evaluates_whole_videos(tmp_path):
+    names = make_clip_tree(tmp_path / "clips", files=True)
+    done = run_cli("data", "pack", str(tmp_path / "clips"), str(tmp_path / "shards"), "--format", "shards", "--video",
+                   "--val-match", VAL)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "packed train 12, test 4 samples of 2 classes" in done.stdout
+    packed = [s for url in sorted((tmp_path / "shards").glob("*.tar")) for s in read_samples(str(url))]
+    by_path = {json.loads(s.members["json"])["path"]: s for s in packed}
+    assert sorted(by_path) == sorted(n + ".mp4" for n in names)
+    assert by_path["b/actor1_0.mp4"].members["mp4"] == (tmp_path / "clips" / "b" / "actor1_0.mp4").read_bytes()
+    assert by_path["b/actor1_0.mp4"].label == 1  # classes a, b in name order
+    done = run_cli("train", *overrides(tmp_path, "shards", tmp_path / "shards", "data.val_split=test"))
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "runs" / "shards" / "summary.json").read_text())
     assert summary["steps"] == 3
@@ -116,3 +126,15 @@ def test_a_bad_clip_sample_is_one_line_naming_the_shard_and_key_exit_2(tmp_path,
     errors = [line for line in done.stderr.splitlines() if line.startswith("vitrain: error")]
     assert len(errors) == 1 and f"sample {key} (" in errors[0] and "train-000000.tar" in errors[0], done.stderr
     assert says in errors[0]
+
+
+def test_evaluation_rows_name_their_videos_with_two_loader_workers(tmp_path):
+    write_shards(tmp_path / "clips", tmp_path / "shards")
+    cfg = cfg_for(tmp_path, "shards", tmp_path / "shards", "data.loader_workers=2", "train.batch_size=5")
+    _, val = build_loaders(cfg, torch.device("cpu"))
+    labels_of_video = torch.tensor([s.label for s in read_samples(val.data.index.urls[0])])
+    rows = val.order(0)
+    # 4 videos x 3 clips in batches of 5, 5, 2 from workers 0, 1, 0; worker 0 reads rows 0-6, worker 1 rows 7-11
+    assert rows.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11, 5, 6]
+    seen = torch.cat([labels for _, labels in val.epoch(0)])
+    assert torch.equal(seen, labels_of_video[val.data.video_of(rows)])

@@ -162,6 +162,15 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("--shard-samples", type=int, default=10_000, help="samples per tar shard (default 10000)")
     pack.add_argument("--workers", type=int, default=2, help="processes writing shards in parallel (default 2)")
     pack.add_argument("--identities", action="store_true", help="SRC is a face set: one folder per identity")
+    pack.add_argument(
+        "--video", action="store_true", help="SRC is a video tree (<class>/<clip>.mp4): one shard sample per clip"
+    )
+    pack.add_argument(
+        "--val-match",
+        default="",
+        metavar="REGEX",
+        help="--video: clips whose path matches go to split 'test' (as data.val_match splits), the rest to 'train'",
+    )
     pack.set_defaults(func=_data_pack)
     index = data_sub.add_parser("index", help="count the samples of tar shards into an index.json (once per set)")
     index.add_argument("shards", metavar="SHARDS", help="a folder, list file, brace pattern or pipe:COMMAND")
@@ -493,11 +502,16 @@ def _data_prepare(args: argparse.Namespace) -> int:
 def _data_pack(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitrain.data.pack import list_source, pack_recordio, pack_shards
+    from vitrain.data.pack import list_source, list_videos, pack_recordio, pack_shards
 
     if args.shard_samples < 1 or args.workers < 1:
         raise ConfigError("--shard-samples and --workers must be >= 1")
-    listing = list_source(Path(args.src), args.identities)
+    if args.video and (args.format != "shards" or args.identities):
+        raise ConfigError("--video packs clips into shards only; use --format shards without --identities")
+    if args.val_match and not args.video:
+        raise ConfigError("--val-match splits video trees; add --video (image trees keep their split folders)")
+    src = Path(args.src)
+    listing = list_videos(src, args.val_match) if args.video else list_source(src, args.identities)
     out = Path(args.out)
     if args.format == "shards":
         totals = pack_shards(listing, out, args.shard_samples, args.workers)
