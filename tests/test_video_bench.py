@@ -60,3 +60,13 @@ def test_an_image_bench_keeps_its_units(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert "images/s" in capsys.readouterr().out
     assert (result["unit"], result["num_frames"]) == ("image", 1) and "clips_per_s" not in result
+
+
+def test_estimate_counts_a_video_presets_activations_over_its_space_time_tokens(capsys):
+    assert main(["estimate", "ViViT-B/16x2", "--batch", "8", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens per clip 1,568 = 16/2 frames x 224/16 x 224/16 patches" in out
+    n, d, heads, classes = 1568, 768, 12, 1000  # 16/2 x 14 x 14 tubelets; VideoMAE's mean pooling: no class token
+    per_clip = 12 * (16 * n * d + heads * n * n) + n * d + n * d + classes  # blocks, embedding, final norm, logits
+    activations = next(line for line in out.splitlines() if line.startswith("activations"))
+    assert float(activations.split()[1]) == pytest.approx(8 * per_clip * 2 / 2**30, abs=0.01)  # bf16: 2 bytes

@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--wrap", choices=["block", "sublayer", "model"])
     estimate.add_argument("--offload", action="store_true", default=None, help="sharded states in host memory")
     estimate.add_argument("--ac", action="store_true", default=None, help="per-block activation checkpointing")
-    estimate.add_argument("--batch", type=int, help="images per device and step (default 1)")
+    estimate.add_argument("--batch", type=int, help="images (clips for a video preset) per device and step (default 1)")
     estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="fp32, or amp_o2 in this dtype")
     estimate.add_argument("--pipeline-stages", type=int, help="blocks split into this many stages, one per process")
     estimate.add_argument(
