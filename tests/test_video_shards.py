@@ -138,3 +138,13 @@ def test_evaluation_rows_name_their_videos_with_two_loader_workers(tmp_path):
     assert rows.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11, 5, 6]
     seen = torch.cat([labels for _, labels in val.epoch(0)])
     assert torch.equal(seen, labels_of_video[val.data.video_of(rows)])
+
+
+def test_a_clip_stream_resumed_mid_epoch_reads_the_clips_the_whole_epoch_read(tmp_path):
+    write_shards(tmp_path / "clips", tmp_path / "shards")
+    cfg = cfg_for(tmp_path, "shards", tmp_path / "shards", "data.prefetch=0", "data.hflip=0.5")
+    train, _ = build_loaders(cfg, torch.device("cpu"))
+    whole = list(train.epoch(1))
+    rest = list(train.epoch(1, train.position(1, None, 1)))  # a checkpoint after the epoch's first batch
+    assert len(whole) == 3 and len(rest) == 2
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[1:], rest, strict=True))
