@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,16 @@ def test_estimate_counts_a_video_presets_activations_over_its_space_time_tokens(
     per_clip = 12 * (16 * n * d + heads * n * n) + n * d + n * d + classes  # blocks, embedding, final norm, logits
     activations = next(line for line in out.splitlines() if line.startswith("activations"))
     assert float(activations.split()[1]) == pytest.approx(8 * per_clip * 2 / 2**30, abs=0.01)  # bf16: 2 bytes
+
+
+def test_bench_times_the_video_step_under_zero3_on_two_ranks_as_the_docs_run_it(tmp_path):
+    out = tmp_path / "zero3.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vitrain",
+            "bench", "run", *BENCH, "parallel.strategy=zero3", "parallel.activation_checkpointing=block", "--synthetic",
+            "--steps", "1", "--warmup", "1", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert (result["strategy"], result["world_size"], result["global_batch"]) == ("zero3", 2, 8)
+    assert result["clips_per_s"] > 0 and result["peak_memory_bytes"] > 0 and 0 < result["mfu"] < 1
+    assert "clips/s" in done.stdout
