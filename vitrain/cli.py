@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--wrap", choices=["block", "sublayer", "model"])
     estimate.add_argument("--offload", action="store_true", default=None, help="sharded states in host memory")
     estimate.add_argument("--ac", action="store_true", default=None, help="per-block activation checkpointing")
-    estimate.add_argument("--batch", type=int, help="images per device and step (default 1)")
+    estimate.add_argument("--batch", type=int, help="images (clips for a video preset) per device and step (default 1)")
     estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="fp32, or amp_o2 in this dtype")
     estimate.add_argument("--pipeline-stages", type=int, help="blocks split into this many stages, one per process")
     estimate.add_argument(
@@ -165,6 +165,15 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("--shard-samples", type=int, default=10_000, help="samples per tar shard (default 10000)")
     pack.add_argument("--workers", type=int, default=2, help="processes writing shards in parallel (default 2)")
     pack.add_argument("--identities", action="store_true", help="SRC is a face set: one folder per identity")
+    pack.add_argument(
+        "--video", action="store_true", help="SRC is a video tree (<class>/<clip>.mp4): one shard sample per clip"
+    )
+    pack.add_argument(
+        "--val-match",
+        default="",
+        metavar="REGEX",
+        help="--video: clips whose path matches go to split 'test' (as data.val_match splits), the rest to 'train'",
+    )
     pack.set_defaults(func=_data_pack)
     index = data_sub.add_parser("index", help="count the samples of tar shards into an index.json (once per set)")
     index.add_argument("shards", metavar="SHARDS", help="a folder, list file, brace pattern or pipe:COMMAND")
@@ -184,7 +193,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 1; peers 3)")
     run.add_argument(
-        "--synthetic", action="store_true", help="random images of the model's shape instead of the recipe's data"
+        "--synthetic",
+        action="store_true",
+        help="random images (clips of model.num_frames frames for a video model) of the model's shape instead of the "
+        "recipe's data",
     )
     run.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace and op table of one timed step")
     run.add_argument("--json", metavar="FILE", help="also write the result (or the ladder/peers results) as JSON")
@@ -502,11 +514,16 @@ def _data_prepare(args: argparse.Namespace) -> int:
 def _data_pack(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitrain.data.pack import list_source, pack_recordio, pack_shards
+    from vitrain.data.pack import list_source, list_videos, pack_recordio, pack_shards
 
     if args.shard_samples < 1 or args.workers < 1:
         raise ConfigError("--shard-samples and --workers must be >= 1")
-    listing = list_source(Path(args.src), args.identities)
+    if args.video and (args.format != "shards" or args.identities):
+        raise ConfigError("--video packs clips into shards only; use --format shards without --identities")
+    if args.val_match and not args.video:
+        raise ConfigError("--val-match splits video trees; add --video (image trees keep their split folders)")
+    src = Path(args.src)
+    listing = list_videos(src, args.val_match) if args.video else list_source(src, args.identities)
     out = Path(args.out)
     if args.format == "shards":
         totals = pack_shards(listing, out, args.shard_samples, args.workers)

@@ -1,4 +1,4 @@
-"""Training-step benchmark: images/s, where a step's time goes, peak memory and MFU of a recipe's real step.
+"""Training-step benchmark: images/s (clips/s for video), where a step's time goes, peak memory and MFU of a real step.
 
     result = bench_step(cfg, steps=5, warmup=2)   # the trainer's own model, engine and data, timed phase by phase
 
@@ -8,6 +8,9 @@ loader a `vitrain train` of the config would build. MFU is model FLOPs (`complex
 multiply-add counted as 2, backward as twice the forward) per second over the peak of the dtype the step computes
 in: on a CPU that peak is a large GEMM measured on the spot with this process's threads (times the processes), on
 a known GPU the datasheet's dense figure.
+
+A video model (model.num_frames > 1) counts clips: `images_per_s` and `train_gflops_per_image` keep their names (and
+count clips: one sample is one clip of num_frames frames), `unit` says "clip", and `clips_per_s` repeats the rate.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
     finally:
         batches.close()  # the loader's prefetch thread stops here, also when a step fails
 
-    images_per_step = cfg.train.batch_size * accum * dist.data_size
+    images_per_step = cfg.train.batch_size * accum * dist.data_size  # clips for a video model
     timed_s = sum(step_seconds)
     images_per_s = steps * images_per_step / timed_s
     peak_bytes, memory_kind = peak_memory_bytes(device)
@@ -169,6 +172,8 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "steps": steps,
         "warmup": warmup,
         "images_per_s": images_per_s,
+        "unit": _unit(cfg),
+        "num_frames": cfg.model.num_frames,
         "step_s": timed_s / steps,
         "step_s_min": min(step_seconds),
         "step_s_max": max(step_seconds),
@@ -190,14 +195,23 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "mfu": model_flops_per_s / (device_peak * devices),
         "torch": torch.__version__,
     }
+    if cfg.model.num_frames > 1:
+        result["clips_per_s"] = images_per_s
     if profile is not None:
         result["profile"] = str(profile)
     return result
 
 
+def _unit(cfg: Config) -> str:
+    """What one sample of the step is: a clip of num_frames frames for a video model, else an image."""
+    return "clip" if cfg.model.num_frames > 1 else "image"
+
+
 def _model_label(cfg: Config) -> str:
     m = cfg.model
     name = m.preset or f"ViT w{m.width} d{m.depth} h{m.heads}"
+    if m.num_frames > 1:
+        return f"{name}/{m.patch_size}x{m.tubelet_size} @ {m.num_frames} frames x {m.image_size}px"
     return f"{name}/{m.patch_size} @ {m.image_size}px"
 
 
@@ -206,19 +220,20 @@ def format_result(result: dict[str, Any]) -> str:
     gib = result["peak_memory_bytes"] / 2**30
     parts = "  ".join(f"{key} {value * 1e3:.1f} ms" for key, value in result["breakdown_s"].items())
     note = f" ({result['breakdown_note']})" if result["breakdown_note"] else ""
+    unit = result.get("unit", "image")  # JSON written before video benches has no unit
     return "\n".join(
         [
             f"{result['model']}, {result['params'] / 1e6:.2f}M params, {result['precision']}, "
             f"{result['strategy']} x {result['world_size']} ({result['engine']}), attention={result['attention']}, "
             f"optimizer={result['optimizer']}, batch {result['global_batch']} ({result['batch_per_rank']}/rank)",
             f"{result['device']}; {result['threads']} thread(s) per process",
-            f"images/s {result['images_per_s']:.2f}   step {result['step_s'] * 1e3:.1f} ms "
+            f"{unit}s/s {result['images_per_s']:.2f}   step {result['step_s'] * 1e3:.1f} ms "
             f"(min {result['step_s_min'] * 1e3:.1f}, max {result['step_s_max'] * 1e3:.1f}; "
             f"{result['steps']} timed after {result['warmup']} warm-up)",
             f"step breakdown: {parts}{note}",
             f"peak memory {gib:.3f} GiB ({result['peak_memory_kind']}, largest rank)",
             f"model {result['model_tflops_per_s'] * 1e3:.1f} GFLOP/s ({result['train_gflops_per_image']:.2f} "
-            f"GFLOP/image) = MFU {result['mfu']:.3f} of {result['peak_tflops_per_device'] * 1e3:.1f} GFLOP/s "
+            f"GFLOP/{unit}) = MFU {result['mfu']:.3f} of {result['peak_tflops_per_device'] * 1e3:.1f} GFLOP/s "
             f"x {result['world_size']} ({result['peak_source']})",
         ]
     )

@@ -1,4 +1,4 @@
-"""`vitrain data pack`: an image folder or zip (classes, or face identities) into tar shards or RecordIO files.
+"""`vitrain data pack`: an image folder or zip (classes, face identities, or videos) into tar shards or RecordIO files.
 
 The encoded image bytes are copied unchanged (no decode, no re-encode), so a packed set gives the same images as
 its source. Shards: each split's samples are shuffled once (seed 0: a window of consecutive samples then mixes
@@ -7,6 +7,7 @@ source path) members, in parallel processes, one shard file each; a rerun skips 
 index.json (counts, classes) is written last, after every shard's count was read back from the tar. RecordIO:
 `<split>.rec/.idx/.lst` in im2rec's layout for classes, `train.rec/.idx/.lst` + `property` in insightface's layout
 for identities (vitrain/data/recordio.py); a face set's other files (protocol and pair lists) are copied beside.
+Videos (`--video`): one sample per clip, the video file's bytes unchanged as its `mp4`/`avi`/... member (shards only).
 """
 
 from __future__ import annotations
@@ -61,6 +62,41 @@ def list_source(src: Path, identities: bool) -> Listing:
         splits[split] = list(zip(names, labels, strict=True))
     if not splits:
         raise DataError(f"{src} holds no <split>/<class>/<image> tree; for face identity folders add --identities")
+    return Listing(tree.root, tree.is_zip, splits, classes, "classes")
+
+
+SPLIT_FOLDERS = ("train", "val", "test")  # video trees: folders that name a split (Kinetics' train/ and val/)
+
+
+def list_videos(src: Path, val_match: str = "") -> Listing:
+    """A video tree (<class>/<clip>.mp4|.avi|..., at any depth, or a .zip of one) as one sample per clip: clips whose
+    path matches the regex `val_match` go to split `test` (the shard reader's default data.val_split), the rest to
+    `train`; without it a clip under a folder named train, val or test goes to that split, others to `train`."""
+    import re
+
+    from vitrain.data.video import VIDEO_SUFFIXES, clip_class, list_clips
+
+    src = Path(src).expanduser()
+    if not src.exists():
+        raise DataError(f"{src} does not exist; give a folder (or .zip) of <class>/<clip>.mp4 videos")
+    tree = ImageTree(src)
+    names = list(list_clips(tree, frames=False))
+    if not names:
+        raise DataError(f"{src} holds no video files ({', '.join(VIDEO_SUFFIXES)}) in <class>/<clip> folders")
+    try:
+        pattern = re.compile(val_match) if val_match else None
+    except re.error as error:
+        raise DataError(f"--val-match {val_match!r} is not a regular expression ({error})") from None
+
+    def split_of(name: str) -> str:
+        if pattern is not None:
+            return "test" if pattern.search(name) else "train"
+        return next((part for part in PurePosixPath(name).parts[:-2] if part in SPLIT_FOLDERS), "train")
+
+    classes = sorted({clip_class(n) for n in names})
+    splits: dict[str, list[tuple[str, int]]] = {}
+    for name in names:
+        splits.setdefault(split_of(name), []).append((name, classes.index(clip_class(name))))
     return Listing(tree.root, tree.is_zip, splits, classes, "classes")
 
 

@@ -3,7 +3,9 @@
 A shard is a tar file whose members are grouped into samples by key, WebDataset's convention: `dir/key.ext`
 belongs to sample `dir/key` (the key ends at the first dot of the file name), and the members of one sample are
 consecutive. A sample holds one image (`jpg`, `jpeg`, `png`, `webp`, `ppm`, `pgm`, `bmp`) and a label: `cls` (an
-integer as text) or `json` (an integer, or an object with `label`, `cls`, `class` or `identity`).
+integer as text) or `json` (an integer, or an object with `label`, `cls`, `class` or `identity`). For a video model a
+sample is one clip: a video file (`mp4`, `avi`, `mkv`, `mov`, `webm`) or its numbered frames (`000.jpg`, `001.jpg`,
+...), and a label; what a sample's members become is the reader's choice (`StreamSet.decode`, data/stream.py).
 
 `index.json` beside the shards (written by `vitrain data pack` and `vitrain data index`) holds each shard's
 sample count and the class names: what lets every rank plan the same number of steps without reading the data.
@@ -29,6 +31,7 @@ from vitrain.files import atomic_write
 INDEX = "index.json"
 FORMAT = "vitrain-shards/1"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
+VIDEO_EXTS = ("mp4", "avi", "mkv", "mov", "webm")
 LABEL_KEYS = ("label", "cls", "class", "identity")
 PIPE = "pipe:"
 
@@ -105,10 +108,15 @@ def open_shard(url: str) -> Iterator[IO[bytes]]:
 @dataclass
 class Sample:
     key: str
-    image: bytes | None
+    image: bytes | None  # the first image member
     label: int | None
     where: str  # shard and byte offset, for messages
-    problem: str = ""  # why this sample cannot train (no image, no label), empty when it can
+    problem: str = ""  # why this sample's label cannot train (none, not an integer), empty when it can
+    members: dict[str, bytes] = field(default_factory=dict)  # every member by extension: a clip's frames or video
+
+
+class BadSample(Exception):
+    """A sample whose content cannot become a training input; the message says why (`has no image ...`)."""
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -145,9 +153,7 @@ def _sample(key: str, members: dict[str, bytes], where: str) -> Sample:
         else:
             if label < 0:
                 problem, label = f"has a negative label {label}", None
-    if image is None and not problem:
-        problem = f"has no image (no member ending in {', '.join(IMAGE_EXTS)})"
-    return Sample(key, image, label, where, problem)
+    return Sample(key, image, label, where, problem, members)
 
 
 def read_samples(url: str, skip: int = 0, count: int | None = None, labels_only: bool = False) -> Iterator[Sample]:

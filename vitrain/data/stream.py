@@ -18,8 +18,9 @@ seed, every sample the earlier ones consumed and shares out only the rest.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +30,18 @@ from vitrain.config import Config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.decode import decode_image
 from vitrain.data.loader import PAD_LABEL, Position, batch_generator, in_background, trace
-from vitrain.data.shards import PIPE, ShardIndex, describe, load_index, read_index, read_samples, shard_urls
+from vitrain.data.shards import (
+    IMAGE_EXTS,
+    PIPE,
+    BadSample,
+    Sample,
+    ShardIndex,
+    describe,
+    load_index,
+    read_index,
+    read_samples,
+    shard_urls,
+)
 from vitrain.errors import DataError
 
 
@@ -44,7 +56,11 @@ class Run:
 
 @dataclass
 class StreamSet:
-    """One split of a shard set, read as a stream: its runs of shard samples, class names and decoded image shape."""
+    """One split of a shard set, read as a stream: its runs of shard samples, class names and decoded image shape.
+
+    `clip_decoder`: a model that takes clips reads each sample as one clip (data/video.py's ShardClips: the video or
+    frames, temporal sampling); evaluation then reads `clips` rows per sample, clip k of them for row k (`video_of`).
+    """
 
     index: ShardIndex
     runs: list[Run]
@@ -52,14 +68,40 @@ class StreamSet:
     size: int
     reduce: bool = True  # data.decode_reduce
     skip_bad: int = 0
+    clip_decoder: Any = None
+    clips: int = 1
     streamed = True  # what build_loaders looks for
 
     @property
     def classes(self) -> list[str]:
         return self.index.classes
 
-    def __len__(self) -> int:
+    @property
+    def num_frames(self) -> int:
+        return self.clip_decoder.num_frames if self.clip_decoder is not None else 1
+
+    @property
+    def videos(self) -> int:
+        """Samples (a video each, for clips) of the split; len() counts rows, `clips` per sample."""
         return sum(r.count for r in self.runs)
+
+    def __len__(self) -> int:
+        return self.videos * self.clips
+
+    def video_of(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows // self.clips
+
+    def decode(self, sample: Sample, k: int, seed: int, epoch: int) -> np.ndarray:
+        """The sample's (num_frames * channels, size, size) uint8 input: clip k of a clip sample, else its image; a
+        BadSample says why it cannot be."""
+        if self.clip_decoder is not None:
+            return self.clip_decoder.decode(sample, k, seed, epoch)
+        if sample.image is None:
+            raise BadSample(f"has no image (no member ending in {', '.join(IMAGE_EXTS)})")
+        try:
+            return decode_image(sample.image, "L" if self.channels == 1 else "RGB", self.size, self.reduce)
+        except Exception as exc:  # PIL and simplejpeg raise many types for bad files
+            raise BadSample(f"has an image that does not decode ({type(exc).__name__}: {exc})") from None
 
 
 def take(runs: list[Run], start: int, length: int) -> list[Run]:
@@ -161,6 +203,11 @@ class StreamLoader:
             runs = [runs[i] for i in order]
         return runs
 
+    def _rows(self, runs: list[Run]) -> int:
+        """Rows of the sequence `runs` describe: `clips` per sample (more than one only for evaluation's clips, which
+        are never shuffled or resumed mid-epoch)."""
+        return sum(r.count for r in runs) * self.data.clips
+
     def _rank_layout(self, n: int, rank: int, seg: dict[str, int]) -> Layout:
         return lay_out(n, rank, seg["world_size"], seg["batch_size"], seg["workers"], self.drop_last)
 
@@ -197,9 +244,22 @@ class StreamLoader:
     def __len__(self) -> int:
         return len(self._rank_layout(len(self.data), self.rank, {**self.layout_key}).sizes)
 
+    def order(self, epoch: int) -> torch.Tensor:
+        """This rank's rows of an unshuffled epoch (evaluation) in the order its batches come, padding included:
+        batch b from worker b mod W, which reads its part of the share front to back."""
+        if self.shuffle:
+            raise ValueError("StreamLoader.order gives the rows of an unshuffled (evaluation) loader only")
+        lay = self._rank_layout(len(self.data), self.rank, self.layout_key)
+        rows = []
+        for b, size in enumerate(lay.sizes):
+            w = b % lay.workers
+            first = lay.worker_start(w) + sum(lay.worker_batches(w)[: b // lay.workers])
+            rows.append(torch.arange(first, first + size))
+        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+
     def batches_left(self, start: Position | None = None) -> int:
         runs, _, done, _ = self.resume(start.epoch if start else 0, start)
-        return len(self._rank_layout(sum(r.count for r in runs), self.rank, self.layout_key).sizes) - done
+        return len(self._rank_layout(self._rows(runs), self.rank, self.layout_key).sizes) - done
 
     def position(self, epoch: int, start: Position | None, batches: int) -> Position:
         segments = [dict(s) for s in start.segments] if start is not None else []
@@ -211,7 +271,7 @@ class StreamLoader:
 
     def epoch(self, epoch: int, start: Position | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         runs, number, done, first = self.resume(epoch, start)
-        lay = self._rank_layout(sum(r.count for r in runs), self.rank, self.layout_key)
+        lay = self._rank_layout(self._rows(runs), self.rank, self.layout_key)
         plan = _WorkerPlan(self.data, runs, lay, done, self.window, (self.seed, epoch, number, self.rank))
         workers = self.workers if len(lay.sizes) > done else 0  # nothing left: no processes to start
         loader = DataLoader(plan, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None)
@@ -248,10 +308,6 @@ class _WorkerPlan(IterableDataset):
     done: int
     window: int
     seeds: tuple[int, int, int, int]  # seed, epoch, segment, rank
-    mode: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.mode = "L" if self.data.channels == 1 else "RGB"
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str], list[tuple[str, str]]]]:
         info = get_worker_info()
@@ -286,41 +342,51 @@ class _WorkerPlan(IterableDataset):
             yield self._decode(batch)
 
     def _samples(self, start: int, length: int, lay: Layout) -> Iterator:
-        """The raw samples at positions [start, start + length) of the segment's sequence; past the rank's real
-        samples (evaluation's padding) the share's first samples repeat."""
-        real_end = lay.rank_start + lay.real
-        for run in take(self.runs, start, max(0, min(length, real_end - start))):
+        """(raw sample, padding?, clip number) at positions [start, start + length) of the segment's sequence; past
+        the rank's real samples (evaluation's padding) the share's first samples repeat."""
+        real = max(0, min(length, lay.rank_start + lay.real - start))
+        yield from ((sample, False, k) for sample, k in self._rows(start, real))
+        padding = length - real
+        pad_from = lay.rank_start if lay.real else 0  # a rank with no real sample left pads with the split's first
+        while padding > 0:
+            for sample, k in self._rows(pad_from, min(padding, max(lay.real, 1))):
+                padding -= 1
+                yield sample, True, k
+
+    def _rows(self, start: int, length: int) -> Iterator[tuple[Sample, int]]:
+        """(sample, clip number) of rows [start, start + length): row r is clip r % clips of sample r // clips."""
+        clips = self.data.clips
+        first = start // clips
+        row = first * clips
+        for run in take(self.runs, first, -(-(start + length) // clips) - first):
             url = self.data.index.urls[run.shard]
             got = 0
             for sample in read_samples(url, run.start, run.count):
                 got += 1
-                yield sample, False
+                for k in range(clips):
+                    if start <= row < start + length:
+                        yield sample, k
+                    row += 1
             if got != run.count:
                 raise DataError(
                     f"shard {url} ended after sample {run.start + got} but its index counts "
                     f"{self.data.index.counts[run.shard]}: it is truncated or the index is stale; write the shard "
                     "again or run `vitrain data index` on the shards"
                 )
-        padding = length - max(0, min(length, real_end - start))
-        pad_from = lay.rank_start if lay.real else 0  # a rank with no real sample left pads with the split's first
-        while padding > 0:
-            for run in take(self.runs, pad_from, min(padding, max(lay.real, 1))):
-                for sample in read_samples(self.data.index.urls[run.shard], run.start, run.count):
-                    padding -= 1
-                    yield sample, True
 
     def _decode(self, batch: list) -> tuple[torch.Tensor, torch.Tensor, list[str], list[tuple[str, str]]]:
-        size, out = self.data.size, np.zeros((len(batch), self.data.channels, self.data.size, self.data.size), np.uint8)
+        data, (seed, epoch) = self.data, self.seeds[:2]
+        out = np.zeros((len(batch), data.channels * data.num_frames, data.size, data.size), np.uint8)
         labels, keys, bad, good = [], [], [], None
-        for i, (sample, pad) in enumerate(batch):
+        for i, (sample, pad, k) in enumerate(batch):
             problem = sample.problem
             if not problem:
                 try:
-                    out[i] = decode_image(sample.image, self.mode, size, self.data.reduce)
-                except Exception as exc:  # PIL and simplejpeg raise many types for bad files
-                    problem = f"has an image that does not decode ({type(exc).__name__}: {exc})"
+                    out[i] = data.decode(sample, k, seed, epoch)
+                except BadSample as exc:
+                    problem = str(exc)
             name = Path(sample.where.split(" byte ")[0]).name if not sample.where.startswith(PIPE) else "pipe"
-            keys.append(f"{name}/{sample.key}")
+            keys.append(f"{name}/{sample.key}" + (f"#{k}" if data.clips > 1 else ""))
             if problem:
                 bad.append((f"{sample.key} ({sample.where})", problem))
                 labels.append(None)
@@ -348,18 +414,28 @@ def shards_source(cfg: Config) -> tuple[StreamSet, StreamSet]:
     if d.val_root:
         val_urls = shard_urls(d.val_root, "data.val_root")
     train_index = shard_index(train_urls, d.shard_index, "data.root")
-    make = lambda index, runs: StreamSet(index, runs, m.in_chans, m.image_size, d.decode_reduce, d.skip_bad)  # noqa: E731
+    train_clips = val_clips = None
+    if m.num_frames > 1:  # a model that takes clips: each sample is one clip (docs/video.md)
+        from vitrain.data.video import ShardClips
+
+        train_clips = ShardClips(m.num_frames, d.frame_stride, m.in_chans, m.image_size, random=True)
+        val_clips = ShardClips(m.num_frames, d.frame_stride, m.in_chans, m.image_size, clips=cfg.task.eval_clips)
+
+    def make(index: ShardIndex, runs: list[Run], clips: Any) -> StreamSet:
+        return StreamSet(index, runs, m.in_chans, m.image_size, d.decode_reduce, d.skip_bad, clips,
+                         clips.clips if clips is not None else 1)  # fmt: skip
+
     if val_urls:
         val_index = shard_index(val_urls, d.shard_index, "data.val_root")
         val_index.classes = train_index.classes
         train_runs = [Run(i, 0, c) for i, c in enumerate(train_index.counts) if c]
-        val = make(val_index, [Run(i, 0, c) for i, c in enumerate(val_index.counts) if c])
+        val = make(val_index, [Run(i, 0, c) for i, c in enumerate(val_index.counts) if c], val_clips)
     else:
         held = [round(c * d.val_fraction) for c in train_index.counts]
         train_runs = [Run(i, 0, c - v) for i, (c, v) in enumerate(zip(train_index.counts, held, strict=True)) if c > v]
         val_runs = [Run(i, c - v, v) for i, (c, v) in enumerate(zip(train_index.counts, held, strict=True)) if v]
-        val = make(train_index, val_runs)
-    train = make(train_index, train_runs)
+        val = make(train_index, val_runs, val_clips)
+    train = make(train_index, train_runs, train_clips)
     if not len(train):
         raise DataError(f"data.root={d.root}: its shards hold no training samples; pack data into them first")
     return train, val

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import re
+import zlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from vitrain.config import Config
+from vitrain.data.shards import IMAGE_EXTS, VIDEO_EXTS, BadSample, Sample
 from vitrain.data.sources import IMAGE_SUFFIXES, SPLIT_SEED, ImageTree, Skipped, file_reader
 from vitrain.errors import ConfigError, DataError
 
@@ -83,17 +85,9 @@ class ClipSet:
         """(B, num_frames) rows of `frames` of each row's clip: a random start in training, else clip k of `clips`
         uniformly spaced over the video (the centre one when clips=1); frames past the end loop to the start."""
         video = self.video_of(rows)
-        length = self.lengths[video]
-        room = (length - ((self.num_frames - 1) * self.stride + 1)).clamp(min=0)  # possible starts - 1
-        if self.random:
-            start = (torch.rand(len(rows), generator=generator) * (room + 1)).floor().long()
-        elif self.clips == 1:
-            start = room // 2
-        else:
-            k = rows % self.clips
-            start = torch.round(k * room / (self.clips - 1)).long()
-        offsets = start[:, None] + torch.arange(self.num_frames)[None, :] * self.stride
-        return self.starts[video][:, None] + offsets % length[:, None]
+        draws = torch.rand(len(rows), generator=generator) if self.random else None
+        offsets = clip_offsets(self.lengths[video], self.num_frames, self.stride, rows % self.clips, self.clips, draws)
+        return self.starts[video][:, None] + offsets
 
     def read(self, index: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Clips (B, T*C, H, W) uint8, frames stacked on the channel axis (what the image augmentation moves as one),
@@ -111,6 +105,23 @@ class ClipSet:
         """The same videos cut `clips` per video, at random (training) or uniformly spaced (evaluation)."""
         return ClipSet(self.frames, self.starts, self.lengths, self.labels, self.classes, self.names,
                        self.num_frames, self.stride, clips, random, self.skipped)  # fmt: skip
+
+
+def clip_offsets(
+    lengths: torch.Tensor, num_frames: int, stride: int, k: torch.Tensor, clips: int, draws: torch.Tensor | None
+) -> torch.Tensor:
+    """(B, num_frames) frame numbers of clips in videos of `lengths` frames: the start at draws * (possible starts)
+    when given (training: uniform in [0, 1)), else clip k of `clips` uniformly spaced (the centre one when clips=1);
+    frames past the end loop to the start. The one temporal sampling of every clip source (ClipSet, ShardClips)."""
+    room = (lengths - ((num_frames - 1) * stride + 1)).clamp(min=0)  # possible starts - 1
+    if draws is not None:
+        start = (draws * (room + 1)).floor().long()
+    elif clips == 1:
+        start = room // 2
+    else:
+        start = torch.round(k * room / (clips - 1)).long()
+    offsets = start[:, None] + torch.arange(num_frames)[None, :] * stride
+    return offsets % lengths[:, None]
 
 
 def video_source(cfg: Config) -> tuple[ClipSet, ClipSet]:
@@ -142,6 +153,74 @@ def video_source(cfg: Config) -> tuple[ClipSet, ClipSet]:
     train = data.subset(torch.nonzero(~is_val).flatten()).sampled(1, random=True)
     val = data.subset(torch.nonzero(is_val).flatten()).sampled(cfg.task.eval_clips, random=False)
     return train, val
+
+
+# Distinct random frames behind synthetic clips: each clip is a window of a shared pool, so data.synthetic_samples
+# clips of 16 x 224 px cost this many frames of memory (7 MB at 224 px RGB), not 2.4 MB per clip.
+SYNTHETIC_POOL_FRAMES = 256
+
+
+def synthetic_clips(cfg: Config) -> tuple[ClipSet, ClipSet]:
+    """data.source=synthetic for a model that takes clips: data.synthetic_samples random clips of model.num_frames
+    frames and random labels, read through ClipSet as decoded videos are (the same gather and augmentation), for
+    throughput benchmarks (`vitrain bench run ... --synthetic`), never for accuracy."""
+    m = cfg.model
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    n, t = cfg.data.synthetic_samples, m.num_frames
+    distinct = min(n, SYNTHETIC_POOL_FRAMES)
+    pool = torch.randint(0, 256, (distinct + t - 1, m.in_chans, m.image_size, m.image_size), dtype=torch.uint8,
+                         generator=gen)  # fmt: skip
+    starts = torch.arange(n) % distinct
+    labels = torch.randint(0, m.num_classes, (n,), generator=gen)
+    classes = [str(i) for i in range(m.num_classes)]
+    data = ClipSet(pool, starts, torch.full((n,), t), labels, classes, [f"synthetic/{i}" for i in range(n)], t)
+    n_val = max(1, n // 10)
+    return data.subset(torch.arange(n_val, n)).sampled(1, random=True), data.subset(torch.arange(n_val))
+
+
+@dataclass
+class ShardClips:
+    """How a shard sample becomes a clip (data.source=shards for a model that takes clips, one sample per clip): its
+    video member (mp4, avi, ...) decoded with PyAV, or its numbered frame members (`000.jpg`, `001.jpg`, ...) in
+    number order. Frames are sampled as ClipSet samples them (clip_offsets): in training from a random start drawn
+    from (seed, epoch, sample key), so a resumed run reads the clips the whole run would have; at evaluation clip k
+    of `clips` uniformly spaced. The chosen frames are resized and centre-cropped as data.source=video's are."""
+
+    num_frames: int
+    stride: int
+    channels: int
+    size: int
+    clips: int = 1
+    random: bool = False
+
+    def decode(self, sample: Sample, k: int, seed: int, epoch: int) -> np.ndarray:
+        """Clip k of the sample, (num_frames * channels, size, size) uint8, frame-major; BadSample when it has none."""
+        try:
+            video = _sample_frames(sample, self.channels == 1)
+        except _BadClip as bad:
+            raise BadSample(f"is not a usable clip: {bad}") from None
+        draws = None
+        if self.random:
+            key = zlib.crc32(sample.key.encode())
+            draws = torch.rand(1, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + key))
+        index = clip_offsets(torch.tensor([len(video)]), self.num_frames, self.stride, torch.tensor([k]), self.clips,
+                             draws)[0]  # fmt: skip
+        return _fit(video[index.numpy()], self.size).reshape(-1, self.size, self.size)
+
+
+def _sample_frames(sample: Sample, gray: bool) -> np.ndarray:
+    """(F, H, W, C) uint8 frames of a shard sample: its video member, else its numbered image members."""
+    members = sample.members
+    video = next((ext for ext in members if ext.rpartition(".")[2] in VIDEO_EXTS), None)
+    if video is not None:
+        return _read_video(members[video], gray)
+    frames = [ext for ext in members if ext.rpartition(".")[2] in IMAGE_EXTS]
+    if not frames:
+        raise _BadClip(
+            f"it has no video ({', '.join(VIDEO_EXTS)}) and no numbered frames (000.jpg, ...); members: "
+            f"{', '.join(sorted(members)) or 'none'}"
+        )
+    return _read_frames(members.__getitem__, sample.key, frames, gray)
 
 
 def clip_class(name: str) -> str:

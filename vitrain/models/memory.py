@@ -353,6 +353,10 @@ def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
         ("offloaded to host", est.host_bytes),
     ]
     lines = [f"{name:<22}{_gib(value):>10} GiB" for name, value in rows]
+    if cfg.num_frames > 1:  # a video model: what its activations are counted over
+        size, p = cfg.image_size, cfg.patch_size
+        lines.insert(0, f"tokens per clip {cfg.num_patches:,} = {cfg.num_frames}/{cfg.tubelet_size} frames x "
+                        f"{size}/{p} x {size}/{p} patches; batch counts clips")  # fmt: skip
     others = {k: v for k, v in kwargs.items() if k != "devices"}
     need = devices_needed(cfg, int(device_gib * 2**30), **others)
     lines.append(f"devices of {device_gib:g} GiB needed: {need if need else 'none suffice (shard with zero3)'}")

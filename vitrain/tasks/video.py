@@ -45,7 +45,7 @@ class VideoTask:
     def check(cfg: Config) -> None:
         if cfg.train.distill.teacher:
             raise ConfigError("task.name=video has no distillation token; drop train.distill.teacher")
-        if cfg.data.source != "video" and ":" not in cfg.data.source:
+        if cfg.data.source not in ("video", "shards", "synthetic") and ":" not in cfg.data.source:
             raise ConfigError(
                 f"task.name=video evaluates whole videos; data.source={cfg.data.source} gives images: set "
                 "data.source=video"
@@ -55,7 +55,7 @@ class VideoTask:
         self.baseline = self._baseline()
         train, self.val_loader = build_loaders(self.cfg, device, rank, world_size, self.data)
         if not hasattr(self.val_loader.data, "video_of"):
-            raise DataError("task.name=video needs clip sets (video_of, videos) from data.source=video")
+            raise DataError("task.name=video needs clip sets (video_of, videos) from data.source=video or shards")
         return train
 
     def _baseline(self) -> dict[str, Any] | None:
@@ -91,6 +91,8 @@ class VideoTask:
         sums = torch.zeros(4, dtype=torch.float64)  # clip loss, top-1, top-5, clips
         video_logits = torch.zeros(data.videos, classes, dtype=torch.float64)
         video_clips = torch.zeros(data.videos, dtype=torch.float64)
+        # Each clip adds its video's label: the sum over ranks / clips is the label (a stream holds none up front).
+        video_label_sums = torch.zeros(data.videos, dtype=torch.float64)
         was_training = forward.training
         forward.eval()
         with torch.inference_mode():
@@ -104,14 +106,17 @@ class VideoTask:
                 videos = data.video_of(batch_rows)[real.cpu()]
                 video_logits.index_add_(0, videos, logits[real].double().cpu())
                 video_clips.index_add_(0, videos, torch.ones(len(videos), dtype=torch.float64))
+                video_label_sums.index_add_(0, videos, labels[real].double().cpu())
         forward.train(was_training)
         device = loader.device
         sums = sum_over_ranks(sums.to(device)).cpu()
         video_logits = sum_over_ranks(video_logits.to(device)).cpu()
         video_clips = sum_over_ranks(video_clips.to(device)).cpu()
+        video_label_sums = sum_over_ranks(video_label_sums.to(device)).cpu()
         seen = video_clips > 0
         mean_logits = video_logits[seen] / video_clips[seen, None]
-        v1, v5 = topk_correct(mean_logits, data.labels[seen], (1, 5))
+        video_labels = (video_label_sums[seen] / video_clips[seen]).round().long()
+        v1, v5 = topk_correct(mean_logits, video_labels, (1, 5))
         loss_sum, top1, top5, total = sums.tolist()
         videos = int(seen.sum())
         return {
