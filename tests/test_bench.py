@@ -290,6 +290,40 @@ def test_scaling_layouts_keep_the_global_batch_and_use_every_core():
     assert rows[1][0] == "2 processes x 1 thread(s), ddp"
 
 
+def test_scaling_efficiency_is_paired_with_the_one_process_row_round_by_round():
+    def row(name, rounds_ips):
+        made = ladder.Row(name, "scaling", lambda ctx: [])
+        for ips in rounds_ips:
+            made.rounds.append(
+                {
+                    "images_per_s": ips,
+                    "step_s": 32 / ips,
+                    "breakdown_s": {"data": 0.0, "forward": 1.0, "backward": 2.0, "optimizer": 0.5},
+                    "peak_memory_bytes": 2**30,
+                    "mfu": 0.4,
+                    "precision": "fp32",
+                    "optimizer": "adamw[flat]",
+                }
+            )
+        ladder._settle(made, 3)
+        return made
+
+    one = row("1 process x 2 threads, single", [20.0, 20.0, 10.0])
+    ddp = row("2 processes x 1 thread(s), ddp", [18.0, 18.0, 9.0])  # 0.9x in every round, the machine slowing alike
+    zero3 = row("2 processes x 1 thread(s), zero3", [21.0, 15.0, 10.0])
+    summary = scaling._summary(
+        [one, ddp, zero3], "cpu", 2, 2, 32, ["precision.mode=fp32"], 3, 1, 3, {}, load_config(None, [])
+    )
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert rows["2 processes x 1 thread(s), ddp"]["efficiency"] == pytest.approx(0.9)
+    assert rows["2 processes x 1 thread(s), ddp"]["efficiency_spread"]["max"] == pytest.approx(0.9)
+    assert rows["2 processes x 1 thread(s), zero3"]["efficiency_spread"]["overlaps_1x"]
+    markdown = scaling.to_markdown(summary)
+    assert "| 2 processes x 1 thread(s), ddp | 18.00 (9.00-18.00) | 0.90x (0.90-0.90) | 0.400 |" in markdown
+    assert "| 2 processes x 1 thread(s), zero3 | 15.00 (10.00-21.00) | 1.00x (0.75-1.05) ~ |" in markdown
+
+
+@pytest.mark.slow  # 4 rows in their own processes, 3 of them under torchrun: the table's logic is tested above
 def test_scaling_runs_one_process_against_two_and_pairs_their_rounds(tmp_path):
     args = argparse.Namespace(steps=1, warmup=1, out=str(tmp_path / "out"), nproc=2, repeats=1)
     overrides = tiny_overrides(tmp_path, "train.batch_size=8", "data.mean=[0.5]", "data.std=[0.5]")
