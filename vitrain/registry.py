@@ -39,7 +39,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "prepared": "vitrain.data.sources:prepared_source",
         "recordio": "vitrain.data.records:recordio_source",
         "shards": "vitrain.data.stream:shards_source",
-        "synthetic": "vitrain.data.sources:synthetic_source",
+        "synthetic": "vitrain.data.synthetic:synthetic_source",
         "video": "vitrain.data.video:video_source",
     },
 }

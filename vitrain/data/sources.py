@@ -361,14 +361,10 @@ def prepared_source(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
 # ---------------------------------------------------------------------------------------------- synthetic
 
 
-def synthetic_source(cfg: Config) -> tuple[Any, Any]:
-    """Random images and labels: for throughput benchmarks, never for accuracy. A model that takes clips
-    (model.num_frames > 1) gets random clips of that many frames instead (vitrain/data/video.py)."""
+def synthetic_images(cfg: Config) -> tuple[Any, Any]:
+    """Random images and labels: for throughput benchmarks, never for accuracy (data.source=synthetic, through
+    vitrain/data/synthetic.py, which hands a model taking clips random clips instead)."""
     m = cfg.model
-    if m.num_frames > 1:
-        from vitrain.data.video import synthetic_clips  # video.py builds on this module: import late
-
-        return synthetic_clips(cfg)
     gen = torch.Generator().manual_seed(cfg.train.seed)
     n = cfg.data.synthetic_samples
     images = torch.randint(0, 256, (n, m.in_chans, m.image_size, m.image_size), dtype=torch.uint8, generator=gen)
