@@ -20,8 +20,9 @@ wrapper and its communication are left out alike for every candidate), except fo
 under the run's own sharding. Every rank runs the race in lockstep (a
 task's loss may be collective, as the face head's is) and each step counts at its slowest rank, so every rank makes
 the same choices; rank 0 reads and writes the cache. Two warm-up steps, then up to `steps` timed ones, the
-candidates taking turns; one 1.5x slower than the best in the first timed round is dropped (where steps take
-seconds, one whose warm-up step takes 2x the best one's already), and one that the memory estimate says cannot fit
+candidates taking turns; one whose better of its first two timed steps is 1.5x slower than the best's is dropped (a
+single step can meet a passing load: one is not enough to judge; where steps take seconds, one whose warm-up step
+takes 2x the best one's already), and one that the memory estimate says cannot fit
 on the device is not run. The best step of each counts; the fastest wins. Every combination of the keys' values is
 a candidate: they interact. The decision, its figures and its reason are cached per device, torch, threads and
 shape (`$VITRAIN_CACHE_DIR`, default ~/.cache/vitrain/autotune), so a second run does not pay.
@@ -224,7 +225,8 @@ def _race(
 
     Warm-up: two steps each (allocator and kernel caches settle after the first); where a step is slow (over
     SLOW_STEP_S), one, after which a candidate over WARMUP_DROP_RATIO x the best is dropped. Then `steps` timed
-    rounds (one where slow), dropping after the first round any candidate over PRUNE_RATIO x the best.
+    rounds (one where slow), dropping after the second round any candidate whose better step is over PRUNE_RATIO x
+    the best's (one round is not enough: a passing load can land on a single step of the fastest).
     Without `interleave`, each candidate's steps run before the next one is built, and none is dropped.
     """
     if not interleave:
@@ -243,11 +245,11 @@ def _race(
     for round_ in range(1 if slow else steps):
         for label, run in runs.items():
             times[label].append(run())
-        if round_ == 0:
-            best = min(t[0] for t in times.values())
+        if round_ == 1:
+            best = min(min(t) for t in times.values())
             for label in list(runs):
-                if times[label][0] > PRUNE_RATIO * best:
-                    notes[label] = f"dropped after one timed step: over {PRUNE_RATIO}x the best"
+                if min(times[label]) > PRUNE_RATIO * best:
+                    notes[label] = f"dropped after two timed steps: over {PRUNE_RATIO}x the best"
                     del runs[label]
     measured = {label: first[label] for label in notes if label in first}  # dropped at warm-up: that step
     measured.update({label: min(t) for label, t in times.items()})
