@@ -215,7 +215,10 @@ def test_config_keys_lists_every_key_of_the_typed_config(capsys):
         (["train", "model.depth"], "model.depth is a config key without a value; write model.depth=VALUE"),
         (["config", "show", "digitz"], "config file digitz not found; did you mean digits?"),
         (["config", "keys", "trian"], "config section trian does not exist; did you mean train?"),
-        (["train", "task.name=nosuchtask"], "task.name=nosuchtask is not known; use one of: classification, detection, face, video"),
+        (
+            ["train", "task.name=nosuchtask"],
+            "task.name=nosuchtask is not known; use one of: classification, detection, face, video",
+        ),
         (["train", "model.name=timmm:vit"], "model.name=timmm:vit: cannot import timmm"),
     ],
 )

@@ -75,6 +75,7 @@ def test_estimate_counts_a_video_presets_activations_over_its_space_time_tokens(
     assert float(activations.split()[1]) == pytest.approx(8 * per_clip * 2 / 2**30, abs=0.01)  # bf16: 2 bytes
 
 
+@pytest.mark.slow  # torchrun with 2 ranks: the single-process bench tests above cover the clip counting
 def test_bench_times_the_video_step_under_zero3_on_two_ranks_as_the_docs_run_it(tmp_path):
     out = tmp_path / "zero3.json"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vitrain",

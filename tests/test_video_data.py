@@ -189,6 +189,7 @@ def test_an_unreadable_or_empty_video_is_one_line_naming_it(tmp_path, content, r
 
 
 @needs_av
+@pytest.mark.slow  # decodes the whole real set twice
 def test_weizmann_splits_by_actor_and_its_videos_match_its_frame_folders():
     root = shared_data("weizmann4-video.zip")
     overrides = ["model.image_size=32", "model.patch_size=8", "model.num_classes=4", "data.val_match=actor[678]_"]
