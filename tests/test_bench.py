@@ -188,24 +188,28 @@ def test_ladder_table_keeps_skipped_rows_with_their_reason(tmp_path):
         assert image.format == "PNG" and image.width > 600 and image.height > 80
 
 
-def test_ladder_rounds_give_each_row_its_median_spread_and_a_paired_ratio():
-    def row(name, images_per_s_by_round, failures=()):
-        made = ladder.Row(name, "g", lambda ctx: [])
-        for ips in images_per_s_by_round:
-            made.rounds.append(
-                {
-                    "images_per_s": ips,
-                    "step_s": 16 / ips,
-                    "breakdown_s": {"data": 0.0, "forward": 1.0, "backward": 2.0, "optimizer": 0.1},
-                    "peak_memory_bytes": 2**30,
-                    **{k: 0.5 if k == "mfu" else "x" for k in ("mfu", "precision", "optimizer", "engine")},
-                    **{k: "x" for k in ("strategy", "global_batch", "attention", "pool", "layout", "token_drop")},
-                }
-            )
-        made.failures.extend(failures)
-        ladder._settle(made, 3)
-        return made
+def _rounds_row(name: str, images_per_s_by_round, failures=(), mfu: float = 0.5) -> ladder.Row:
+    """A ladder/scaling row whose rounds ran at these images/s (or failed with these reasons), settled over 3."""
+    made = ladder.Row(name, "g", lambda ctx: [])
+    for ips in images_per_s_by_round:
+        made.rounds.append(
+            {
+                "images_per_s": ips,
+                "step_s": 16 / ips,
+                "breakdown_s": {"data": 0.0, "forward": 1.0, "backward": 2.0, "optimizer": 0.1},
+                "peak_memory_bytes": 2**30,
+                "mfu": mfu,
+                **{k: "x" for k in ("precision", "optimizer", "engine", "strategy", "global_batch", "attention")},
+                **{k: "x" for k in ("pool", "layout", "token_drop")},
+            }
+        )
+    made.failures.extend(failures)
+    ladder._settle(made, 3)
+    return made
 
+
+def test_ladder_rounds_give_each_row_its_median_spread_and_a_paired_ratio():
+    row = _rounds_row
     # The machine slows down in round 3; the row stays 1.5x the baseline round by round.
     base = row("baseline", [10.0, 10.0, 5.0])
     fast = row("+ fast", [15.0, 15.0, 7.5])
@@ -292,21 +296,7 @@ def test_scaling_layouts_keep_the_global_batch_and_use_every_core():
 
 def test_scaling_efficiency_is_paired_with_the_one_process_row_round_by_round():
     def row(name, rounds_ips):
-        made = ladder.Row(name, "scaling", lambda ctx: [])
-        for ips in rounds_ips:
-            made.rounds.append(
-                {
-                    "images_per_s": ips,
-                    "step_s": 32 / ips,
-                    "breakdown_s": {"data": 0.0, "forward": 1.0, "backward": 2.0, "optimizer": 0.5},
-                    "peak_memory_bytes": 2**30,
-                    "mfu": 0.4,
-                    "precision": "fp32",
-                    "optimizer": "adamw[flat]",
-                }
-            )
-        ladder._settle(made, 3)
-        return made
+        return _rounds_row(name, rounds_ips, mfu=0.4)
 
     one = row("1 process x 2 threads, single", [20.0, 20.0, 10.0])
     ddp = row("2 processes x 1 thread(s), ddp", [18.0, 18.0, 9.0])  # 0.9x in every round, the machine slowing alike
