@@ -12,6 +12,18 @@ from PIL import Image
 CLASSES = ("cell", "dot")  # VOC names; sorted, so class 0 is cell and class 1 is dot
 
 
+# The suite's tiny ViTDet: 64 px in 8 px patches, 2 blocks of width 32 (the second global), windows of 4 patches.
+TINY_VITDET = [
+    "model.image_size=64",
+    "model.patch_size=8",
+    "model.width=32",
+    "model.depth=2",
+    "model.heads=2",
+    "model.window_size=4",
+    "model.global_blocks=[1]",
+]
+
+
 def drawn_image(path: Path, width: int, height: int, boxes: list[tuple[str, float, float, float, float]]) -> None:
     """A grey image with each box filled: cells bright, dots dark (something a detector can learn)."""
     pixels = np.full((height, width, 3), 128, dtype=np.uint8)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import shared_data
-from tests.detection_helpers import write_coco, write_voc
+from tests.detection_helpers import TINY_VITDET, write_coco, write_voc
 from vitrain.config import load_config
 from vitrain.data.detection import DetectionAugment, detection_source, flip_boxes, jitter_one, letterbox
 from vitrain.errors import DataError
@@ -22,13 +22,7 @@ def detection_cfg(root: Path, *extra: str):
             "data.source=detection",
             f"data.root={root}",
             "data.val_split=val",
-            "model.image_size=64",
-            "model.patch_size=8",
-            "model.width=32",
-            "model.depth=2",
-            "model.heads=2",
-            "model.window_size=4",
-            "model.global_blocks=[1]",
+            *TINY_VITDET,
             *extra,
         ],
     )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.detection_helpers import write_voc
+from tests.detection_helpers import TINY_VITDET, write_voc
 from tests.distributed_helpers import losses, run_two_ranks
 
 pytest.importorskip("pycocotools", reason="detection evaluation needs pycocotools: pip install 'vitrain[detection]'")
@@ -23,13 +23,7 @@ TINY_DETECTION = [
     "data.val_split=val",
     "data.hflip=0.5",
     "data.jitter_scale=[0.5,1.5]",
-    "model.image_size=64",
-    "model.patch_size=8",
-    "model.width=32",
-    "model.depth=2",
-    "model.heads=2",
-    "model.window_size=4",
-    "model.global_blocks=[1]",
+    *TINY_VITDET,
     "model.attention=sdpa",
     "train.batch_size=2",
     "train.threads=1",
