@@ -17,24 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from vitrain.bench.spread import spread
+from vitrain.device import cpu_description
+
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data" / "weizmann4-video.zip"
-
-
-def cpu_line() -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", "from vitrain.device import cpu_description; print(cpu_description())"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    return done.stdout.strip() or "CPU: unknown"
 
 
 def train(recipe: str, name: str, out: Path, data: Path, *overrides: str) -> dict:
@@ -93,9 +85,9 @@ def table(rows: list[dict], cpu: str) -> str:
         groups.setdefault(row["run"].rsplit("-seed", 1)[0], []).append(row["val_video_top1"])
     lines += ["", "| model | seeds | video top-1 median (min-max) |", "|---|---:|---:|"]
     for group, values in groups.items():
+        figures = spread([100 * v for v in values])  # the range written out for one seed too
         lines.append(
-            f"| {group} | {len(values)} | {100 * statistics.median(values):.2f} "
-            f"({100 * min(values):.2f}-{100 * max(values):.2f}) |"
+            f"| {group} | {len(values)} | {figures['median']:.2f} ({figures['min']:.2f}-{figures['max']:.2f}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -110,7 +102,7 @@ def main() -> None:
     if not args.data.exists():
         sys.exit(f"--data {args.data} not found: pass ../shared/data/weizmann4-video.zip")
     args.out.mkdir(parents=True, exist_ok=True)
-    cpu = cpu_line()
+    cpu = cpu_description()
     rows = []
     for seed in [int(s) for s in args.seeds.split(",") if s]:
         base = train("video-weizmann-baseline", f"baseline-seed{seed}", args.out, args.data, f"train.seed={seed}")
