@@ -53,13 +53,12 @@ from vitrain.engine.token_drop import TokenDrop
 from vitrain.files import atomic_write
 from vitrain.models.memory import estimate
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
-from vitrain.precision import LOW_DTYPES, Resolved
+from vitrain.precision import LOW_DTYPES, SHARDED, Resolved
 from vitrain.tasks import teacher_of
 
 TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
 CACHE_ENV = "VITRAIN_CACHE_DIR"
 PRECISION_STRATEGIES = ("single", "ddp", "zero1")
-SHARDED_STRATEGIES = ("zero2", "zero3")
 WRAPS = ("model", "block", "sublayer")
 PRUNE_RATIO = 1.5
 WARMUP_DROP_RATIO = 2.0
@@ -100,7 +99,7 @@ def candidates(cfg: Config, device: torch.device, pipelined: bool) -> dict[str, 
         tuned["precision.mode"] = ["fp32", "amp_o1", "amp_o2"]
     if replicated and cfg.model.attention == "auto":
         tuned["model.attention"] = ["sdpa", "manual"]
-    sharded = cfg.parallel.strategy in SHARDED_STRATEGIES and not pipelined
+    sharded = cfg.parallel.strategy in SHARDED and not pipelined
     if sharded and cfg.parallel.wrap == "auto" and cfg.train.engine == "native":
         tuned["parallel.wrap"] = list(WRAPS)
     return tuned
