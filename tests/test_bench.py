@@ -204,7 +204,7 @@ def _rounds_row(name: str, images_per_s_by_round, failures=(), mfu: float = 0.5)
             }
         )
     made.failures.extend(failures)
-    ladder._settle(made, 3)
+    ladder.settle(made, 3)
     return made
 
 

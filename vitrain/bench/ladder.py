@@ -241,11 +241,11 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
             runnable.append(row)
     for round_ in range(repeats):
         for row in runnable:
-            _run_row(row, config, common + row.overrides(ctx), nproc, steps, warmup, peaks_arg, threads)
+            run_row(row, config, common + row.overrides(ctx), nproc, steps, warmup, peaks_arg, threads)
             got = f"{row.rounds[-1]['images_per_s']:.2f} img/s" if row.rounds and not row.failures else row.status
             print(f"  [{round_ + 1}/{repeats}] {row.name}: {got} ({row.wall_s:.0f} s)", file=sys.stderr)
     for row in runnable:
-        _settle(row, repeats)
+        settle(row, repeats)
     total_s = time.perf_counter() - started
 
     summary = _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, sys.argv, repeats)
@@ -258,7 +258,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     return 0
 
 
-def _run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threads) -> None:
+def run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threads) -> None:
     with tempfile.TemporaryDirectory(prefix="vitrain-ladder-") as scratch:
         result_path = Path(scratch) / "row.json"
         vitrain = ["-m", "vitrain", "bench", "run", str(config), *overrides]
@@ -291,7 +291,7 @@ def _run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threa
         row.failures.append(_error_line(stderr))
 
 
-def _settle(row: Row, repeats: int) -> None:
+def settle(row: Row, repeats: int) -> None:
     """The row's result (its median round by images/s) and its status once every round has run."""
     if not row.rounds:
         row.status = f"failed: {row.failures[-1]}" if row.failures else "failed: no round ran"

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vitrain.bench import write_results
-from vitrain.bench.ladder import Row, _run_row, _settle
+from vitrain.bench.ladder import Row, run_row, settle
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
 from vitrain.device import cpu_description, gemm_flops
@@ -100,11 +100,11 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     )
     for round_ in range(repeats):
         for row, row_overrides, processes, threads, peaks_arg in plan:
-            _run_row(row, config, row_overrides, processes, steps, warmup, peaks_arg, max(threads, 1))
+            run_row(row, config, row_overrides, processes, steps, warmup, peaks_arg, max(threads, 1))
             got = f"{row.rounds[-1]['images_per_s']:.2f} img/s" if row.rounds else f"failed: {row.failures[-1]}"
             print(f"  [{round_ + 1}/{repeats}] {row.name}: {got} ({row.wall_s:.0f} s)", file=sys.stderr)
     for row, *_ in plan:
-        _settle(row, repeats)
+        settle(row, repeats)
     summary = _summary(
         [row for row, *_ in plan], device, cores, nproc, global_batch, precision, steps, warmup, repeats, peaks, cfg
     )
