@@ -259,6 +259,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
 
 
 def run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threads) -> None:
+    """One round of `row`: `vitrain bench` in its own processes; the result joins row.rounds, a failure row.failures."""
     with tempfile.TemporaryDirectory(prefix="vitrain-ladder-") as scratch:
         result_path = Path(scratch) / "row.json"
         vitrain = ["-m", "vitrain", "bench", "run", str(config), *overrides]
