@@ -1,12 +1,12 @@
 """Weizmann actions, held-out actors 6-8: the space-time ViT against the frame-averaged image baseline, several seeds.
 
-    python benchmarks/video_weizmann.py                                  # seeds 0,1,2; the .mp4 files
-    python benchmarks/video_weizmann.py --seeds 0 --frames               # and the same runs from the frame folders
+    python benchmarks/video_weizmann.py                                  # seeds 0-4; the .mp4 files
+    python benchmarks/video_weizmann.py --seeds 0 --frames 0             # and the video model from the frame folders
 
 For each seed: `vitrain train video-weizmann-baseline train.seed=S` (an image ViT on single frames, 16 frames' logits
 averaged per video), then `vitrain train video-weizmann train.seed=S task.baseline_run=<that run>`, whose summary
 carries the baseline's top-1 under `baseline`. Every run is its own process, one after the other, timed whole.
-`--frames` adds the video model read from the extracted JPEG frames (`data.video_frames=true`) for the same seeds.
+`--frames SEEDS` adds the video model read from the extracted JPEG frames (`data.video_frames=true`) for those seeds.
 
 Writes OUT/results.json and OUT/table.md (OUT defaults to results/video-weizmann); run folders under OUT/runs
 (ignored by git); each run's summary.json, config.yaml and log.txt are kept under OUT/metrics/RUN.
@@ -56,6 +56,8 @@ def train(recipe: str, name: str, out: Path, data: Path, *overrides: str) -> dic
         "val_video_top1": summary["val_video_top1"],
         "val_top1": summary["val_top1"],
         "best_val_video_top1": summary.get("best_val_video_top1"),
+        "ema_val_video_top1": summary.get("ema_val_video_top1"),
+        "epochs": summary.get("epochs"),
         "precision": summary.get("precision"),
         "steps": summary.get("steps"),
     }
@@ -72,13 +74,14 @@ def table(rows: list[dict], cpu: str) -> str:
         f"{cpu}. Video top-1: each held-out video's clips (task.eval_clips) averaged; clip top-1: single clips. The",
         "last evaluation of each run (after its last epoch). Command wall: the whole `vitrain train` process.",
         "",
-        "| run | video top-1 | clip top-1 | command wall | precision |",
-        "|---|---:|---:|---:|---|",
+        "| run | video top-1 | clip top-1 | EMA video top-1 | epochs | command wall | precision |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
+        ema = "" if row.get("ema_val_video_top1") is None else f"{100 * row['ema_val_video_top1']:.2f}"
         lines.append(
-            f"| {row['run']} | {100 * row['val_video_top1']:.2f} | {100 * row['val_top1']:.2f} | "
-            f"{row['command_wall_s']:.0f} s | {row['precision']} |"
+            f"| {row['run']} | {100 * row['val_video_top1']:.2f} | {100 * row['val_top1']:.2f} | {ema} | "
+            f"{row.get('epochs')} | {row['command_wall_s']:.0f} s | {row['precision']} |"
         )
     groups: dict[str, list[float]] = {}
     for row in rows:
@@ -94,8 +97,8 @@ def table(rows: list[dict], cpu: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    parser.add_argument("--frames", action="store_true", help="also the video model from the frame folders")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0-4)")
+    parser.add_argument("--frames", default="", help="seeds that also read the frame folders")
     parser.add_argument("--data", type=Path, default=DATA, help="weizmann4-video.zip or its unpacked tree")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "video-weizmann")
     args = parser.parse_args()
@@ -109,7 +112,7 @@ def main() -> None:
         rows.append(base)
         link = f"task.baseline_run={args.out / 'runs' / base['run']}"
         rows.append(train("video-weizmann", f"video-seed{seed}", args.out, args.data, f"train.seed={seed}", link))
-        if args.frames:
+        if str(seed) in args.frames.split(","):
             rows.append(
                 train(
                     "video-weizmann",
