@@ -93,13 +93,15 @@ def main() -> None:
             f"data.loader_workers={args.workers}", "data.shuffle_buffer=1000", "log.progress=false",
         ])  # fmt: skip
         peak, pss, stop = [tree_rss_bytes(os.getpid())], [tree_rss_bytes(os.getpid(), "Pss")], threading.Event()
-        baseline, largest = peak[0], [0]
+        baseline, largest, main_peak, worker_peak = peak[0], [0], [0], [0]
 
         def sample() -> None:
             while not stop.is_set():
-                sizes = tree_memory(os.getpid())
+                sizes = tree_memory(os.getpid())  # this process first, then its children
                 peak.append(sum(sizes))
                 largest.append(max(sizes))
+                main_peak.append(sizes[0] if sizes else 0)
+                worker_peak.append(max(sizes[1:], default=0))
                 pss.append(tree_rss_bytes(os.getpid(), "Pss"))
                 time.sleep(0.1)
 
@@ -116,7 +118,8 @@ def main() -> None:
             "cpu": cpu_description(), "shard_bytes": on_disk, "samples": n, "streamed_images": seen,
             "epoch_s": elapsed, "images_per_s": seen / elapsed, "workers": args.workers,
             "peak_rss_bytes": max(peak), "peak_pss_bytes": max(pss), "rss_before_loader_bytes": baseline,
-            "peak_rss_one_process_bytes": max(largest),
+            "peak_rss_one_process_bytes": max(largest), "peak_rss_main_bytes": max(main_peak),
+            "peak_rss_one_worker_bytes": max(worker_peak),
             "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         }  # fmt: skip
         print(f"streamed {seen} images in {elapsed:.0f} s ({seen / elapsed:,.0f}/s); peak of the process tree: RSS "

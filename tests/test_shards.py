@@ -112,6 +112,17 @@ def test_two_ranks_of_two_workers_see_disjoint_samples_all_once_and_the_same_ste
     assert again != seen[0] and len(set(again)) == 32
 
 
+def test_the_stream_hands_freed_batches_back_to_the_os_every_trim_every_batches(tmp_path, monkeypatch):
+    from vitrain.data import stream
+
+    stream.trim_heap()  # glibc's malloc_trim where there is one, else nothing: it must not fail either way
+    calls = []
+    monkeypatch.setattr(stream, "trim_heap", lambda: calls.append(1))
+    urls = write_shards(tmp_path, [40, 40])
+    batches = _keys(_stream(urls, [40, 40], batch_size=2))  # 40 batches
+    assert len(batches) == 40 and len(calls) == 40 // stream.TRIM_EVERY
+
+
 def test_a_share_that_does_not_divide_drops_under_a_batch_per_rank_and_never_repeats(tmp_path):
     counts = [5, 3, 9]
     urls = write_shards(tmp_path, counts)
