@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--show", type=int, default=0, metavar="N", help="detection: draw N validation images' detections as PNGs"
     )
+    evaluate.add_argument(
+        "--min-score", type=float, default=0.5, metavar="S", help="detection, with --show: draw detections >= S"
+    )
     evaluate.set_defaults(func=_eval)
 
     export = sub.add_parser(
@@ -345,7 +348,7 @@ def _eval(args: argparse.Namespace) -> int:
         result = {
             "checkpoint": str(path),
             "step": meta.get("step"),
-            **evaluate_checkpoint(model, cfg, device, out, args.show),
+            **evaluate_checkpoint(model, cfg, device, out, args.show, args.min_score),
         }
     elif args.pairs or args.root or args.out:
         raise ConfigError(

@@ -224,18 +224,23 @@ def coco_metrics(data: DetectionSet, found: list[tuple]) -> dict[str, Any]:
     return metrics | {name: float(value) for name, value in zip(METRICS, scored.stats[:6], strict=True)}
 
 
+DRAWN_SIZE = 512  # pictures smaller than this are enlarged by a whole factor, so that labels stay legible
+
+
 def draw_detections(
-    data: DetectionSet, found: list[tuple], out_dir: Path, count: int, min_score: float = 0.3
+    data: DetectionSet, found: list[tuple], out_dir: Path, count: int, min_score: float = 0.5
 ) -> list[Path]:
-    """PNGs of the first `count` images of `data` (their letterboxed pixels): true boxes in green, detections
-    scoring at least `min_score` in red with their class and score."""
+    """PNGs of the first `count` images of `data` (their letterboxed pixels, enlarged a whole number of times up to
+    DRAWN_SIZE): true boxes in green, detections scoring at least `min_score` in red with their class and score."""
     from PIL import Image, ImageDraw
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i in range(min(count, len(data))):
-        scale = float(data.scales[i])
         picture = Image.fromarray(data.images[i].permute(1, 2, 0).numpy())
+        zoom = max(1, DRAWN_SIZE // max(picture.size))
+        picture = picture.resize((picture.width * zoom, picture.height * zoom), Image.Resampling.BILINEAR)
+        scale = float(data.scales[i]) * zoom
         draw = ImageDraw.Draw(picture)
         for box in data.records[i].boxes:
             draw.rectangle([box.x1 * scale, box.y1 * scale, box.x2 * scale, box.y2 * scale], outline=(0, 200, 0))
@@ -253,7 +258,7 @@ def draw_detections(
 
 
 def evaluate_checkpoint(
-    model: nn.Module, cfg: Config, device: torch.device, out_dir: Path, show: int
+    model: nn.Module, cfg: Config, device: torch.device, out_dir: Path, show: int, min_score: float = 0.5
 ) -> dict[str, Any]:
     """`vitrain eval` of a detector: COCO AP on the run's validation split (data.root and data.val_split may be
     overridden), and with `show` > 0 that many images drawn with their detections under `out_dir`."""
@@ -262,5 +267,5 @@ def evaluate_checkpoint(
     found, losses = task.predict(model, val, device)
     result: dict[str, Any] = coco_metrics(val, found) | losses
     if show:
-        result["pictures"] = [str(p) for p in draw_detections(val, found, out_dir, show)]
+        result["pictures"] = [str(p) for p in draw_detections(val, found, out_dir, show, min_score)]
     return result
