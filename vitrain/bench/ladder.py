@@ -270,7 +270,7 @@ def run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, thread
         if nproc > 1:
             launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         command = launch + vitrain
-        row.command = shlex.join(["vitrain" if c == sys.executable else c for c in command])
+        row.command = shlex.join(["python" if c == sys.executable else c for c in command])  # as a reader types it
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
         start = time.perf_counter()
         # Its own session: a row over its time is stopped with every process torchrun started.

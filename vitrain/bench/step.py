@@ -210,6 +210,9 @@ def _unit(cfg: Config) -> str:
 def _model_label(cfg: Config) -> str:
     m = cfg.model
     name = m.preset or f"ViT w{m.width} d{m.depth} h{m.heads}"
+    if cfg.task.name == "detection":  # the ViTDet backbone: its window and global blocks decide its speed
+        attention = f"window {m.window_size}, global {list(m.global_blocks)}" if m.window_size else "every block global"
+        return f"ViTDet ({name}, {attention})/{m.patch_size} @ {m.image_size}px"
     if m.num_frames > 1:
         return f"{name}/{m.patch_size}x{m.tubelet_size} @ {m.num_frames} frames x {m.image_size}px"
     return f"{name}/{m.patch_size} @ {m.image_size}px"
