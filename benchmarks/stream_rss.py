@@ -6,10 +6,11 @@ Writes --gb of ImageNet-like shards (real BCCD microscope photos re-encoded at 1
 under new keys) into a temporary folder, then trains' loader streams one whole epoch with 2 worker processes
 (batch 256, 64 px, shuffle windows of 1,000) while a thread samples the resident memory of the process and all
 its children: Rss summed (a page shared after fork counts once per process, so it overstates), the largest one
-process's Rss, and Pss (each shared page divided among its sharers: the tree's real footprint). Removes the shards
-at the end. glibc keeps freed batch-sized tensors (12 MB at 256 x 3 x 64 x 64 fp32) in its heap once its dynamic
-mmap threshold has grown past them; run it also with `MALLOC_MMAP_THRESHOLD_=4194304` in the environment to see the
-resident set without that cache (the value is recorded in the output).
+process's Rss, the main process's and the largest worker's, and Pss (each shared page divided among its sharers:
+the tree's real footprint). Removes the shards at the end. The stream trims the heap every TRIM_EVERY batches
+(vitrain/data/stream.py: glibc otherwise keeps the freed batches in the loader thread's arena); set
+`vitrain.data.stream.TRIM_EVERY` very high to see the resident set without it, or run with
+`MALLOC_MMAP_THRESHOLD_=4194304` in the environment (the value is recorded in the output).
 """
 
 from __future__ import annotations
