@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from vitrain.bench import keep_run_record
 from vitrain.device import cpu_description
 
 RUNS = {"vitdet": [], "frozen-backbone baseline": ["task.freeze_backbone=true"]}
@@ -41,14 +42,10 @@ def main() -> None:
         command_wall = time.perf_counter() - begin
         run = args.out / "runs" / name
         summary = json.loads((run / "summary.json").read_text())
-        kept = args.out / "metrics" / name  # runs/ is ignored by git; the summary, config and log are kept
-        kept.mkdir(parents=True, exist_ok=True)
-        for file in ("summary.json", "config.yaml", "log.txt"):
-            if (run / file).exists():
-                shutil.copy2(run / file, kept / file)
+        keep_run_record(run, args.out / "metrics" / name)  # runs/ is ignored by git
         rows[label] = {"overrides": extra + args.overrides, "command": "vitrain " + " ".join(command[3:]),
                        "command_wall_s": command_wall} | {k: summary.get(k) for k in FIELDS}  # fmt: skip
-        pictures = sorted((args.out / "runs" / name / "detections").glob("*.png"))
+        pictures = sorted((run / "detections").glob("*.png"))
         if pictures and label == "vitdet":
             shutil.copy(pictures[0], args.out / "predictions.png")
     report = {"device": cpu_description(), "python": platform.python_version(), "runs": rows}

@@ -117,14 +117,16 @@ def main() -> None:
         base = [f"data.root={args.bccd.resolve()}", *DETECTION]
     else:
         recipe, rows_spec, unit, base = "cifar10-fast", source_rows(args.cifar, args.packed), "images/s", SOURCES
-    rows = [(Row(name, args.set, lambda ctx: []), nproc, base + extra) for name, nproc, extra in rows_spec]
+    # `vitrain bench run` takes the config overrides before its flags (--synthetic)
+    rows = [
+        (Row(name, args.set, lambda ctx: []), nproc, sorted(base + extra, key=lambda o: o.startswith("--")))
+        for name, nproc, extra in rows_spec
+    ]
     for round_ in range(args.repeats):
         for row, nproc, overrides in rows:
-            flags = [o for o in overrides if o.startswith("--")]
-            settings = [o for o in overrides if not o.startswith("--")]
             threads = cores if nproc == 1 else max(1, cores // nproc)
             print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.repeats}: {row.name}", flush=True)
-            run_row(row, recipe, settings + flags, nproc, args.steps, args.warmup, "", threads)
+            run_row(row, recipe, overrides, nproc, args.steps, args.warmup, "", threads)
     for row, _, _ in rows:
         settle(row, args.repeats)
 

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from vitrain.bench import keep_run_record
 from vitrain.bench.spread import spread
 from vitrain.device import cpu_description
 
@@ -38,12 +39,7 @@ def train(recipe: str, name: str, out: Path, data: Path, *overrides: str) -> dic
     begin = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - begin
-    kept = out / "metrics" / name
-    shutil.rmtree(kept, ignore_errors=True)
-    kept.mkdir(parents=True)
-    for file in ("summary.json", "config.yaml", "log.txt"):
-        if (runs / name / file).exists():
-            shutil.copy2(runs / name / file, kept / file)
+    keep_run_record(runs / name, out / "metrics" / name)
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
         raise SystemExit(f"{name} failed: {last}")

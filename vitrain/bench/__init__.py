@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,3 +14,16 @@ def write_results(out: Path, stem: str, result: dict[str, Any], markdown: str) -
     (out / f"{stem}.md").write_text(markdown)
     print(markdown)
     print(f"wrote {out / f'{stem}.md'} and {out / f'{stem}.json'}")
+
+
+RUN_RECORD = ("summary.json", "config.yaml", "log.txt")
+
+
+def keep_run_record(run: Path, kept: Path) -> None:
+    """Copy a run folder's summary, config and log (those it has) into `kept`, emptied first: what a benchmark
+    commits of a run whose folder (checkpoints and all) stays out of git."""
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    for file in RUN_RECORD:
+        if (run / file).exists():
+            shutil.copy2(run / file, kept / file)

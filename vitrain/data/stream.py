@@ -18,7 +18,7 @@ seed, every sample the earlier ones consumed and shares out only the rest.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,21 +307,21 @@ class StreamLoader:
 TRIM_EVERY = 16
 
 
+@functools.cache
 def _malloc_trim():
-    """glibc's malloc_trim, or None on another C library (macOS, musl), whose allocators have their own policy."""
+    """glibc's malloc_trim from the symbols the process already has (no library search, looked up on first use), or
+    None on another C library (macOS, musl), whose allocators have their own policy."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows, where CDLL needs a library name
         return None
-
-
-_TRIM = _malloc_trim()
 
 
 def trim_heap() -> None:
     """Return the free pages of every malloc arena to the OS (glibc's malloc_trim(0)); a no-op elsewhere."""
-    if _TRIM is not None:
-        _TRIM(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @dataclass

@@ -258,10 +258,11 @@ def draw_detections(
 
 
 def evaluate_checkpoint(
-    model: nn.Module, cfg: Config, device: torch.device, out_dir: Path, show: int, min_score: float = 0.5
+    model: nn.Module, cfg: Config, device: torch.device, out_dir: Path, show: int, min_score: float
 ) -> dict[str, Any]:
     """`vitrain eval` of a detector: COCO AP on the run's validation split (data.root and data.val_split may be
-    overridden), and with `show` > 0 that many images drawn with their detections under `out_dir`."""
+    overridden), and with `show` > 0 that many images drawn with their detections scoring >= `min_score` under
+    `out_dir`."""
     task = DetectionTask(cfg)
     val = load_split(cfg, cfg.data.val_split, train=False)
     found, losses = task.predict(model, val, device)
