@@ -72,8 +72,9 @@ def test_only_auto_values_are_tuned(tmp_path):
     deepspeed = auto_cfg(tmp_path, "train.engine=deepspeed", "parallel.strategy=ddp")
     assert tune.candidates(deepspeed, CPU, pipelined=False) == {"model.attention": ["sdpa", "manual"]}
     # Under zero2/zero3 and pipeline stages one device may not hold the whole model: nothing is timed but the
-    # FSDP unit, where it is auto.
-    assert tune.candidates(auto_cfg(tmp_path, "parallel.strategy=zero3"), CPU, pipelined=False) == {}
+    # FSDP unit, where it is auto (the default); a unit given is not timed.
+    given = auto_cfg(tmp_path, "parallel.strategy=zero3", "parallel.wrap=block")
+    assert tune.candidates(given, CPU, pipelined=False) == {}
     assert tune.candidates(auto_cfg(tmp_path), CPU, pipelined=True) == {}
     for strategy in ("zero2", "zero3"):
         sharded = auto_cfg(tmp_path, f"parallel.strategy={strategy}", "parallel.wrap=auto")
@@ -317,11 +318,13 @@ def test_two_zero3_ranks_race_real_sharded_units_agree_and_train_with_the_winner
     assert decisions[0] == decisions[1]
 
 
-def test_wrap_auto_without_autotune_is_block(tmp_path, monkeypatch):
+def test_wrap_auto_without_autotune_follows_the_strategys_rule(tmp_path, monkeypatch):
+    # zero2 keeps every unit gathered until backward: one unit; zero3 frees them: a unit per block.
     monkeypatch.setenv(tune.TUNE_ENV, "0")
-    cfg = load_config(None, tiny_overrides(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto"))
-    trainer = Trainer(cfg)
-    try:
-        assert trainer.tuned is None and trainer.cfg.parallel.wrap == "block"
-    finally:
-        trainer.close()
+    for strategy, rule in (("zero2", "model"), ("zero3", "block")):
+        cfg = load_config(None, tiny_overrides(tmp_path, f"parallel.strategy={strategy}"))  # wrap: auto by default
+        trainer = Trainer(cfg)
+        try:
+            assert trainer.tuned is None and trainer.cfg.parallel.wrap == rule
+        finally:
+            trainer.close()

@@ -435,14 +435,14 @@ def _estimate(args: argparse.Namespace) -> int:
 def _recipe_setting(cfg) -> dict:
     """What `vitrain estimate` needs from a config: how it is parallelized, its precision and batch per device."""
     from vitrain.errors import ConfigError
-    from vitrain.models.plan import AUTO_WRAP
+    from vitrain.models.plan import auto_wrap
 
     p = cfg.parallel
     if cfg.precision.mode == "pure":
         raise ConfigError("vitrain estimate models fp32, amp_o1 and amp_o2; precision.mode=pure is not modelled")
     return {
         "strategy": p.strategy,
-        "wrap": AUTO_WRAP if p.wrap == "auto" else p.wrap,  # a config's auto, estimated as its rule
+        "wrap": auto_wrap(p.strategy) if p.wrap == "auto" else p.wrap,  # a config's auto, estimated as its rule
         "offload": p.offload == "params",
         "ac": p.activation_checkpointing != "none",
         "batch": cfg.train.batch_size,

@@ -170,6 +170,10 @@ def rows() -> list[Row]:
     ]
 
 
+# The comparison: vitrain's own ZeRO stage against DeepSpeed's, same precision and batch.
+NATIVE_VS_DEEPSPEED = (("native zero2", "DeepSpeed stage 2"), ("native zero3", "DeepSpeed stage 3"))
+
+
 def _sharded(ctx: Context, strategy: str, *extra: str) -> list[str]:
     base = _ladder(MULTI_TENSOR, POOLED)(ctx)
     base = [o for o in base if not o.startswith(("parallel.strategy", "precision.mode"))]
@@ -337,6 +341,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
                 optimizer=r["optimizer"],
                 engine=r["engine"],
                 strategy=r["strategy"],
+                wrap=r.get("wrap", ""),
                 global_batch=r["global_batch"],
                 attention=r["attention"],
                 pool=r["pool"],
@@ -345,6 +350,23 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
             )
         out_rows.append(entry)
     first = next((r.result for r in table_rows if r.result), None) or {}
+    by_name = {r.name: r for r in table_rows}
+    engine_pairs = []
+    for native, deepspeed in NATIVE_VS_DEEPSPEED:
+        a, b = by_name.get(native), by_name.get(deepspeed)
+        if a is None or b is None or not a.result or not b.result or len(a.rounds) != len(b.rounds):
+            continue  # a row that did not run (or lost a round) has no paired figure
+        engine_pairs.append(
+            {
+                "native": native,
+                "deepspeed": deepspeed,
+                "images_per_s_ratio": paired_ratio(
+                    [x["images_per_s"] for x in a.rounds], [x["images_per_s"] for x in b.rounds]
+                ),
+                "peak_memory_gib": [a.result["peak_memory_bytes"] / 2**30, b.result["peak_memory_bytes"] / 2**30],
+                "wrap": a.result.get("wrap", ""),
+            }
+        )
     return {
         "model": first.get("model", f"{cfg.model.preset}"),
         "device": first.get("device") or (cpu_description() if ctx.device == "cpu" else torch.cuda.get_device_name()),
@@ -360,6 +382,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         "wall_s": total_s,
         "command": shlex.join(["vitrain", *argv[1:]]),
         "rows": out_rows,
+        "native_vs_deepspeed": engine_pairs,
     }
 
 
@@ -403,6 +426,23 @@ def to_markdown(summary: dict[str, Any]) -> str:
             f"{b['forward']:.0f} / {b['backward']:.0f} / {b['optimizer']:.0f} | {row['peak_memory_gib']:.2f} | "
             f"{row['mfu']:.3f} | {row['precision']} | {row['optimizer']} |"
         )
+    pairs = summary.get("native_vs_deepspeed") or []
+    if pairs:
+        lines += [
+            "",
+            "Native engine vs DeepSpeed at the same ZeRO stage (images/s ratio paired round by round, median "
+            "(min-max); peak memory of the largest process):",
+            "",
+            "| native | vs | images/s ratio | peak GiB native / DeepSpeed |",
+            "|---|---|---:|---:|",
+        ]
+        for pair in pairs:
+            ratio = format_spread(pair["images_per_s_ratio"], unit="x")
+            if pair["images_per_s_ratio"]["overlaps_1x"]:
+                ratio += " ~"
+            unit = f" (FSDP2 unit: {pair['wrap']})" if pair.get("wrap") else ""
+            native, theirs = pair["peak_memory_gib"]
+            lines.append(f"| {pair['native']}{unit} | {pair['deepspeed']} | {ratio} | {native:.2f} / {theirs:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -33,6 +33,7 @@ from vitrain.models import model_complexity
 from vitrain.optim import optimizer_kernel
 from vitrain.parallel import unwrap
 from vitrain.parallel.distributed import max_over_ranks
+from vitrain.precision import SHARDED
 
 PHASES = ("data", "forward", "backward", "optimizer")
 # Random ImageNet-shaped images at 224 px: the data of the ladder and the peers when no recipe is given.
@@ -156,6 +157,8 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "global_batch": images_per_step,
         "world_size": devices,
         "strategy": cfg.parallel.strategy,
+        # FSDP2's unit (auto resolved); DeepSpeed keeps its own buckets
+        "wrap": cfg.parallel.wrap if cfg.parallel.strategy in SHARDED and engine.name == "native" else "",
         "pipeline_stages": cfg.parallel.pipeline_stages,
         "engine": engine.name,
         "precision": precision,
@@ -227,7 +230,8 @@ def format_result(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"{result['model']}, {result['params'] / 1e6:.2f}M params, {result['precision']}, "
-            f"{result['strategy']} x {result['world_size']} ({result['engine']}), attention={result['attention']}, "
+            f"{result['strategy']}{' wrap=' + result['wrap'] if result.get('wrap') else ''} x {result['world_size']} "
+            f"({result['engine']}), attention={result['attention']}, "
             f"optimizer={result['optimizer']}, batch {result['global_batch']} ({result['batch_per_rank']}/rank)",
             f"{result['device']}; {result['threads']} thread(s) per process",
             f"{unit}s/s {result['images_per_s']:.2f}   step {result['step_s'] * 1e3:.1f} ms "

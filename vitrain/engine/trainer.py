@@ -29,7 +29,7 @@ from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
 from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError, VitrainError
-from vitrain.models.plan import AUTO_WRAP
+from vitrain.models.plan import auto_wrap
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
@@ -95,7 +95,8 @@ class Trainer:
             model_cfg = dataclasses.replace(cfg.model, attention=self.tuned.values["model.attention"])
             cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, model=model_cfg)
         if cfg.parallel.wrap == "auto":  # the unit autotune timed fastest, or its rule (vitrain/models/plan.py)
-            wrap = self.tuned.values.get("parallel.wrap", AUTO_WRAP) if self.tuned is not None else AUTO_WRAP
+            rule = auto_wrap(cfg.parallel.strategy)
+            wrap = self.tuned.values.get("parallel.wrap", rule) if self.tuned is not None else rule
             parallel_cfg = dataclasses.replace(cfg.parallel, wrap=wrap)
             cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, parallel=parallel_cfg)
 

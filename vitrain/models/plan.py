@@ -84,7 +84,12 @@ def stage_blocks(depth: int, stages: int) -> list[range]:
     return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
-AUTO_WRAP = "block"  # what parallel.wrap=auto is where autotune does not time it
+def auto_wrap(strategy: str) -> str:
+    """What parallel.wrap=auto is where autotune does not time it. zero2 keeps every unit gathered from forward to
+    backward whatever its size, so the whole model is one unit: one all-gather and one reduce-scatter per step
+    instead of one per block, each waiting for the slowest rank (measured faster, docs/performance.md). zero3 frees
+    each unit after its forward: each block is one (peak = one block gathered)."""
+    return "model" if strategy == "zero2" else "block"
 
 
 def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[str, ...] = ()) -> ParallelPlan:
@@ -94,7 +99,7 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
     children share one class. `fp32_modules`: class names grouped with the norms as fp32 units (a model of vitrain's
     own names its norms itself).
     """
-    wrap = AUTO_WRAP if wrap == "auto" else wrap  # autotune did not decide it (vitrain/engine/autotune.py)
+    wrap = "block" if wrap == "auto" else wrap  # a sharded run resolves auto first (auto_wrap); here only blocks matter
     own = getattr(model, "parallel_plan", None)
     if own is not None:
         plan = own(wrap)

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vitrain.config import OptimConfig, ParallelConfig
 from vitrain.errors import ConfigError
-from vitrain.models.plan import plan_of
+from vitrain.models.plan import NORM_TYPES, plan_of
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -120,16 +120,24 @@ def fully_shard_model(
         root_policy = MixedPrecisionPolicy(
             param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype, output_dtype=torch.float32
         )
-        # Each group of norms is its own fp32 unit (gathered, computed and reduced in fp32), and each norm hands
-        # its output on in the compute dtype of the unit around it. FSDP2 casts a group's inputs only where the
-        # group's forward starts (a block's first norm), so every norm upcasts its own: a CUDA LayerNorm refuses
-        # bf16 inputs with fp32 weights, and a CPU one would run on bf16 inputs.
+        # Every norm of the model is one fp32 unit (gathered, computed and reduced in fp32), kept gathered from
+        # forward to backward under zero3 too: norms hold a few thousand values per block, and one unit is one
+        # all-gather and one reduce-scatter per step instead of one of each per block, each of which waits for the
+        # slowest rank (the step breakdown in docs/performance.md). Each norm hands its output on in the compute
+        # dtype of the unit around it. FSDP2 casts a group's inputs only where the group's forward starts, so every
+        # norm upcasts its own: a CUDA LayerNorm refuses bf16 inputs with fp32 weights, and a CPU one would run on
+        # bf16 inputs. Other modules kept fp32 (precision.fp32_modules) may be large: their groups follow the
+        # strategy's resharding.
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for group in plan.norm_groups:
-            fully_shard(group, mp_policy=fp32, **shard)
-            for norm in group:
-                norm.register_forward_pre_hook(norm_in_fp32)
-                norm.register_forward_hook(norm_output_to(precision.param_dtype))
+        norms = [m for group in plan.norm_groups for m in group if isinstance(m, NORM_TYPES)]
+        others = [[m for m in group if not isinstance(m, NORM_TYPES)] for group in plan.norm_groups]
+        groups = [(norms, {**shard, "reshard_after_forward": False})] if norms else []
+        groups += [(group, shard) for group in others if group]
+        for group, how in groups:
+            fully_shard(group, mp_policy=fp32, **how)
+            for module in group:
+                module.register_forward_pre_hook(norm_in_fp32)
+                module.register_forward_hook(norm_output_to(precision.param_dtype))
     for unit in plan.shard_units:
         fully_shard(unit, mp_policy=policy, **shard)
     fully_shard(model, mp_policy=root_policy, **shard)
