@@ -69,6 +69,10 @@ def test_amp_o2_bf16_maps_to_deepspeed_bf16():
     cfg = _ds("precision.mode=amp_o2", "precision.dtype=bf16")
     config = deepspeed_config(cfg, resolve_precision(cfg, torch.device("cpu")))
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
+    # Gradients are averaged in precision.reduce_dtype, not in DeepSpeed's default (the low dtype).
+    assert config["communication_data_type"] == "fp32"
+    cfg = _ds("precision.mode=amp_o2", "precision.dtype=bf16", "precision.reduce_dtype=bf16")
+    assert deepspeed_config(cfg, resolve_precision(cfg, torch.device("cpu")))["communication_data_type"] == "bf16"
 
 
 def test_amp_o2_fp16_maps_to_dynamic_loss_scaling_from_the_precision_config():

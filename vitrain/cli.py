@@ -212,7 +212,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--out", metavar="DIR", help="--ladder/--peers: where the table, JSON and PNG go")
     run.add_argument(
-        "--rows", metavar="TEXT,...", help="--ladder: only rows whose names contain one of these (the rest: skipped)"
+        "--rows",
+        metavar="TEXT,...",
+        help="--ladder: only these rows (a row's whole name picks it alone, other text every row containing it)",
     )
     run.add_argument(
         "--nproc",

@@ -123,11 +123,27 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """(peak bytes so far, what they are): the CUDA allocator's peak on a GPU, the process's peak RSS on a CPU."""
+    """(peak bytes so far, what they are): the CUDA allocator's peak on a GPU, the process's peak RSS on a CPU
+    (since `reset_peak_memory` where that could reset it)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "CUDA allocator peak"
     # Linux reports ru_maxrss in KiB.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start the peak over from what is held now (so a benchmark's peak is its steps', not the set-up's or
+    autotune's before them): the CUDA allocator's statistics, or on Linux the process's RSS high-water mark
+    (`/proc/self/clear_refs`, which ru_maxrss follows). False where it cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # 5: reset the peak RSS to the current RSS (proc(5))
+    except OSError:
+        return False
+    return True
 
 
 def available_bytes(device: torch.device) -> int | None:

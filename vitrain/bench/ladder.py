@@ -232,11 +232,11 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         f"{warmup} warm-up + {steps} timed steps each, {repeats} round(s) -> {out}",
         file=sys.stderr,
     )
-    wanted = [w.strip() for w in (args.rows or "").split(",") if w.strip()]
+    asked = asked_for(table_rows, args.rows)
     runnable = []
     for row in table_rows:
         reason = row.needs(ctx)
-        if not reason and wanted and not any(w in row.name for w in wanted):
+        if not reason and row not in asked:
             reason = f"not asked for (--rows {args.rows})"
         if reason:
             row.status = f"skipped: {reason}"
@@ -260,6 +260,16 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     print(markdown)
     print(f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {out / 'ladder.png'} in {total_s:.0f} s")
     return 0
+
+
+def asked_for(table_rows: list[Row], spec: str | None) -> list[Row]:
+    """The rows `--rows` names (every row without it): a row's whole name picks that row alone, any other text
+    every row whose name contains it."""
+    wanted = [w.strip() for w in (spec or "").split(",") if w.strip()]
+    if not wanted:
+        return list(table_rows)
+    names = {row.name for row in table_rows}
+    return [r for r in table_rows if any(w == r.name or (w not in names and w in r.name) for w in wanted)]
 
 
 def run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threads) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from vitrain.config import Config
 from vitrain.data.loader import endless
-from vitrain.device import PhaseTimer, device_name, peak_flops, peak_memory_bytes
+from vitrain.device import PhaseTimer, device_name, peak_flops, peak_memory_bytes, reset_peak_memory
 from vitrain.models import model_complexity
 from vitrain.optim import optimizer_kernel
 from vitrain.parallel import unwrap
@@ -118,6 +118,9 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
     step_seconds: list[float] = []
     if profile is not None and dist.world_size > 1:  # one trace per rank
         profile = profile / f"rank{dist.rank}"
+    # The peak of the steps (from what the model, optimizer and loader hold now), not of building them or of
+    # autotune's candidates before them.
+    from_steps = reset_peak_memory(device)
     try:
         for i in range(warmup + steps):
             timing = i >= warmup
@@ -137,6 +140,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
     timed_s = sum(step_seconds)
     images_per_s = steps * images_per_step / timed_s
     peak_bytes, memory_kind = peak_memory_bytes(device)
+    memory_kind += " of the steps" if from_steps else " since the process started"
     peak_bytes = int(max_over_ranks(peak_bytes, device))
     drop = trainer.train_step.token_drop  # train.token_drop: the blocks compute on the kept tokens only
     kept = drop.kept_patches((cfg.model.image_size // cfg.model.patch_size) ** 2) if drop is not None else None

@@ -3,8 +3,9 @@
     parallel.strategy  ddp -> ZeRO stage 0, zero1 -> 1, zero2 -> 2, zero3 -> 3
     parallel.offload   optimizer -> zero_optimization.offload_optimizer (cpu); params -> offload_param (cpu, zero3)
     precision          fp32 -> fp32; amp_o2 bf16 -> bf16; amp_o2 fp16 -> fp16 with dynamic loss scaling from
-                       precision.init_scale / growth_interval / min_scale; amp_o1 bf16 -> fp32 weights under
-                       torch.autocast; auto -> what vitrain's policy resolves to on this device
+                       precision.init_scale / growth_interval / min_scale; amp_o2's precision.reduce_dtype ->
+                       communication_data_type (DeepSpeed's own default is the low dtype); amp_o1 bf16 -> fp32
+                       weights under torch.autocast; auto -> what vitrain's policy resolves to on this device
     train              batch_size -> train_micro_batch_size_per_gpu; accum_steps -> gradient_accumulation_steps
     optim              clip_grad_norm -> gradient_clipping, always written (DeepSpeed's code defaults to 0, its
                        docs to 1.0); vitrain's own optimizer (optim.name, its parameter groups) is passed in
@@ -122,6 +123,10 @@ def _mapped_config(cfg: Config, resolved: Resolved, world_size: int) -> dict[str
         "steps_per_print": 2**62,  # vitrain logs the steps
         "wall_clock_breakdown": False,
     }
+    if resolved.mode == "amp_o2":
+        # DeepSpeed averages gradients in its low dtype unless told (engine.communication_data_type); vitrain's
+        # precision.reduce_dtype decides here as it does FSDP2's reduce_dtype and DDP's hook under the native engine.
+        config["communication_data_type"] = cfg.precision.reduce_dtype
     if resolved.mode == "amp_o2" and resolved.dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     elif resolved.mode == "amp_o2":
@@ -163,6 +168,7 @@ MAPPED: dict[str, Callable[[Config, Any], str]] = {
     "zero_optimization.stage": lambda c, v: f"parallel.strategy={c.parallel.strategy} (stage {v})",
     "zero_optimization.offload_optimizer.device": lambda c, v: f"parallel.offload={c.parallel.offload}",
     "zero_optimization.offload_param.device": lambda c, v: f"parallel.offload={c.parallel.offload}",
+    "communication_data_type": lambda c, v: f"precision.reduce_dtype={c.precision.reduce_dtype}",
     "bf16.enabled": _precision,
     "fp16.enabled": _precision,
     "fp16.loss_scale": lambda c, v: "vitrain's fp16 uses dynamic loss scaling (0)",
