@@ -161,6 +161,7 @@ def rows() -> list[Row]:
             _multi,
         ),
         Row("native DDP", engines, compare("ddp")),
+        Row("native zero1", engines, compare("zero1"), _multi),
         Row("native zero2", engines, compare("zero2"), _multi),
         Row("native zero3", engines, compare("zero3"), _multi),
         Row("DeepSpeed stage 2", engines, deepspeed("zero2", "none"), _ds_multi),
