@@ -410,7 +410,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
         f"- Command: `{summary['command']}` ({summary['wall_s']:.0f} s)",
         f"- Ratios are to the baseline row of this run; the DeepSpeed group and the native rows beside it compute in "
         f"{summary['comparison_precision']} (bf16 where its GEMM peak measured above 1.2x fp32's). Peak memory: the "
-        "largest process's (CPU: peak RSS). MFU: model FLOPs over the computing dtype's peak, "
+        "largest process's over its steps (CPU: peak RSS, its high-water mark reset once the model, optimizer and "
+        "autotune's choice are built). MFU: model FLOPs over the computing dtype's peak, "
         + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in summary["peaks_tflops_per_process"].items())
         + " GFLOP/s per process measured before the rows.",
         "",
