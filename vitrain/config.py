@@ -303,9 +303,9 @@ class ParallelConfig:
     # zero2 / zero3: FSDP2 sharding that keeps / frees the gathered parameters between forward and backward.
     strategy: Literal["single", "ddp", "zero1", "zero2", "zero3"] = "single"
     # FSDP unit: the whole model, each block (peak = one block), or each block's attention and MLP separately
-    # (sublayer: half a block's parameters gathered at a time, for the lowest peak); auto: autotune times the three
-    # under the run's own zero2/zero3 and keeps the fastest; where it does not run (VITRAIN_AUTOTUNE=0, DeepSpeed,
-    # pipeline stages), the whole model under zero2 and each block under zero3 (vitrain/models/plan.py auto_wrap).
+    # (sublayer: half a block's parameters gathered at a time, for the lowest peak); auto: autotune times them under
+    # the run's own zero2 (zero3: block and sublayer) and keeps the fastest; where it does not run (VITRAIN_AUTOTUNE=0,
+    # DeepSpeed, pipeline stages), the whole model under zero2, each block under zero3 (vitrain/models/plan.py).
     wrap: Literal["auto", "model", "block", "sublayer"] = "auto"
     # The class name of the repeated block that is a sharding unit and what activation checkpointing recomputes, for
     # a model other than vitrain's ViT; empty: the longest ModuleList/Sequential of one class (vitrain/models/plan.py).

@@ -19,7 +19,7 @@ Modes (`precision.mode`, low dtype from `precision.dtype`):
   zero1 the working copy is what DDP replicates (its gradients averaged in `precision.reduce_dtype`). Under zero2
   and zero3 there is no working copy: the fp32 model is sharded, and FSDP2's `MixedPrecisionPolicy` gathers each
   unit's parameters in the low dtype for compute and reduce-scatters the gradients in `precision.reduce_dtype`
-  onto the fp32 shards the optimizer updates; norms are their own fp32 units (`ParallelPrecision`).
+  onto the fp32 shards the optimizer updates; the norms are one fp32 unit (`ParallelPrecision`).
 - pure (single, ddp): the model's weights are cast to the low dtype (norms included, though norms compute in fp32 and
   keep fp32 running statistics); no fp32 master copy. With `precision.compensated` (the default) each weight also
   keeps a low-dtype Kahan compensation term: the optimizer steps on fp32 `weight + compensation` made only for the

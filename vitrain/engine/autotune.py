@@ -11,7 +11,9 @@ What is tuned, and among what:
   holds the whole model (single/ddp/zero1, no pipeline stages; elsewhere auto attention is sdpa).
 - `parallel.wrap=auto` (native engine, zero2/zero3, no pipeline stages): the FSDP unit, the whole model, each block or
   each block's attention and MLP, timed under the run's own strategy over every rank (the units decide how many
-  collectives a step makes and how much of the model is gathered at once); block where it does not run.
+  collectives a step makes and how much of the model is gathered at once); under zero3 the whole model is no
+  candidate (it would gather every parameter at once, the memory zero3 is chosen to save). Where it does not run:
+  the whole model under zero2, each block under zero3 (vitrain/models/plan.py auto_wrap).
 
 Each candidate is the run's own training step (vitrain/engine/step.py) over a native engine set up for it: the
 run's model built by its task from the candidate's config (the attention kernel is a config value, not a patch),
@@ -101,7 +103,8 @@ def candidates(cfg: Config, device: torch.device, pipelined: bool) -> dict[str, 
         tuned["model.attention"] = ["sdpa", "manual"]
     sharded = cfg.parallel.strategy in SHARDED and not pipelined
     if sharded and cfg.parallel.wrap == "auto" and cfg.train.engine == "native":
-        tuned["parallel.wrap"] = list(WRAPS)
+        # zero3 is chosen to hold one unit's parameters at a time: a single unit would hold them all.
+        tuned["parallel.wrap"] = [w for w in WRAPS if cfg.parallel.strategy == "zero2" or w != "model"]
     return tuned
 
 
