@@ -285,6 +285,17 @@ def test_the_fsdp_unit_is_the_fastest_measured_under_the_runs_own_sharding(tmp_p
     )
 
 
+def test_a_unit_within_the_races_noise_of_the_fastest_keeps_the_strategys_rule(tmp_path, autotune_on, monkeypatch):
+    # zero2's rule is the whole model: block 2% faster is within the margin, 10% faster is not.
+    fake_steps(monkeypatch, {("model",): 0.0204, ("block",): 0.020, ("sublayer",): 0.024})
+    decision = run_autotune(auto_cfg(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto"))
+    assert decision.values == {"parallel.wrap": "model"} and "the rule's unit: parallel.wrap=model" in decision.reason
+    fake_steps(monkeypatch, {("model",): 0.022, ("block",): 0.020, ("sublayer",): 0.024})
+    monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path / "another-cache"))
+    decision = run_autotune(auto_cfg(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto"))
+    assert decision.values == {"parallel.wrap": "block"} and "the fastest: parallel.wrap=block" in decision.reason
+
+
 def _zero3_wrap_auto_on_two_ranks(out_dir, cache):
     import os
 

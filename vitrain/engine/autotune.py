@@ -13,7 +13,8 @@ What is tuned, and among what:
   each block's attention and MLP, timed under the run's own strategy over every rank (the units decide how many
   collectives a step makes and how much of the model is gathered at once); under zero3 the whole model is no
   candidate (it would gather every parameter at once, the memory zero3 is chosen to save). Where it does not run:
-  the whole model under zero2, each block under zero3 (vitrain/models/plan.py auto_wrap).
+  the whole model under zero2, each block under zero3 (vitrain/models/plan.py auto_wrap); a unit timed within 3% of
+  the fastest that is the rule's is kept (a race of a few steps cannot tell such units apart).
 
 Each candidate is the run's own training step (vitrain/engine/step.py) over a native engine set up for it: the
 run's model built by its task from the candidate's config (the attention kernel is a config value, not a patch),
@@ -54,6 +55,7 @@ from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
 from vitrain.files import atomic_write
 from vitrain.models.memory import estimate
+from vitrain.models.plan import auto_wrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
 from vitrain.precision import LOW_DTYPES, SHARDED, Resolved
 from vitrain.tasks import teacher_of
@@ -63,6 +65,7 @@ CACHE_ENV = "VITRAIN_CACHE_DIR"
 PRECISION_STRATEGIES = ("single", "ddp", "zero1")
 WRAPS = ("model", "block", "sublayer")
 PRUNE_RATIO = 1.5
+RULE_MARGIN = 1.03  # an FSDP unit timed within 3% of the fastest: the rule's unit is kept (_rule_within_noise)
 WARMUP_DROP_RATIO = 2.0
 SLOW_STEP_S = 5.0  # a warm-up step longer than this: one timed step per candidate instead of `steps`
 
@@ -157,6 +160,7 @@ def autotune(
     with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
         race = _Race(cfg, task, dist, sample())
         values = _race(race, labels, steps, seconds, notes, rounds, interleave)
+    values, kept = _rule_within_noise(values, seconds, cfg)
     batch = cfg.train.batch_size
     images_per_s = {label: batch / s for label, s in seconds.items()}
     measured = "; ".join(rounds)
@@ -166,7 +170,7 @@ def autotune(
     processes = f" x {dist.world_size} processes" if dist.world_size > 1 else ""
     reason = (
         f"autotune ({where}, {torch.get_num_threads()} thread(s){processes}, batch {batch}, candidates taking turns, "
-        f"best step each): {measured}{skipped} -> the fastest: {chosen}"
+        f"best step each): {measured}{skipped} -> {kept or 'the fastest: '}{chosen}"
     )
     decision = Decision(values, images_per_s, notes, reason, cached_at=str(path))
     if dist.is_main:
@@ -212,6 +216,19 @@ class _Race:
             return max_over_ranks(time.perf_counter() - start, self.device)
 
         return run
+
+
+def _rule_within_noise(values: dict[str, str], seconds: dict[str, float], cfg: Config) -> tuple[dict[str, str], str]:
+    """The FSDP unit the rule gives (auto_wrap) where it timed within RULE_MARGIN of the fastest: a race of a few
+    steps cannot tell units that close apart, and the rule's is the one measured over whole benchmarks
+    (docs/performance.md). Returns the values to keep and, where the rule's were kept, why."""
+    if set(values) != {"parallel.wrap"}:
+        return values, ""
+    rule = {"parallel.wrap": auto_wrap(cfg.parallel.strategy)}
+    fastest, ruled = seconds.get(_label(values)), seconds.get(_label(rule))
+    if values == rule or fastest is None or ruled is None or ruled > RULE_MARGIN * fastest:
+        return values, ""
+    return rule, f"within {RULE_MARGIN - 1:.0%} of the fastest ({_label(values)}), the rule's unit: "
 
 
 def _race(
