@@ -155,6 +155,9 @@ def test_ladder_rows_that_cannot_run_here_say_why():
     assert "precision.mode=fp32" in rows["DeepSpeed stage 2"].overrides(_context(fast=False))
     assert "precision.mode=amp_o2" in rows["DeepSpeed stage 2"].overrides(_context(fast=True))
     assert "parallel.offload=params" in rows["DeepSpeed stage 3 + offload"].overrides(_context())
+    # bf16 gradients only where the group computes in bf16.
+    assert "computes in fp32 here" in rows["native zero2, bf16 gradients"].needs(_context(fast=False))
+    assert rows["DeepSpeed stage 2, bf16 gradients"].needs(_context(fast=True)) is None
 
 
 def _summary():
@@ -263,14 +266,11 @@ def test_ladder_pairs_native_zero_stages_with_deepspeeds_round_by_round():
 
 def test_ladder_rows_are_picked_by_whole_name_or_by_part():
     rows = ladder.rows()
-    picked = [r.name for r in ladder.asked_for(rows, "DeepSpeed stage 2,native zero")]  # not the offload row
-    assert picked == [
-        "native zero1",
-        "native zero2",
-        "native zero3",
-        "DeepSpeed stage 2",
-    ]  # not "... + optimizer offload"
-    assert len(ladder.asked_for(rows, "DeepSpeed stage")) == 4 and ladder.asked_for(rows, None) == rows
+    picked = [r.name for r in ladder.asked_for(rows, "DeepSpeed stage 2,native zero")]
+    # A whole name picks that row alone (not "DeepSpeed stage 2 + optimizer offload"); a part, every row with it.
+    assert picked[:4] == ["native zero1", "native zero2", "native zero3", "DeepSpeed stage 2"]
+    assert picked[4:] == ["native zero2, bf16 gradients"]
+    assert len(ladder.asked_for(rows, "DeepSpeed stage")) == 5 and ladder.asked_for(rows, None) == rows
 
 
 def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):

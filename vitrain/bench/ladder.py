@@ -83,6 +83,12 @@ def _ds_multi(ctx: Context) -> str | None:
     return _ds(ctx) or _multi(ctx)
 
 
+def _bf16_multi(ctx: Context) -> str | None:
+    if not ctx.fast_low_precision:
+        return "the comparison computes in fp32 here (bf16 is not faster on this device): no bf16 gradients"
+    return _multi(ctx)
+
+
 def _compare_precision(ctx: Context) -> list[str]:
     """The comparison groups' precision: bf16 O2 where bf16 is measured faster, fp32 where bf16 matmuls are slow."""
     return ["precision.mode=amp_o2", "precision.dtype=bf16"] if ctx.fast_low_precision else ["precision.mode=fp32"]
@@ -93,6 +99,7 @@ BASELINE += ["model.pool=cls", "model.layout=batch_first", "model.attention=sdpa
 MULTI_TENSOR = ["optim.impl=auto"]
 POOLED = ["model.pool=gap"]
 SEQ_FIRST = ["model.layout=seq_first"]
+BF16_GRADIENTS = "precision.reduce_dtype=bf16"
 TOKEN_DROP = ["train.token_drop=0.5"]  # half the patch tokens of each image (vitrain/engine/token_drop.py)
 
 
@@ -112,8 +119,8 @@ def rows() -> list[Row]:
             base + MULTI_TENSOR + POOLED + [f"parallel.strategy={strategy}", *extra] + (_compare_precision(ctx))
         )
 
-    def deepspeed(strategy: str, offload: str) -> Callable[[Context], list[str]]:
-        return compare(strategy, "train.engine=deepspeed", f"parallel.offload={offload}")
+    def deepspeed(strategy: str, offload: str, *extra: str) -> Callable[[Context], list[str]]:
+        return compare(strategy, "train.engine=deepspeed", f"parallel.offload={offload}", *extra)
 
     return [
         Row("fp32 reference", ladder, lambda ctx: [*BASELINE, "precision.mode=fp32"]),
@@ -165,6 +172,14 @@ def rows() -> list[Row]:
         Row("native zero2", engines, compare("zero2"), _multi),
         Row("native zero3", engines, compare("zero3"), _multi),
         Row("DeepSpeed stage 2", engines, deepspeed("zero2", "none"), _ds_multi),
+        # Both averaging gradients in bf16, DeepSpeed's own default (engine.communication_data_type).
+        Row("native zero2, bf16 gradients", engines, compare("zero2", BF16_GRADIENTS), _bf16_multi),
+        Row(
+            "DeepSpeed stage 2, bf16 gradients",
+            engines,
+            deepspeed("zero2", "none", BF16_GRADIENTS),
+            lambda ctx: _ds(ctx) or _bf16_multi(ctx),
+        ),
         Row("DeepSpeed stage 2 + optimizer offload", engines, deepspeed("zero2", "optimizer"), _ds_multi),
         Row("DeepSpeed stage 3 + offload", engines, deepspeed("zero3", "params"), _ds_multi),
         Row("DeepSpeed stage 3", engines, deepspeed("zero3", "none"), _ds_multi),
@@ -172,7 +187,11 @@ def rows() -> list[Row]:
 
 
 # The issue's comparison: vitrain's own ZeRO stage against DeepSpeed's, same precision and batch.
-NATIVE_VS_DEEPSPEED = (("native zero2", "DeepSpeed stage 2"), ("native zero3", "DeepSpeed stage 3"))
+NATIVE_VS_DEEPSPEED = (
+    ("native zero2", "DeepSpeed stage 2"),
+    ("native zero3", "DeepSpeed stage 3"),
+    ("native zero2, bf16 gradients", "DeepSpeed stage 2, bf16 gradients"),
+)
 
 
 def _sharded(ctx: Context, strategy: str, *extra: str) -> list[str]:
