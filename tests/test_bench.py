@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from vitrain.bench.optim import bench_optimizer_step, default_impls
 from vitrain.bench.step import bench_step, dtype_key, parse_peaks
 from vitrain.cli import main
 from vitrain.config import OptimConfig, load_config
-from vitrain.device import gemm_flops, peak_memory_bytes, reset_peak_memory
+from vitrain.device import gemm_flops, peak_memory_bytes, reset_peak_memory, reuse_freed_host_memory
 from vitrain.engine import Trainer
 from vitrain.engine.step import TrainStep
 from vitrain.errors import ConfigError
@@ -118,6 +119,32 @@ def test_the_peak_memory_starts_over_from_what_the_process_holds_now():
         pytest.skip("this kernel has no /proc/self/clear_refs to reset the peak RSS")
     after, _ = peak_memory_bytes(cpu)
     assert after < before - 100 * 2**20
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_freed_host_memory_stays_in_the_heap_for_the_next_step():
+    if not reuse_freed_host_memory():
+        pytest.skip("the C library is not glibc: its allocator keeps its own policy")
+    big = torch.ones(2**24)  # 64 MiB: glibc's default would map it afresh and unmap it when freed
+    held = _resident_bytes()
+    del big
+    assert _resident_bytes() > held - 16 * 2**20  # still resident, to be reused
+
+
+def test_the_trainer_keeps_freed_host_memory_unless_told_not_to(tmp_path, monkeypatch):
+    from vitrain.engine import trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "reuse_freed_host_memory", lambda: calls.append(1))
+    for switch, expected in (("true", [1]), ("false", [])):
+        calls.clear()
+        cfg = load_config(None, tiny_overrides(tmp_path / switch, f"train.reuse_host_memory={switch}"))
+        trainer_module.Trainer(cfg).close()
+        assert calls == expected
 
 
 def test_gemm_peak_is_a_positive_rate():

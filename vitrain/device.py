@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import platform
 import resource
@@ -180,3 +182,28 @@ class PhaseTimer:
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
+
+
+@functools.cache
+def glibc_function(name: str):
+    """A glibc function (malloc_trim, mallopt) from the symbols the process already has (no library search, looked
+    up on first use), or None on another C library (macOS, musl), whose allocators have their own policy."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows, where CDLL needs a library name
+        return None
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def reuse_freed_host_memory() -> bool:
+    """glibc: serve every allocation from the heap and keep freed memory there (mallopt M_MMAP_MAX=0 and a 16 GiB
+    M_TRIM_THRESHOLD), so that a step's large activations reuse pages instead of being mapped, zeroed by page
+    faults and unmapped again in every step (glibc maps blocks over 32 MiB afresh each time). ViT-S/16 at 224 px,
+    batch 64, bf16 on a 2-core Zen 4: 1.05-1.09x images/s (docs/performance.md). Memory freed stays with the
+    process until malloc_trim (the streaming loader trims). False where the C library is not glibc."""
+    mallopt = glibc_function("mallopt")
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 16 * 2**30))

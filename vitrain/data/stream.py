@@ -17,8 +17,6 @@ seed, every sample the earlier ones consumed and shares out only the rest.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +42,7 @@ from vitrain.data.shards import (
     read_samples,
     shard_urls,
 )
+from vitrain.device import glibc_function
 from vitrain.errors import DataError
 
 
@@ -307,19 +306,9 @@ class StreamLoader:
 TRIM_EVERY = 16
 
 
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim from the symbols the process already has (no library search, looked up on first use), or
-    None on another C library (macOS, musl), whose allocators have their own policy."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):  # TypeError: Windows, where CDLL needs a library name
-        return None
-
-
 def trim_heap() -> None:
     """Return the free pages of every malloc arena to the OS (glibc's malloc_trim(0)); a no-op elsewhere."""
-    trim = _malloc_trim()
+    trim = glibc_function("malloc_trim")
     if trim is not None:
         trim(0)
 

@@ -20,7 +20,7 @@ from vitrain import checkpoint as ckpt
 from vitrain.config import Config
 from vitrain.data.augment import progressive_size, resize_batch
 from vitrain.data.loader import WaitTimer, first_batch
-from vitrain.device import resolve_device
+from vitrain.device import resolve_device, reuse_freed_host_memory
 from vitrain.engine import cluster, report, runs
 from vitrain.engine.autotune import autotune
 from vitrain.engine.protocol import build_engine
@@ -65,6 +65,8 @@ class Trainer:
         device, p = resolve_device(cfg.train.device), cfg.parallel
         self.dist = init_distributed(device, p.strategy, p.backend, timeout_s=cfg.run.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
+        if self.device.type == "cpu" and cfg.train.reuse_host_memory:
+            reuse_freed_host_memory()  # process-wide, from here on (vitrain/device.py)
         resume = runs.resume_choice(cfg.run_dir, resume)  # auto, a requeued SLURM job, a stopped run
         check = lambda path, meta: runs.check_same_model(path, meta, cfg)  # noqa: E731
         choice = runs.agree_on_run(self.run_dir, resume, self.is_main, check)
