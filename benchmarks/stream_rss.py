@@ -32,7 +32,7 @@ from PIL import Image
 from vitrain.config import load_config
 from vitrain.data.pipeline import build_loaders
 from vitrain.data.shards import FORMAT, INDEX, ShardWriter
-from vitrain.device import cpu_description
+from vitrain.device import cpu_description, reuse_freed_host_memory
 
 
 def tree_memory(pid: int, field: str = "Rss") -> list[int]:
@@ -93,6 +93,8 @@ def main() -> None:
             "data.source=shards", f"data.root={folder}", "data.val_fraction=0.01", "train.batch_size=256",
             f"data.loader_workers={args.workers}", "data.shuffle_buffer=1000", "log.progress=false",
         ])  # fmt: skip
+        if cfg.train.reuse_host_memory:  # as the trainer sets it before it builds the loader (vitrain/device.py)
+            reuse_freed_host_memory()
         peak, pss, stop = [tree_rss_bytes(os.getpid())], [tree_rss_bytes(os.getpid(), "Pss")], threading.Event()
         baseline, largest, main_peak, worker_peak = peak[0], [0], [0], [0]
 

@@ -198,7 +198,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def reuse_freed_host_memory() -> bool:
-    """glibc: serve every allocation from the heap and keep freed memory there (mallopt M_MMAP_MAX=0 and a 16 GiB
+    """glibc: serve every allocation from the heap and keep freed memory there (mallopt M_MMAP_MAX=0 and a 2 GiB
     M_TRIM_THRESHOLD), so that a step's large activations reuse pages instead of being mapped, zeroed by page
     faults and unmapped again in every step (glibc maps blocks over 32 MiB afresh each time). ViT-S/16 at 224 px,
     batch 64, bf16 on a 2-core Zen 4: 1.05-1.09x images/s (docs/performance.md). Memory freed stays with the
@@ -206,4 +206,5 @@ def reuse_freed_host_memory() -> bool:
     mallopt = glibc_function("mallopt")
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 16 * 2**30))
+    # mallopt takes a C int: the largest trim threshold it can be given is 2 GiB.
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
