@@ -236,7 +236,7 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
     # CPU, glibc: keep freed memory in the heap and map no large block afresh, so each step's activations reuse
-    # pages instead of faulting in zeroed ones (1.05-1.09x on a ViT-S/16 step, docs/performance.md)
+    # pages instead of faulting in zeroed ones (1.08x on a ViT-S/16 step, docs/performance.md)
     reuse_host_memory: bool = True
     compile: bool = False  # torch.compile the model (the first step's time is logged as compile_s)
     eval_every_epochs: int = 1  # evaluate (and checkpoint) every this many epochs, and at the end

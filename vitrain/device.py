@@ -201,7 +201,7 @@ def reuse_freed_host_memory() -> bool:
     """glibc: serve every allocation from the heap and keep freed memory there (mallopt M_MMAP_MAX=0 and a 2 GiB
     M_TRIM_THRESHOLD), so that a step's large activations reuse pages instead of being mapped, zeroed by page
     faults and unmapped again in every step (glibc maps blocks over 32 MiB afresh each time). ViT-S/16 at 224 px,
-    batch 64, bf16 on a 2-core Zen 4: 1.05-1.09x images/s (docs/performance.md). Memory freed stays with the
+    batch 64, bf16 on a 2-core Zen 4: 1.08x (1.05-1.35) images/s (docs/performance.md). Memory freed stays with the
     process until malloc_trim (the streaming loader trims). False where the C library is not glibc."""
     mallopt = glibc_function("mallopt")
     if mallopt is None:
