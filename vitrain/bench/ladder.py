@@ -355,9 +355,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         if row.result:
             r = row.result
             rounds = [x["images_per_s"] for x in row.rounds]
-            ratio = None
-            if baseline is not None and len(baseline.rounds) == len(rounds):  # paired round by round
-                ratio = paired_ratio(rounds, [x["images_per_s"] for x in baseline.rounds])
+            ratio = _paired(row, baseline) if baseline is not None else None
             entry.update(
                 images_per_s=spread(rounds)["median"],
                 images_per_s_spread=spread(rounds),
@@ -384,15 +382,14 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
     engine_pairs = []
     for native, deepspeed in NATIVE_VS_DEEPSPEED:
         a, b = by_name.get(native), by_name.get(deepspeed)
-        if a is None or b is None or not a.result or not b.result or len(a.rounds) != len(b.rounds):
+        ratio = _paired(a, b) if a is not None and b is not None and a.result and b.result else None
+        if ratio is None:
             continue  # a row that did not run (or lost a round) has no paired figure
         engine_pairs.append(
             {
                 "native": native,
                 "deepspeed": deepspeed,
-                "images_per_s_ratio": paired_ratio(
-                    [x["images_per_s"] for x in a.rounds], [x["images_per_s"] for x in b.rounds]
-                ),
+                "images_per_s_ratio": ratio,
                 "peak_memory_gib": [a.result["peak_memory_bytes"] / 2**30, b.result["peak_memory_bytes"] / 2**30],
                 "wrap": a.result.get("wrap", ""),
             }
@@ -414,6 +411,13 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         "rows": out_rows,
         "native_vs_deepspeed": engine_pairs,
     }
+
+
+def _paired(row: Row, other: Row) -> dict[str, Any] | None:
+    """`row`'s images/s over `other`'s, paired round by round; None where they did not run the same rounds."""
+    if len(row.rounds) != len(other.rounds):
+        return None
+    return paired_ratio([x["images_per_s"] for x in row.rounds], [x["images_per_s"] for x in other.rounds])
 
 
 def to_markdown(summary: dict[str, Any]) -> str:

@@ -30,8 +30,9 @@ def keeps_fp32(module: nn.Module, names: tuple[str, ...] = ()) -> bool:
 class ParallelPlan:
     shard_units: list[nn.Module]  # each its own FSDP unit, innermost first; the whole model is wrapped last
     checkpoint_units: list[nn.Module]  # the repeated blocks that activation checkpointing may recompute
-    # Norm layers grouped by where they sit (each block's, then the rest): under low-precision sharding each group
-    # is one fp32 FSDP unit inside its block's low-precision unit.
+    # The layers low precision keeps fp32, grouped by where they sit (each block's, then the rest). Under
+    # low-precision sharding the norms among them, from every group, are one fp32 FSDP unit for the whole model, and
+    # each group's other kept-fp32 modules (precision.fp32_modules) one fp32 unit (vitrain/parallel/strategies.py).
     norm_groups: list[list[nn.Module]]
     # A repeated block's input shape for a micro-batch of n images: what a one-block timing probe feeds it.
     block_input_shape: Callable[[int], tuple[int, ...]]
