@@ -36,12 +36,14 @@ def run_autotune(cfg):
 
 
 def fake_steps(monkeypatch, seconds):
-    """Candidates whose steps take the given seconds: (mode, attention) -> s, or (wrap,) -> s, or a list of seconds
-    for its steps in turn (the last one repeated); records what ran."""
+    """Candidates whose steps take the given seconds: (mode, attention) -> s, (wrap,) -> s or (attention, wrap) -> s
+    under zero2/zero3, or a list of seconds for its steps in turn (the last one repeated); records what ran."""
     ran = []
 
     def candidate(race, values):
-        if "parallel.wrap" in values:
+        if "parallel.wrap" in values and "model.attention" in values:
+            key = (values["model.attention"], values["parallel.wrap"])
+        elif "parallel.wrap" in values:
             key = (values["parallel.wrap"],)
         else:
             key = (values.get("precision.mode"), values.get("model.attention"))
@@ -71,16 +73,20 @@ def test_only_auto_values_are_tuned(tmp_path):
     # DeepSpeed: auto precision keeps its rules (vitrain/precision.py); attention is still timed.
     deepspeed = auto_cfg(tmp_path, "train.engine=deepspeed", "parallel.strategy=ddp")
     assert tune.candidates(deepspeed, CPU, pipelined=False) == {"model.attention": ["sdpa", "manual"]}
-    # Under zero2/zero3 and pipeline stages one device may not hold the whole model: nothing is timed but the
-    # FSDP unit, where it is auto (the default); a unit given is not timed.
+    # Under zero2/zero3 one device may not hold the whole model: precision keeps its rules; attention and the FSDP
+    # unit, where auto (the default), are raced under the run's own sharding; a unit given is not timed. Pipeline
+    # stages and DeepSpeed's zero2/zero3 time nothing.
+    attention = {"model.attention": ["sdpa", "manual"]}
     given = auto_cfg(tmp_path, "parallel.strategy=zero3", "parallel.wrap=block")
-    assert tune.candidates(given, CPU, pipelined=False) == {}
+    assert tune.candidates(given, CPU, pipelined=False) == attention
     assert tune.candidates(auto_cfg(tmp_path), CPU, pipelined=True) == {}
     # zero3 never races the whole model as one unit: it would hold every parameter gathered at once.
     for strategy, units in (("zero2", ["model", "block", "sublayer"]), ("zero3", ["block", "sublayer"])):
         sharded = auto_cfg(tmp_path, f"parallel.strategy={strategy}", "parallel.wrap=auto")
-        assert tune.candidates(sharded, CPU, pipelined=False) == {"parallel.wrap": units}
+        assert tune.candidates(sharded, CPU, pipelined=False) == {**attention, "parallel.wrap": units}
         assert tune.candidates(sharded, CPU, pipelined=True) == {}
+        on_deepspeed = auto_cfg(tmp_path, f"parallel.strategy={strategy}", "train.engine=deepspeed")
+        assert tune.candidates(on_deepspeed, CPU, pipelined=False) == {}
     assert tune.candidates(auto_cfg(tmp_path, "parallel.strategy=ddp", "parallel.wrap=auto"), CPU, False) == {
         "precision.mode": ["fp32", "amp_o1", "amp_o2"],
         "model.attention": ["sdpa", "manual"],
@@ -273,13 +279,13 @@ def test_every_rank_races_the_face_task_with_its_collective_head_and_agrees(tmp_
 
 def test_the_fsdp_unit_is_the_fastest_measured_under_the_runs_own_sharding(tmp_path, autotune_on, monkeypatch):
     ran = fake_steps(monkeypatch, {("model",): 0.030, ("block",): 0.020, ("sublayer",): 0.024})
-    cfg = auto_cfg(tmp_path, "parallel.strategy=zero3", "parallel.wrap=auto")
+    cfg = auto_cfg(tmp_path, "parallel.strategy=zero3", "parallel.wrap=auto", "model.attention=sdpa")
     decision = run_autotune(cfg)
     assert decision.values == {"parallel.wrap": "block"} and sorted(ran) == [("block",), ("sublayer",)]
     assert decision.images_per_s["wrap=block"] == max(decision.images_per_s.values())
     assert "the fastest: parallel.wrap=block" in decision.reason
     # The unit is raced over the ranks: another strategy is another decision.
-    zero2 = auto_cfg(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto")
+    zero2 = auto_cfg(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto", "model.attention=sdpa")
     assert tune.cache_path(zero2, CPU, tune.candidates(zero2, CPU, False)) != tune.cache_path(
         cfg, CPU, tune.candidates(cfg, CPU, False)
     )
@@ -287,13 +293,37 @@ def test_the_fsdp_unit_is_the_fastest_measured_under_the_runs_own_sharding(tmp_p
 
 def test_a_unit_within_the_races_noise_of_the_fastest_keeps_the_strategys_rule(tmp_path, autotune_on, monkeypatch):
     # zero2's rule is the whole model: block 2% faster is within the margin, 10% faster is not.
+    zero2 = ("parallel.strategy=zero2", "parallel.wrap=auto", "model.attention=sdpa")
     fake_steps(monkeypatch, {("model",): 0.0204, ("block",): 0.020, ("sublayer",): 0.024})
-    decision = run_autotune(auto_cfg(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto"))
+    decision = run_autotune(auto_cfg(tmp_path, *zero2))
     assert decision.values == {"parallel.wrap": "model"} and "the rule's unit: parallel.wrap=model" in decision.reason
     fake_steps(monkeypatch, {("model",): 0.022, ("block",): 0.020, ("sublayer",): 0.024})
     monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path / "another-cache"))
-    decision = run_autotune(auto_cfg(tmp_path, "parallel.strategy=zero2", "parallel.wrap=auto"))
+    decision = run_autotune(auto_cfg(tmp_path, *zero2))
     assert decision.values == {"parallel.wrap": "block"} and "the fastest: parallel.wrap=block" in decision.reason
+
+
+def test_attention_is_raced_with_the_unit_under_sharding_and_keeps_the_fastest_kernel(
+    tmp_path, autotune_on, monkeypatch
+):
+    # zero2 with both auto: manual attention wins by far; under it block is 2% faster than the rule's whole model
+    # (within the margin), so the unit is the rule's and the kernel the fastest's. Sharded candidates run under the
+    # run's own sharding (a _Race over every rank), never one whole model per device.
+    seconds = {
+        (a, w): t * (1.0 if a == "manual" else 1.25)
+        for a in ("sdpa", "manual")
+        for w, t in (("model", 0.0204), ("block", 0.020), ("sublayer", 0.024))
+    }
+    ran = fake_steps(monkeypatch, seconds)
+    decision = run_autotune(auto_cfg(tmp_path, "parallel.strategy=zero2"))
+    assert sorted(ran) == sorted(seconds)
+    assert decision.values == {"model.attention": "manual", "parallel.wrap": "model"}
+    assert "of the fastest (manual + wrap=block), the rule's unit: model.attention=manual" in decision.reason
+    # A unit given: attention alone is raced, under that unit.
+    monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path / "another-cache"))
+    fake_steps(monkeypatch, {(None, "sdpa"): 0.010, (None, "manual"): 0.012})
+    decision = run_autotune(auto_cfg(tmp_path, "parallel.strategy=zero3", "parallel.wrap=block"))
+    assert decision.values == {"model.attention": "sdpa"}
 
 
 def _zero3_wrap_auto_on_two_ranks(out_dir, cache):
@@ -306,18 +336,22 @@ def _zero3_wrap_auto_on_two_ranks(out_dir, cache):
     trainer = Trainer(cfg)
     try:
         decision = trainer.tuned
-        wrap = decision.values["parallel.wrap"]
-        assert set(decision.images_per_s) == {"wrap=block", "wrap=sublayer"}  # zero3: never the whole model
+        wrap, attention = decision.values["parallel.wrap"], decision.values["model.attention"]
+        # zero3: never the whole model; attention raced with the unit, under the run's sharding
+        assert set(decision.images_per_s) == {
+            f"{a} + wrap={w}" for a in ("sdpa", "manual") for w in ("block", "sublayer")
+        }
         kept = {label: ips for label, ips in decision.images_per_s.items() if label not in decision.notes}
-        assert decision.images_per_s[f"wrap={wrap}"] == max(kept.values())  # never a slower one
-        assert trainer.cfg.parallel.wrap == wrap
+        fastest = max(kept, key=kept.get)
+        assert f"{attention} + wrap={wrap}" == fastest or "the rule's unit" in decision.reason  # never a slower one
+        assert trainer.cfg.parallel.wrap == wrap and trainer.cfg.model.attention == attention
         units = [m for m in trainer.model.modules() if hasattr(m, "_get_fsdp_state")]
         assert len(units) == {"block": 1 + 2, "sublayer": 1 + 2 + 4}[wrap]  # root, blocks, attn + mlp
         summary = trainer.fit()
     finally:
         trainer.close()
     assert summary["steps"] == 2
-    assert f"autotune: parallel.wrap={wrap}" in (trainer.run_dir / "log.txt").read_text()
+    assert f"autotune: model.attention={attention}, parallel.wrap={wrap}" in (trainer.run_dir / "log.txt").read_text()
     (out_dir / f"wrap{torch.distributed.get_rank()}.json").write_text(json.dumps(decision.values))
 
 

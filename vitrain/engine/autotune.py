@@ -7,8 +7,9 @@ What is tuned, and among what:
 - `precision.mode=auto` (native engine, strategy single/ddp/zero1, no pipeline stages): fp32, bf16 amp_o1 and bf16
   amp_o2, where the device computes bf16. Pure and fp16 are never candidates: they are picked only when asked for.
   Under zero2/zero3 and pipelines auto keeps its rules in vitrain/precision.py.
-- `model.attention=auto`: sdpa and manual (the same weights and function; different kernels), where each device
-  holds the whole model (single/ddp/zero1, no pipeline stages; elsewhere auto attention is sdpa).
+- `model.attention=auto`: sdpa and manual (the same weights and function; different kernels): where each device
+  holds the whole model (single/ddp/zero1) on one device, and under the native engine's zero2/zero3 under the run's
+  own sharding over every rank, with the FSDP unit; with pipeline stages and DeepSpeed's zero2/zero3 it is sdpa.
 - `parallel.wrap=auto` (native engine, zero2/zero3, no pipeline stages): the FSDP unit, the whole model, each block or
   each block's attention and MLP, timed under the run's own strategy over every rank (the units decide how many
   collectives a step makes and how much of the model is gathered at once); under zero3 the whole model is no
@@ -19,8 +20,9 @@ What is tuned, and among what:
 Each candidate is the run's own training step (vitrain/engine/step.py) over a native engine set up for it: the
 run's model built by its task from the candidate's config (the attention kernel is a config value, not a patch),
 the task's head and loss, the run's optimizer, on the run's first batch; one device per process (the strategy's
-wrapper and its communication are left out alike for every candidate), except for the FSDP unit, which is raced
-under the run's own sharding. Every rank runs the race in lockstep (a
+wrapper and its communication are left out alike for every candidate), except under zero2/zero3, where every
+candidate runs under the run's own sharding (one device may not hold the whole model, and the collectives are part of
+what a kernel's choice costs there). Every rank runs the race in lockstep (a
 task's loss may be collective, as the face head's is) and each step counts at its slowest rank, so every rank makes
 the same choices; rank 0 reads and writes the cache. Two warm-up steps, then up to `steps` timed ones, the
 candidates taking turns; one whose better of its first two timed steps is 1.5x slower than the best's is dropped (a
@@ -97,15 +99,16 @@ def enabled() -> bool:
 def candidates(cfg: Config, device: torch.device, pipelined: bool) -> dict[str, list[str]]:
     """The values each auto key may take on this device and run; empty when nothing is tuned."""
     tuned: dict[str, list[str]] = {}
-    # Candidates are whole models on one device: only where the run itself holds a whole replica per device (under
-    # zero2/zero3 and pipeline stages it may not fit one; there auto keeps its rules and attention is sdpa).
+    # Where the run holds a whole replica per device, candidates are whole models on one device; under the native
+    # zero2/zero3 they run under the run's own sharding (_Race). With pipeline stages and DeepSpeed's zero2/zero3, auto
+    # keeps its rules (precision in vitrain/precision.py, sdpa attention).
     replicated = cfg.parallel.strategy in PRECISION_STRATEGIES and not pipelined
+    sharded = cfg.parallel.strategy in SHARDED and not pipelined and cfg.train.engine == "native"
     if replicated and cfg.precision.mode == "auto" and cfg.train.engine == "native" and _computes_bf16(device):
         tuned["precision.mode"] = ["fp32", "amp_o1", "amp_o2"]
-    if replicated and cfg.model.attention == "auto":
+    if (replicated or sharded) and cfg.model.attention == "auto":
         tuned["model.attention"] = ["sdpa", "manual"]
-    sharded = cfg.parallel.strategy in SHARDED and not pipelined
-    if sharded and cfg.parallel.wrap == "auto" and cfg.train.engine == "native":
+    if sharded and cfg.parallel.wrap == "auto":
         # zero3 is chosen to hold one unit's parameters at a time: a single unit would hold them all.
         tuned["parallel.wrap"] = [w for w in WRAPS if cfg.parallel.strategy == "zero2" or w != "model"]
     return tuned
@@ -188,8 +191,8 @@ class _Race:
 
     def candidate(self, values: dict[str, str]) -> Callable[[], float]:
         cfg = self.cfg
-        if "parallel.wrap" in values:  # the unit is raced under the run's own sharding, over every rank
-            parallel = dataclasses.replace(cfg.parallel, wrap=values["parallel.wrap"])
+        if cfg.parallel.strategy in SHARDED:  # raced under the run's own sharding, over every rank
+            parallel = dataclasses.replace(cfg.parallel, wrap=values.get("parallel.wrap", cfg.parallel.wrap))
         else:
             parallel = dataclasses.replace(cfg.parallel, strategy="single", pipeline_stages=1)
         cfg = dataclasses.replace(
@@ -221,10 +224,11 @@ class _Race:
 def _rule_within_noise(values: dict[str, str], seconds: dict[str, float], cfg: Config) -> tuple[dict[str, str], str]:
     """The FSDP unit the rule gives (auto_wrap) where it timed within RULE_MARGIN of the fastest: a race of a few
     steps cannot tell units that close apart, and the rule's is the one measured over whole benchmarks
-    (docs/performance.md). Returns the values to keep and, where the rule's were kept, why."""
-    if set(values) != {"parallel.wrap"}:
+    (docs/performance.md). The other values raced with it (the attention kernel) stay the fastest's. Returns the
+    values to keep and, where the rule's unit was kept, why."""
+    if "parallel.wrap" not in values:
         return values, ""
-    rule = {"parallel.wrap": auto_wrap(cfg.parallel.strategy)}
+    rule = {**values, "parallel.wrap": auto_wrap(cfg.parallel.strategy)}
     fastest, ruled = seconds.get(_label(values)), seconds.get(_label(rule))
     if values == rule or fastest is None or ruled is None or ruled > RULE_MARGIN * fastest:
         return values, ""
@@ -357,8 +361,9 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
         "precision": [cfg.precision.mode, cfg.precision.dtype],
         "options": options,
     }
-    if "parallel.wrap" in options:  # raced over every rank: the strategy and the ranks are part of the shape
+    if cfg.parallel.strategy in SHARDED:  # raced over every rank: the sharding and the ranks are part of the shape
         key["parallel"] = [cfg.parallel.strategy, os.environ.get("WORLD_SIZE", "1"), cfg.parallel.offload]
+        key["parallel"] += [cfg.parallel.wrap] if "parallel.wrap" not in options else []
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"
     return root / f"{digest}.json"
