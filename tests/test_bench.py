@@ -388,6 +388,7 @@ def test_scaling_efficiency_is_paired_with_the_one_process_row_round_by_round():
     markdown = scaling.to_markdown(summary)
     assert "| 2 processes x 1 thread(s), ddp | 18.00 (9.00-18.00) | 0.90x (0.90-0.90) | 0.400 |" in markdown
     assert "| 2 processes x 1 thread(s), zero3 | 15.00 (10.00-21.00) | 1.00x (0.75-1.05) ~ |" in markdown
+    assert markdown.splitlines()[-1].endswith("| x | x |")  # precision, then the attention kernel the row ran
 
 
 @pytest.mark.slow  # 4 rows in their own processes, 3 of them under torchrun: the table's logic is tested above

@@ -136,6 +136,8 @@ def _summary(rows, device, cores, nproc, global_batch, precision, steps, warmup,
                 peak_memory_gib=r["peak_memory_bytes"] / 2**30,
                 precision=r["precision"],
                 optimizer=r["optimizer"],
+                attention=r["attention"],  # the kernel each row ran (auto: autotune's pick under its own layout)
+                wrap=r.get("wrap", ""),  # zero2/zero3: the FSDP unit
             )
         out_rows.append(entry)
     first = next((row.result for row in rows if row.result), None) or {}
@@ -172,12 +174,13 @@ def to_markdown(summary: dict[str, Any]) -> str:
         f"{peaks or 'datasheet'}).",
         f"- Command: `{summary.get('command', '')}` ({summary.get('wall_s', 0):.0f} s)",
         "",
-        "| layout | images/s | efficiency | MFU | step ms | fwd / bwd / opt ms | peak GiB/process | precision |",
-        "|---|---:|---:|---:|---:|---|---:|---|",
+        "| layout | images/s | efficiency | MFU | step ms | fwd / bwd / opt ms | peak GiB/process | precision | "
+        "attention, FSDP unit |",
+        "|---|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for row in summary["rows"]:
         if "images_per_s" not in row:
-            lines.append(f"| {row['name']} | {row['status']} | | | | | | |")
+            lines.append(f"| {row['name']} | {row['status']} | | | | | | | |")
             continue
         b = row["breakdown_ms"]
         spread_ = row["efficiency_spread"] or {"median": row["efficiency"], "n": 1}
@@ -187,6 +190,7 @@ def to_markdown(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {row['name']} | {format_spread(row['images_per_s_spread'])} | {efficiency} | {row['mfu']:.3f} | "
             f"{row['step_ms']:.0f} | {b['forward']:.0f} / {b['backward']:.0f} / {b['optimizer']:.0f} | "
-            f"{row['peak_memory_gib']:.2f} | {row['precision']} |"
+            f"{row['peak_memory_gib']:.2f} | {row['precision']} | "
+            f"{', '.join(x for x in (row.get('attention'), row.get('wrap')) if x)} |"
         )
     return "\n".join(lines) + "\n"
