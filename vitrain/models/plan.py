@@ -30,10 +30,11 @@ def keeps_fp32(module: nn.Module, names: tuple[str, ...] = ()) -> bool:
 class ParallelPlan:
     shard_units: list[nn.Module]  # each its own FSDP unit, innermost first; the whole model is wrapped last
     checkpoint_units: list[nn.Module]  # the repeated blocks that activation checkpointing may recompute
-    # The layers low precision keeps fp32, grouped by where they sit (each block's, then the rest). Under
-    # low-precision sharding the norms among them, from every group, are one fp32 FSDP unit for the whole model, and
-    # each group's other kept-fp32 modules (precision.fp32_modules) one fp32 unit (vitrain/parallel/strategies.py).
-    norm_groups: list[list[nn.Module]]
+    # The layers low precision keeps fp32 (vitrain/parallel/strategies.py): every norm of the model, one fp32 FSDP unit
+    # under low-precision sharding; and the other kept-fp32 layers (precision.fp32_modules) grouped by where they sit,
+    # each block's then the rest, one fp32 unit per group.
+    norms: list[nn.Module]
+    fp32_groups: list[list[nn.Module]]
     # A repeated block's input shape for a micro-batch of n images: what a one-block timing probe feeds it.
     block_input_shape: Callable[[int], tuple[int, ...]]
 
@@ -47,7 +48,7 @@ def vit_plan(model: nn.Module, wrap: str) -> ParallelPlan:
         units += [sub for block in blocks for sub in (block.attn, block.mlp)]
     if wrap in ("block", "sublayer"):
         units += blocks
-    norm_groups = fp32_groups(model, blocks)
+    norms, groups = fp32_layers(model, blocks)
     # From the config: a later pipeline stage holds no position table.
     tokens = model.cfg.num_patches + model.num_prefix_tokens
     width = model.cfg.width
@@ -56,7 +57,7 @@ def vit_plan(model: nn.Module, wrap: str) -> ParallelPlan:
     def block_input_shape(n: int) -> tuple[int, ...]:
         return (tokens, n, width) if seq_first else (n, tokens, width)
 
-    return ParallelPlan(units, blocks, norm_groups, block_input_shape)
+    return ParallelPlan(units, blocks, norms, groups, block_input_shape)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -64,13 +65,21 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.blocks.values()) if isinstance(model.blocks, nn.ModuleDict) else list(model.blocks)
 
 
-def fp32_groups(model: nn.Module, blocks: list[nn.Module], names: tuple[str, ...] = ()) -> list[list[nn.Module]]:
-    """The layers low precision keeps in fp32 (`keeps_fp32`), grouped by where they sit: each block's, then the
-    rest; empty groups left out."""
-    in_blocks = [[m for m in block.modules() if keeps_fp32(m, names)] for block in blocks]
+def fp32_layers(
+    model: nn.Module, blocks: list[nn.Module], names: tuple[str, ...] = ()
+) -> tuple[list[nn.Module], list[list[nn.Module]]]:
+    """The layers low precision keeps in fp32 (`keeps_fp32`): every norm of the model, in order; and the layers of the
+    classes in `names` (precision.fp32_modules) that are not norms, grouped by where they sit: each block's, then the
+    rest, empty groups left out."""
+    norms = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
+
+    def named(module: nn.Module) -> bool:
+        return keeps_fp32(module, names) and not isinstance(module, NORM_TYPES)
+
+    in_blocks = [[m for m in block.modules() if named(m)] for block in blocks]
     grouped = {id(m) for group in in_blocks for m in group}
-    rest = [m for m in model.modules() if keeps_fp32(m, names) and id(m) not in grouped]
-    return [group for group in [*in_blocks, rest] if group]
+    rest = [m for m in model.modules() if named(m) and id(m) not in grouped]
+    return norms, [group for group in [*in_blocks, rest] if group]
 
 
 def stage_blocks(depth: int, stages: int) -> list[range]:
@@ -105,15 +114,15 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
     if own is not None:
         plan = own(wrap)
         named = [m for m in model.modules() if type(m).__name__ in fp32_modules and not keeps_fp32(m)]
-        return dataclasses.replace(plan, norm_groups=[*plan.norm_groups, *([m] for m in named)]) if named else plan
+        return dataclasses.replace(plan, fp32_groups=[*plan.fp32_groups, *([m] for m in named)]) if named else plan
     blocks = repeated_blocks(model, block)
     units = list(blocks) if wrap in ("block", "sublayer") else []
-    groups = fp32_groups(model, blocks, fp32_modules)
+    norms, groups = fp32_layers(model, blocks, fp32_modules)
 
     def no_probe(n: int) -> tuple[int, ...]:
         raise NotImplementedError("a model without its own parallel plan has no block input shape to probe")
 
-    return ParallelPlan(units, blocks, groups, no_probe)
+    return ParallelPlan(units, blocks, norms, groups, no_probe)
 
 
 def repeated_blocks(model: nn.Module, block: str = "") -> list[nn.Module]:

@@ -19,7 +19,7 @@ from torch import nn
 from vitrain.config import ModelConfig
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models.fcos import FCOSHead, Points
-from vitrain.models.plan import ParallelPlan, fp32_groups
+from vitrain.models.plan import ParallelPlan, fp32_layers
 from vitrain.models.vit import Block, Complexity, PatchEmbed
 
 
@@ -173,7 +173,7 @@ class ViTDet(nn.Module):
         units: list[nn.Module] = [sub for b in blocks for sub in (b.attn, b.mlp)] if wrap == "sublayer" else []
         units += blocks if wrap in ("block", "sublayer") else []
         grid, width = self.grid, self.cfg.width
-        return ParallelPlan(units, blocks, fp32_groups(self, blocks), lambda n: (n, grid, grid, width))
+        return ParallelPlan(units, blocks, *fp32_layers(self, blocks), lambda n: (n, grid, grid, width))
 
     def load_image_backbone(self, state: dict[str, torch.Tensor], where: str) -> None:
         """Start the backbone from a vitrain or timm image ViT's state dict: its patch embedding and blocks as they

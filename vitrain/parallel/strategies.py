@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vitrain.config import OptimConfig, ParallelConfig
 from vitrain.errors import ConfigError
-from vitrain.models.plan import NORM_TYPES, plan_of
+from vitrain.models.plan import plan_of
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -129,10 +129,8 @@ def fully_shard_model(
         # bf16 inputs. Other modules kept fp32 (precision.fp32_modules) may be large: their groups follow the
         # strategy's resharding.
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        norms = [m for group in plan.norm_groups for m in group if isinstance(m, NORM_TYPES)]
-        others = [[m for m in group if not isinstance(m, NORM_TYPES)] for group in plan.norm_groups]
-        groups = [(norms, {**shard, "reshard_after_forward": False})] if norms else []
-        groups += [(group, shard) for group in others if group]
+        groups = [(plan.norms, {**shard, "reshard_after_forward": False})] if plan.norms else []
+        groups += [(group, shard) for group in plan.fp32_groups]
         for group, how in groups:
             fully_shard(group, mp_policy=fp32, **how)
             for module in group:
