@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -35,13 +34,11 @@ def _params(preset: str) -> int:
     return complexity(load_config(None, [f"model.preset={preset}", *shape]).model).params
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def _time_model(preset: str, rounds: int, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
+
+    from vitrain.bench.spread import paired_ratio, spread
 
     n = _params(preset) // world * world
     grads = torch.randn(n)
@@ -86,8 +83,8 @@ def _time_model(preset: str, rounds: int, rank: int, world: int) -> dict:
     }
     return {
         "parameters": n,
-        "ms": {name: _spread(t) for name, t in times.items()},
-        "ratio": {k: _spread([a / b for a, b in zip(times[x], times[y], strict=True)]) for k, (x, y) in pairs.items()},
+        "ms": {name: spread(t) for name, t in times.items()},
+        "ratio": {k: paired_ratio(times[x], times[y]) for k, (x, y) in pairs.items()},
     }
 
 
@@ -114,6 +111,7 @@ def main() -> int:
     if args.worker:
         worker(args.rounds, out)
         return 0
+    from vitrain.bench.spread import format_spread
     from vitrain.device import cpu_description
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -131,10 +129,10 @@ def main() -> int:
     out.write_text(json.dumps(summary, indent=1) + "\n")
     for preset, r in results.items():
         print(f"{preset} ({r['parameters'] / 1e6:.1f}M):")
-        for name, s in r["ms"].items():
-            print(f"  {name:30s} {s['median']:7.1f} ms ({s['min']:.1f}-{s['max']:.1f})")
-        for name, s in r["ratio"].items():
-            print(f"  {name:30s} {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})")
+        for name, figures in r["ms"].items():
+            print(f"  {name:30s} {format_spread(figures, digits=1)} ms")
+        for name, figures in r["ratio"].items():
+            print(f"  {name:30s} {format_spread(figures, unit='x')}")
     return 0
 
 

@@ -355,7 +355,7 @@ def _zero3_wrap_auto_on_two_ranks(out_dir, cache):
     (out_dir / f"wrap{torch.distributed.get_rank()}.json").write_text(json.dumps(decision.values))
 
 
-@pytest.mark.slow  # 2 spawned ranks racing 2 FSDP builds: the race logic is tested above with fake steps
+@pytest.mark.slow  # 2 spawned ranks racing 4 FSDP builds (2 units x 2 kernels): the race logic is tested above
 def test_two_zero3_ranks_race_real_sharded_units_agree_and_train_with_the_winner(tmp_path):
     from tests.distributed_helpers import run_two_ranks
 

@@ -362,8 +362,12 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
         "options": options,
     }
     if cfg.parallel.strategy in SHARDED:  # raced over every rank: the sharding and the ranks are part of the shape
-        key["parallel"] = [cfg.parallel.strategy, os.environ.get("WORLD_SIZE", "1"), cfg.parallel.offload]
-        key["parallel"] += [cfg.parallel.wrap] if "parallel.wrap" not in options else []
+        key["parallel"] = [
+            cfg.parallel.strategy,
+            os.environ.get("WORLD_SIZE", "1"),
+            cfg.parallel.offload,
+            cfg.parallel.wrap,
+        ]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"
     return root / f"{digest}.json"
