@@ -208,3 +208,47 @@ def test_shutdown_joins_gloos_threads_after_dtensor_collectives(tmp_path):
     assert len(reports) == 2
     for report in reports:
         assert [name for name in json.loads(report.read_text()) if "gloo" in name] == []
+
+
+def _overlapped_and_blocking_gradients(out_dir):
+    """Each rank: one zero2 model per unit kind whose reduce-scatters run beside backward (parallel.overlap_comm) and
+    one whose reduce-scatters block, the same weights and images: what was still running after backward, whether
+    the gradients are equal once waited for, and whether a run accumulating micro-batches overlaps."""
+    from vitrain.parallel.strategies import finish_reductions
+
+    init_distributed(torch.device("cpu"), "zero2")
+    report = {}
+    for wrap in ("block", "model"):
+        cfg = load_config(
+            overrides=[*model_overrides(fields=TRUNK_FIELDS), "parallel.strategy=zero2", f"parallel.wrap={wrap}"]
+        )
+        grads = {}
+        for overlap in (True, False):
+            torch.manual_seed(5)
+            model = create_model(cfg.model)
+            parallelize(model, cfg.parallel, torch.device("cpu"), overlap=overlap)
+            torch.manual_seed(6 + torch.distributed.get_rank())  # each rank its own images
+            images = torch.randn(4, cfg.model.in_chans, cfg.model.image_size, cfg.model.image_size)
+            model(images).square().mean().backward()
+            reductions = getattr(model, "_vitrain_reductions", None)
+            report[f"{wrap} {overlap} pending"] = len(reductions.pending) if reductions is not None else None
+            finish_reductions(model)
+            grads[overlap] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        report[f"{wrap} unequal"] = [n for n in grads[False] if not torch.equal(grads[True][n], grads[False][n])]
+    accumulating = tiny_config(
+        out_dir, "accumulating", batch_size=4, train={"accum_steps": 2}, parallel={"strategy": "zero2"}
+    )
+    report["accumulating overlaps"] = hasattr(Trainer(accumulating).engine.model, "_vitrain_reductions")
+    (out_dir / f"overlap{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
+
+
+def test_zero2_reduce_scatters_run_beside_backward_and_give_the_blocking_gradients(tmp_path):
+    run_two_ranks(_overlapped_and_blocking_gradients, tmp_path)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"overlap{rank}.json").read_text())
+        # Still running when backward returned: one per unit (fp32: the suite's 2 blocks and the root; the whole model).
+        assert report["block True pending"] == 3 and report["model True pending"] == 1, report
+        assert report["block False pending"] is None and report["model False pending"] is None
+        assert report["block unequal"] == [] and report["model unequal"] == []
+        # A deferred shard would meet FSDP2's in-place accumulation: the engine keeps the blocking reduce-scatter.
+        assert report["accumulating overlaps"] is False

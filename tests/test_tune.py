@@ -289,6 +289,12 @@ def test_the_fsdp_unit_is_the_fastest_measured_under_the_runs_own_sharding(tmp_p
     assert tune.cache_path(zero2, CPU, tune.candidates(zero2, CPU, False)) != tune.cache_path(
         cfg, CPU, tune.candidates(cfg, CPU, False)
     )
+    # So is the same sharding with FSDP2's collectives blocking (parallel.overlap_comm off, or accumulation).
+    for blocking in ("parallel.overlap_comm=false", "train.accum_steps=2"):
+        other = auto_cfg(tmp_path, "parallel.strategy=zero3", "parallel.wrap=auto", "model.attention=sdpa", blocking)
+        assert tune.cache_path(other, CPU, tune.candidates(other, CPU, False)) != tune.cache_path(
+            cfg, CPU, tune.candidates(cfg, CPU, False)
+        )
 
 
 def test_a_unit_within_the_races_noise_of_the_fastest_keeps_the_strategys_rule(tmp_path, autotune_on, monkeypatch):

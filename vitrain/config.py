@@ -321,6 +321,10 @@ class ParallelConfig:
     # zero2/zero3: gather the next unit's parameters during this unit's backward (overlap on GPUs, one more
     # unit of memory); off keeps one unit gathered at a time.
     backward_prefetch: bool = True
+    # zero2/zero3 on a CPU (gloo): each unit's gradient reduce-scatter runs on the process group's thread beside the
+    # rest of backward, and the next unit's all-gather beside this unit's forward (vitrain/parallel/overlap.py; on a
+    # GPU FSDP2 does both on its streams). With train.accum_steps > 1 the reduce-scatters block as FSDP2's own do.
+    overlap_comm: bool = True
     # zero2/zero3: build the model on the meta device and draw only this rank's shards, one tensor at a time (the
     # same weights as a whole build); the build then needs one tensor of host memory instead of the whole fp32 model.
     sharded_init: bool = False

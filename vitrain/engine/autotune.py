@@ -367,6 +367,8 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
             os.environ.get("WORLD_SIZE", "1"),
             cfg.parallel.offload,
             cfg.parallel.wrap,
+            # FSDP2's collectives beside compute or blocking (vitrain/parallel/overlap.py): another race
+            "overlap" if cfg.parallel.overlap_comm and cfg.train.accum_steps == 1 else "blocking",
         ]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"

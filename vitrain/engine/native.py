@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, side_group
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.parallel.strategies import fully_shard_model
+from vitrain.parallel.strategies import finish_reductions, fully_shard_model
 from vitrain.precision import PrecisionPolicy, Resolved, check_finite, time_block_modes
 
 
@@ -58,7 +59,10 @@ class NativeEngine:
             pipelined=pipeline is not None,
             decided=precision,
         )
-        strategy = pipeline.parallelize if pipeline is not None else parallelize
+        if pipeline is not None:
+            strategy = pipeline.parallelize
+        else:  # a deferred reduce-scatter must not meet an accumulating gradient (vitrain/parallel/overlap.py)
+            strategy = functools.partial(parallelize, overlap=cfg.train.accum_steps == 1)
         working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))
         self.model = model
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)
@@ -100,6 +104,7 @@ class NativeEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss / self.cfg.train.accum_steps)
+        finish_reductions(self.model)  # zero2/zero3 on a CPU: the reduce-scatters that ran beside backward
 
     def forward_backward(
         self, images: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer | None = None

@@ -18,6 +18,7 @@ from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.materialize import is_on_meta, materialize_shards
+from vitrain.parallel.overlap import overlap_collectives
 from vitrain.parallel.sync_batchnorm import sync_batchnorm
 
 if TYPE_CHECKING:
@@ -27,13 +28,19 @@ if TYPE_CHECKING:
 
 
 def parallelize(
-    model: nn.Module, cfg: ParallelConfig, device: torch.device, precision: ParallelPrecision | None = None
+    model: nn.Module,
+    cfg: ParallelConfig,
+    device: torch.device,
+    precision: ParallelPrecision | None = None,
+    overlap: bool = False,
 ) -> nn.Module:
     """Activation checkpointing first (inside each FSDP unit), BatchNorm over all ranks, then the strategy's wrapper.
 
     Returns the module to call for forward/backward. For ddp/zero1 that is a DistributedDataParallel
     wrapper around `model`; for zero2/zero3 `model` itself, whose parameters become sharded DTensors.
     `precision` (amp_o2, pure): `model` computes in its low dtype; gradients are averaged in its reduce dtype.
+    `overlap` (zero2/zero3 on a CPU, one micro-batch per step): FSDP2's collectives beside compute
+    (vitrain/parallel/overlap.py); the caller then runs `finish_reductions(model)` after each backward.
     """
     prepare_layers(model, cfg, device)
     if cfg.strategy == "single":
@@ -48,7 +55,7 @@ def parallelize(
         if precision is not None and precision.reduce_dtype != precision.param_dtype:
             ddp.register_comm_hook(None, _average_in(precision.reduce_dtype))
         return ddp
-    return fully_shard_model(model, cfg, device, precision)
+    return fully_shard_model(model, cfg, device, precision, overlap=overlap and cfg.overlap_comm)
 
 
 def prepare_layers(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> None:
@@ -92,9 +99,11 @@ def fully_shard_model(
     device: torch.device,
     precision: ParallelPrecision | None = None,
     mesh: DeviceMesh | None = None,
+    overlap: bool = False,
 ) -> nn.Module:
     """zero2/zero3: FSDP2 over `mesh` (every rank by default; a pipeline stage's replicas under pipelining) with the
-    model's own units (its plan), offload, prefetch and, for low-precision weights, mixed-precision units."""
+    model's own units (its plan), offload, prefetch and, for low-precision weights, mixed-precision units.
+    `overlap`: on a CPU, reduce-scatters deferred and all-gathers prefetched (vitrain/parallel/overlap.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -139,6 +148,10 @@ def fully_shard_model(
     for unit in plan.shard_units:
         fully_shard(unit, mp_policy=policy, **shard)
     fully_shard(model, mp_policy=root_policy, **shard)
+    if overlap and device.type == "cpu":  # on a GPU FSDP2 overlaps on its own streams
+        fp32_units = [*plan.norms, *(m for group in plan.fp32_groups for m in group)] if precision is not None else []
+        reduce_dtype = precision.reduce_dtype if precision is not None else None
+        model._vitrain_reductions = overlap_collectives(model, plan.shard_units, reduce_dtype, fp32_units)
     if is_on_meta(model):  # parallel.sharded_init: only now, and only this rank's shards, take memory
         materialize_shards(model, torch.device("cpu") if cfg.offload == "params" else device)
     if not cfg.backward_prefetch:
@@ -147,6 +160,13 @@ def fully_shard_model(
         for unit in [*plan.shard_units, model]:
             unit.set_modules_to_backward_prefetch([unit])
     return model
+
+
+def finish_reductions(module: nn.Module) -> None:
+    """Wait for the gradient reductions `overlap` left running in backward (nothing to do without it)."""
+    reductions = getattr(unwrap(module), "_vitrain_reductions", None)
+    if reductions is not None:
+        reductions.wait()
 
 
 def unwrap(module: nn.Module) -> nn.Module:
