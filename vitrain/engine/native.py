@@ -23,6 +23,7 @@ from vitrain.optim.muon import Muon
 from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, side_group
 from vitrain.parallel.identity_head import average_replicated_gradients
+from vitrain.parallel.overlap import deferrable
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.parallel.strategies import finish_reductions, fully_shard_model
 from vitrain.precision import PrecisionPolicy, Resolved, check_finite, time_block_modes
@@ -62,7 +63,7 @@ class NativeEngine:
         if pipeline is not None:
             strategy = pipeline.parallelize
         else:  # a deferred reduce-scatter must not meet an accumulating gradient (vitrain/parallel/overlap.py)
-            strategy = functools.partial(parallelize, overlap=cfg.train.accum_steps == 1)
+            strategy = functools.partial(parallelize, overlap=deferrable(cfg))
         working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))
         self.model = model
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)

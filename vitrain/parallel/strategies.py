@@ -39,7 +39,7 @@ def parallelize(
     Returns the module to call for forward/backward. For ddp/zero1 that is a DistributedDataParallel
     wrapper around `model`; for zero2/zero3 `model` itself, whose parameters become sharded DTensors.
     `precision` (amp_o2, pure): `model` computes in its low dtype; gradients are averaged in its reduce dtype.
-    `overlap` (zero2/zero3 on a CPU, one micro-batch per step): FSDP2's collectives beside compute
+    `overlap` (zero2/zero3 on a CPU; the native engine's `deferrable(cfg)`): FSDP2's collectives beside compute
     (vitrain/parallel/overlap.py); the caller then runs `finish_reductions(model)` after each backward.
     """
     prepare_layers(model, cfg, device)
@@ -55,7 +55,7 @@ def parallelize(
         if precision is not None and precision.reduce_dtype != precision.param_dtype:
             ddp.register_comm_hook(None, _average_in(precision.reduce_dtype))
         return ddp
-    return fully_shard_model(model, cfg, device, precision, overlap=overlap and cfg.overlap_comm)
+    return fully_shard_model(model, cfg, device, precision, overlap=overlap)
 
 
 def prepare_layers(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> None:
