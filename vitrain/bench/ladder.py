@@ -100,6 +100,7 @@ MULTI_TENSOR = ["optim.impl=auto"]
 POOLED = ["model.pool=gap"]
 SEQ_FIRST = ["model.layout=seq_first"]
 BF16_GRADIENTS = "precision.reduce_dtype=bf16"
+BLOCKING = "parallel.overlap_comm=false"  # FSDP2's reduce-scatters and all-gathers block the compute thread (a CPU)
 TOKEN_DROP = ["train.token_drop=0.5"]  # half the patch tokens of each image (vitrain/engine/token_drop.py)
 
 
@@ -172,6 +173,9 @@ def rows() -> list[Row]:
         Row("native zero2", engines, compare("zero2"), _multi),
         Row("native zero3", engines, compare("zero3"), _multi),
         Row("DeepSpeed stage 2", engines, deepspeed("zero2", "none"), _ds_multi),
+        # parallel.overlap_comm's measured effect: the same rows with FSDP2's collectives blocking, as FSDP2 calls them.
+        Row("native zero2, collectives blocking", engines, compare("zero2", BLOCKING), _multi),
+        Row("native zero3, collectives blocking", engines, compare("zero3", BLOCKING), _multi),
         # Both averaging gradients in bf16, DeepSpeed's own default (engine.communication_data_type).
         Row("native zero2, bf16 gradients", engines, compare("zero2", BF16_GRADIENTS), _bf16_multi),
         Row(

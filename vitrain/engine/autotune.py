@@ -372,6 +372,8 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
             cfg.parallel.wrap,
             # FSDP2's collectives beside compute or blocking (vitrain/parallel/overlap.py): another race
             "overlap" if deferrable(cfg) else "blocking",
+            # the unit kept where the race cannot tell units apart: a decision under another rule is not this one
+            "rule " + auto_wrap(cfg.parallel.strategy, collectives_overlap(cfg, device.type)),
         ]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"
