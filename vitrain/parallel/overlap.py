@@ -13,6 +13,9 @@ group's own thread beside backward. `overlap_collectives` gives FSDP2 the same o
   (`set_modules_to_forward_prefetch`), issued asynchronously (FSDP2's unshard `async_op`), waited by FSDP2 where
   that unit's forward starts.
 
+Only a model of several units is changed: with the whole model as one unit the reduce-scatter starts as backward
+ends, and deferred there it measured slower (the ViT-Ti zero2 ladder rows, 0.92x blocking).
+
 A deferred reduce-scatter is valid only where FSDP2 does not read the reduced shard before backward ends: the
 gradients are reduced in the parameters' own dtype (FSDP2 casts a shard reduced in another dtype at once) and no
 micro-batch accumulates into an existing sharded gradient (FSDP2 adds the new shard at once): units reduced in
