@@ -289,9 +289,20 @@ def test_ladder_pairs_native_zero_stages_with_deepspeeds_round_by_round():
     deepspeed2 = row("DeepSpeed stage 2", [10.0, 11.0, 5.0])
     native3 = row("native zero3", [9.0, 9.0])  # a round fewer: no paired figure
     deepspeed3 = row("DeepSpeed stage 3", [10.0, 10.0, 10.0])
+    blocking2 = row("native zero2, collectives blocking", [10.0, 11.0, 5.0])
+    blocking2.rounds[0]["wrap"] = blocking2.result["wrap"] = "model"
     summary = ladder._summary(
-        [native2, deepspeed2, native3, deepspeed3], _context(), 1, 3, 1, {}, 1.0, load_config(None, []), ["x"], 3
+        [native2, deepspeed2, native3, deepspeed3, blocking2],
+        *(_context(), 1, 3, 1, {}, 1.0, load_config(None, []), ["x"], 3),
     )
+    # parallel.overlap_comm's effect pairs the same way, each side's unit named.
+    (overlap,) = summary["overlap_vs_blocking"]
+    assert overlap["images_per_s_ratio"]["median"] == pytest.approx(1.2)
+    assert "| native zero2 (unit: model) | native zero2, collectives blocking (unit: model) | 1.20x" in (
+        ladder.to_markdown(summary)
+    )
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert rows["native zero2"]["images_per_s_rounds"] == [12.0, 11.0, 6.0]  # round order, for any other pairing
     (pair,) = summary["native_vs_deepspeed"]
     assert pair["native"] == "native zero2" and pair["deepspeed"] == "DeepSpeed stage 2"
     assert pair["images_per_s_ratio"]["median"] == pytest.approx(1.2) and pair["images_per_s_ratio"]["overlaps_1x"]
@@ -305,7 +316,11 @@ def test_ladder_rows_are_picked_by_whole_name_or_by_part():
     picked = [r.name for r in ladder.asked_for(rows, "DeepSpeed stage 2,native zero")]
     # A whole name picks that row alone (not "DeepSpeed stage 2 + optimizer offload"); a part, every row with it.
     assert picked[:4] == ["native zero1", "native zero2", "native zero3", "DeepSpeed stage 2"]
-    assert picked[4:] == ["native zero2, bf16 gradients"]
+    assert picked[4:] == [
+        "native zero2, collectives blocking",
+        "native zero3, collectives blocking",
+        "native zero2, bf16 gradients",
+    ]
     assert len(ladder.asked_for(rows, "DeepSpeed stage")) == 5 and ladder.asked_for(rows, None) == rows
 
 

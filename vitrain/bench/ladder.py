@@ -190,6 +190,12 @@ def rows() -> list[Row]:
     ]
 
 
+# parallel.overlap_comm's measured effect: each native sharded row against itself with FSDP2's collectives blocking.
+OVERLAP_VS_BLOCKING = (
+    ("native zero2", "native zero2, collectives blocking"),
+    ("native zero3", "native zero3, collectives blocking"),
+)
+
 # The issue's comparison: vitrain's own ZeRO stage against DeepSpeed's, same precision and batch.
 NATIVE_VS_DEEPSPEED = (
     ("native zero2", "DeepSpeed stage 2"),
@@ -363,6 +369,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
             entry.update(
                 images_per_s=spread(rounds)["median"],
                 images_per_s_spread=spread(rounds),
+                images_per_s_rounds=rounds,  # in round order: any two rows pair round by round from this file
                 vs_baseline=ratio["median"] if ratio else None,
                 vs_baseline_spread=ratio,
                 step_ms=r["step_s"] * 1e3,
@@ -383,21 +390,8 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         out_rows.append(entry)
     first = next((r.result for r in table_rows if r.result), None) or {}
     by_name = {r.name: r for r in table_rows}
-    engine_pairs = []
-    for native, deepspeed in NATIVE_VS_DEEPSPEED:
-        a, b = by_name.get(native), by_name.get(deepspeed)
-        ratio = _paired(a, b) if a is not None and b is not None and a.result and b.result else None
-        if ratio is None:
-            continue  # a row that did not run (or lost a round) has no paired figure
-        engine_pairs.append(
-            {
-                "native": native,
-                "deepspeed": deepspeed,
-                "images_per_s_ratio": ratio,
-                "peak_memory_gib": [a.result["peak_memory_bytes"] / 2**30, b.result["peak_memory_bytes"] / 2**30],
-                "wrap": a.result.get("wrap", ""),
-            }
-        )
+    engine_pairs = _pairs(by_name, NATIVE_VS_DEEPSPEED, ("native", "deepspeed"))
+    overlap_pairs = _pairs(by_name, OVERLAP_VS_BLOCKING, ("overlapped", "blocking"))
     return {
         "model": first.get("model", f"{cfg.model.preset}"),
         "device": first.get("device") or (cpu_description() if ctx.device == "cpu" else torch.cuda.get_device_name()),
@@ -414,7 +408,30 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         "command": shlex.join(["vitrain", *argv[1:]]),
         "rows": out_rows,
         "native_vs_deepspeed": engine_pairs,
+        "overlap_vs_blocking": overlap_pairs,
     }
+
+
+def _pairs(by_name: dict[str, Row], names: tuple[tuple[str, str], ...], keys: tuple[str, str]) -> list[dict[str, Any]]:
+    """Each (row, other row) of `names` that both ran every round: images/s ratio paired round by round, both peaks,
+    the first row's FSDP unit; `keys` name the two rows in each entry."""
+    pairs = []
+    for first, second in names:
+        a, b = by_name.get(first), by_name.get(second)
+        ratio = _paired(a, b) if a is not None and b is not None and a.result and b.result else None
+        if ratio is None:
+            continue  # a row that did not run (or lost a round) has no paired figure
+        pairs.append(
+            {
+                keys[0]: first,
+                keys[1]: second,
+                "images_per_s_ratio": ratio,
+                "peak_memory_gib": [a.result["peak_memory_bytes"] / 2**30, b.result["peak_memory_bytes"] / 2**30],
+                "wrap": a.result.get("wrap", ""),
+                "wrap_other": b.result.get("wrap", ""),
+            }
+        )
+    return pairs
 
 
 def _paired(row: Row, other: Row) -> dict[str, Any] | None:
@@ -482,6 +499,25 @@ def to_markdown(summary: dict[str, Any]) -> str:
             unit = f" (FSDP2 unit: {pair['wrap']})" if pair.get("wrap") else ""
             native, theirs = pair["peak_memory_gib"]
             lines.append(f"| {pair['native']}{unit} | {pair['deepspeed']} | {ratio} | {native:.2f} / {theirs:.2f} |")
+    overlap = summary.get("overlap_vs_blocking") or []
+    if overlap:
+        lines += [
+            "",
+            "parallel.overlap_comm: FSDP2's collectives beside compute against blocking (images/s ratio paired round "
+            "by round, median (min-max); each row's FSDP unit as autotune picked it for that setting):",
+            "",
+            "| overlapped | vs | images/s ratio | peak GiB overlapped / blocking |",
+            "|---|---|---:|---:|",
+        ]
+        for pair in overlap:
+            ratio = format_spread(pair["images_per_s_ratio"], unit="x")
+            if pair["images_per_s_ratio"]["overlaps_1x"]:
+                ratio += " ~"
+            ours, theirs = pair["peak_memory_gib"]
+            lines.append(
+                f"| {pair['overlapped']} (unit: {pair['wrap']}) | {pair['blocking']} (unit: {pair['wrap_other']}) | "
+                f"{ratio} | {ours:.2f} / {theirs:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
