@@ -436,21 +436,15 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _recipe_setting(cfg) -> dict:
     """What `vitrain estimate` needs from a config: how it is parallelized, its precision and batch per device."""
-    import torch
-
     from vitrain.errors import ConfigError
     from vitrain.models.plan import auto_wrap
-    from vitrain.parallel.overlap import collectives_overlap
-
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
     p = cfg.parallel
     if cfg.precision.mode == "pure":
         raise ConfigError("vitrain estimate models fp32, amp_o1 and amp_o2; precision.mode=pure is not modelled")
     return {
         "strategy": p.strategy,
-        # a config's auto, estimated as its rule on this machine
-        "wrap": auto_wrap(p.strategy, collectives_overlap(cfg, device_type)) if p.wrap == "auto" else p.wrap,
+        "wrap": auto_wrap(p.strategy) if p.wrap == "auto" else p.wrap,  # a config's auto, estimated as its rule
         "offload": p.offload == "params",
         "ac": p.activation_checkpointing != "none",
         "batch": cfg.train.batch_size,

@@ -308,8 +308,7 @@ class ParallelConfig:
     # FSDP unit: the whole model, each block (peak = one block), or each block's attention and MLP separately
     # (sublayer: half a block's parameters gathered at a time, for the lowest peak); auto: autotune times them under
     # the run's own zero2 (zero3: block and sublayer) and keeps the fastest; where it does not run (VITRAIN_AUTOTUNE=0,
-    # DeepSpeed, pipeline stages), each block; under zero2 whose collectives block the compute thread (a CPU with
-    # overlap_comm off or train.accum_steps > 1) the whole model (vitrain/models/plan.py auto_wrap).
+    # DeepSpeed, pipeline stages), the whole model under zero2, each block under zero3 (vitrain/models/plan.py).
     wrap: Literal["auto", "model", "block", "sublayer"] = "auto"
     # The class name of the repeated block that is a sharding unit and what activation checkpointing recomputes, for
     # a model other than vitrain's ViT; empty: the longest ModuleList/Sequential of one class (vitrain/models/plan.py).

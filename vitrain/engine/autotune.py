@@ -14,8 +14,8 @@ What is tuned, and among what:
   each block's attention and MLP, timed under the run's own strategy over every rank (the units decide how many
   collectives a step makes and how much of the model is gathered at once); under zero3 the whole model is no
   candidate (it would gather every parameter at once, the memory zero3 is chosen to save). Where it does not run:
-  each block, or the whole model under zero2 whose collectives block (vitrain/models/plan.py auto_wrap); a unit timed
-  within 3% of the fastest that is the rule's is kept (a race of a few steps cannot tell such units apart).
+  the whole model under zero2, each block under zero3 (vitrain/models/plan.py auto_wrap); a unit timed within 3% of
+  the fastest that is the rule's is kept (a race of a few steps cannot tell such units apart).
 
 Each candidate is the run's own training step (vitrain/engine/step.py) over a native engine set up for it: the
 run's model built by its task from the candidate's config (the attention kernel is a config value, not a patch),
@@ -59,7 +59,7 @@ from vitrain.files import atomic_write
 from vitrain.models.memory import estimate
 from vitrain.models.plan import auto_wrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
-from vitrain.parallel.overlap import collectives_overlap, deferrable
+from vitrain.parallel.overlap import deferrable
 from vitrain.precision import LOW_DTYPES, SHARDED, Resolved
 from vitrain.tasks import teacher_of
 
@@ -164,7 +164,7 @@ def autotune(
     with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
         race = _Race(cfg, task, dist, sample())
         values = _race(race, labels, steps, seconds, notes, rounds, interleave)
-    values, kept = _rule_within_noise(values, seconds, cfg, device.type)
+    values, kept = _rule_within_noise(values, seconds, cfg)
     batch = cfg.train.batch_size
     images_per_s = {label: batch / s for label, s in seconds.items()}
     measured = "; ".join(rounds)
@@ -222,16 +222,14 @@ class _Race:
         return run
 
 
-def _rule_within_noise(
-    values: dict[str, str], seconds: dict[str, float], cfg: Config, device_type: str
-) -> tuple[dict[str, str], str]:
+def _rule_within_noise(values: dict[str, str], seconds: dict[str, float], cfg: Config) -> tuple[dict[str, str], str]:
     """The FSDP unit the rule gives (auto_wrap) where it timed within RULE_MARGIN of the fastest: a race of a few
     steps cannot tell units that close apart, and the rule's is the one measured over whole benchmarks
     (docs/performance.md). The other values raced with it (the attention kernel) stay the fastest's. Returns the
     values to keep and, where the rule's unit was kept, why."""
     if "parallel.wrap" not in values:
         return values, ""
-    rule = {**values, "parallel.wrap": auto_wrap(cfg.parallel.strategy, collectives_overlap(cfg, device_type))}
+    rule = {**values, "parallel.wrap": auto_wrap(cfg.parallel.strategy)}
     fastest, ruled = seconds.get(_label(values)), seconds.get(_label(rule))
     if values == rule or fastest is None or ruled is None or ruled > RULE_MARGIN * fastest:
         return values, ""
@@ -372,8 +370,6 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
             cfg.parallel.wrap,
             # FSDP2's collectives beside compute or blocking (vitrain/parallel/overlap.py): another race
             "overlap" if deferrable(cfg) else "blocking",
-            # the unit kept where the race cannot tell units apart: a decision under another rule is not this one
-            "rule " + auto_wrap(cfg.parallel.strategy, collectives_overlap(cfg, device.type)),
         ]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"

@@ -33,7 +33,6 @@ from vitrain.models.plan import auto_wrap
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
-from vitrain.parallel.overlap import collectives_overlap
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.tasks import Task, build_task, is_better, teacher_of
 from vitrain.weights import load_pretrained
@@ -98,7 +97,7 @@ class Trainer:
             model_cfg = dataclasses.replace(cfg.model, attention=self.tuned.values["model.attention"])
             cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, model=model_cfg)
         if cfg.parallel.wrap == "auto":  # the unit autotune timed fastest, or its rule (vitrain/models/plan.py)
-            rule = auto_wrap(cfg.parallel.strategy, collectives_overlap(cfg, self.dist.device.type))
+            rule = auto_wrap(cfg.parallel.strategy)
             wrap = self.tuned.values.get("parallel.wrap", rule) if self.tuned is not None else rule
             parallel_cfg = dataclasses.replace(cfg.parallel, wrap=wrap)
             cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, parallel=parallel_cfg)

@@ -94,17 +94,12 @@ def stage_blocks(depth: int, stages: int) -> list[range]:
     return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
-def auto_wrap(strategy: str, collectives_overlap: bool = True) -> str:
-    """What parallel.wrap=auto is where autotune does not time it, or where its race cannot tell units apart.
-
-    Each block is one unit: zero3 frees each after its forward (peak = one block gathered); zero2, whose collectives
-    run beside compute (`collectives_overlap`: FSDP2's streams on a GPU; parallel.overlap_comm on a CPU), reduces
-    each block's gradients while the blocks before it compute theirs, with one block's reduce-scatter buffers at a
-    time (ViT-S/16 on 2 CPU ranks: peak 1.21 against 1.42 GiB per rank for the whole model as one unit). Where
-    zero2's collectives block the compute thread (a CPU with overlap_comm off, or accumulating micro-batches), the
-    whole model is one unit: one all-gather and one reduce-scatter per step instead of one per block, each waiting
-    for the slowest rank (measured faster then, docs/performance.md)."""
-    return "model" if strategy == "zero2" and not collectives_overlap else "block"
+def auto_wrap(strategy: str) -> str:
+    """What parallel.wrap=auto is where autotune does not time it. zero2 keeps every unit gathered from forward to
+    backward whatever its size, so the whole model is one unit: one all-gather and one reduce-scatter per step
+    instead of one per block, each waiting for the slowest rank (measured faster, docs/performance.md). zero3 frees
+    each unit after its forward: each block is one (peak = one block gathered)."""
+    return "model" if strategy == "zero2" else "block"
 
 
 def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[str, ...] = ()) -> ParallelPlan:

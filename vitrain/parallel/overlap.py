@@ -38,12 +38,6 @@ def deferrable(cfg: Config) -> bool:
     return cfg.parallel.overlap_comm and cfg.train.accum_steps == 1
 
 
-def collectives_overlap(cfg: Config, device_type: str) -> bool:
-    """Whether FSDP2's collectives run beside compute for `cfg` on a device of `device_type`: a GPU's streams, or on a
-    CPU the deferred reduce-scatters and prefetched all-gathers of this module."""
-    return device_type != "cpu" or deferrable(cfg)
-
-
 class OverlappedReduceScatter:
     """FSDP2's reduce-scatter (its `ReduceScatter` interface) as the process group's own, not waited for here."""
 
