@@ -14,7 +14,8 @@ group's own thread beside backward. `overlap_collectives` gives FSDP2 the same o
   that unit's forward starts.
 
 Only a model of several units is changed: with the whole model as one unit the reduce-scatter starts as backward
-ends, and deferred there it measured slower (the ViT-Ti zero2 ladder rows, 0.92x blocking).
+ends, and deferred there it measured slower (ViT-Ti zero2 ladder rows: 0.91x the blocking ones,
+results/ladder-vit_tiny-cpu-overlap-model-deferred).
 
 A deferred reduce-scatter is valid only where FSDP2 does not read the reduced shard before backward ends: the
 gradients are reduced in the parameters' own dtype (FSDP2 casts a shard reduced in another dtype at once) and no

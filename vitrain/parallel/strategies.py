@@ -149,7 +149,7 @@ def fully_shard_model(
         fully_shard(unit, mp_policy=policy, **shard)
     fully_shard(model, mp_policy=root_policy, **shard)
     # On a GPU FSDP2 overlaps on its own streams. With one unit (the whole model) its reduce-scatter starts as
-    # backward ends, with nothing left to overlap; deferred there, the ViT-Ti zero2 ladder rows ran 0.92x blocking.
+    # backward ends, with nothing left to overlap; deferred there, ViT-Ti zero2 ladder rows ran 0.91x blocking.
     if overlap and device.type == "cpu" and len(plan.shard_units) > 1:
         fp32_units = [*plan.norms, *(m for group in plan.fp32_groups for m in group)] if precision is not None else []
         reduce_dtype = precision.reduce_dtype if precision is not None else None
