@@ -482,43 +482,46 @@ def to_markdown(summary: dict[str, Any]) -> str:
             f"{b['forward']:.0f} / {b['backward']:.0f} / {b['optimizer']:.0f} | {row['peak_memory_gib']:.2f} | "
             f"{row['mfu']:.3f} | {row['precision']} | {row['optimizer']} |"
         )
-    pairs = summary.get("native_vs_deepspeed") or []
-    if pairs:
-        lines += [
-            "",
-            "Native engine vs DeepSpeed at the same ZeRO stage (images/s ratio paired round by round, median "
-            "(min-max); peak memory of the largest process):",
-            "",
-            "| native | vs | images/s ratio | peak GiB native / DeepSpeed |",
-            "|---|---|---:|---:|",
-        ]
-        for pair in pairs:
-            ratio = format_spread(pair["images_per_s_ratio"], unit="x")
-            if pair["images_per_s_ratio"]["overlaps_1x"]:
-                ratio += " ~"
-            unit = f" (FSDP2 unit: {pair['wrap']})" if pair.get("wrap") else ""
-            native, theirs = pair["peak_memory_gib"]
-            lines.append(f"| {pair['native']}{unit} | {pair['deepspeed']} | {ratio} | {native:.2f} / {theirs:.2f} |")
-    overlap = summary.get("overlap_vs_blocking") or []
-    if overlap:
-        lines += [
-            "",
-            "parallel.overlap_comm: FSDP2's collectives beside compute against blocking (images/s ratio paired round "
-            "by round, median (min-max); each row's FSDP unit as autotune picked it for that setting):",
-            "",
-            "| overlapped | vs | images/s ratio | peak GiB overlapped / blocking |",
-            "|---|---|---:|---:|",
-        ]
-        for pair in overlap:
-            ratio = format_spread(pair["images_per_s_ratio"], unit="x")
-            if pair["images_per_s_ratio"]["overlaps_1x"]:
-                ratio += " ~"
-            ours, theirs = pair["peak_memory_gib"]
-            lines.append(
-                f"| {pair['overlapped']} (unit: {pair['wrap']}) | {pair['blocking']} (unit: {pair['wrap_other']}) | "
-                f"{ratio} | {ours:.2f} / {theirs:.2f} |"
-            )
+    for key, intro, header, names in PAIR_TABLES:
+        lines += _pair_table(summary.get(key) or [], intro, header, names)
     return "\n".join(lines) + "\n"
+
+
+# The summary's paired comparisons as markdown: its key, the line above the table, the header, each pair's row cells.
+PAIR_TABLES: tuple[tuple[str, str, str, Callable[[dict[str, Any]], tuple[str, str]]], ...] = (
+    (
+        "native_vs_deepspeed",
+        "Native engine vs DeepSpeed at the same ZeRO stage (images/s ratio paired round by round, median "
+        "(min-max); peak memory of the largest process):",
+        "| native | vs | images/s ratio | peak GiB native / DeepSpeed |",
+        lambda p: (p["native"] + (f" (FSDP2 unit: {p['wrap']})" if p.get("wrap") else ""), p["deepspeed"]),
+    ),
+    (
+        "overlap_vs_blocking",
+        "parallel.overlap_comm: FSDP2's collectives beside compute against blocking (images/s ratio paired round "
+        "by round, median (min-max); each row's FSDP unit as autotune picked it for that setting):",
+        "| overlapped | vs | images/s ratio | peak GiB overlapped / blocking |",
+        lambda p: (f"{p['overlapped']} (unit: {p['wrap']})", f"{p['blocking']} (unit: {p['wrap_other']})"),
+    ),
+)
+
+
+def _pair_table(
+    pairs: list[dict[str, Any]], intro: str, header: str, names: Callable[[dict[str, Any]], tuple[str, str]]
+) -> list[str]:
+    """The markdown lines of one table of `_pairs` entries (none where there are none): `names` gives each entry's two
+    row cells; then the paired images/s ratio (`~` where its spread reaches across 1.0x) and both peaks."""
+    if not pairs:
+        return []
+    lines = ["", intro, "", header, "|---|---|---:|---:|"]
+    for pair in pairs:
+        ratio = format_spread(pair["images_per_s_ratio"], unit="x")
+        if pair["images_per_s_ratio"]["overlaps_1x"]:
+            ratio += " ~"
+        first, second = names(pair)
+        ours, theirs = pair["peak_memory_gib"]
+        lines.append(f"| {first} | {second} | {ratio} | {ours:.2f} / {theirs:.2f} |")
+    return lines
 
 
 def draw_bars(summary: dict[str, Any], path: Path) -> None:
