@@ -238,6 +238,9 @@ class TrainConfig:
     # CPU, glibc: keep freed memory in the heap and map no large block afresh, so each step's activations reuse
     # pages instead of faulting in zeroed ones (1.08x on a ViT-S/16 step, docs/performance.md)
     reuse_host_memory: bool = True
+    # CPU: linear layers add their bias inside oneDNN's GEMM instead of aten's addmm, which writes the bias into the
+    # whole output first (vitrain/models/kernels.py; not under train.compile, which fuses by itself)
+    fused_linear: bool = True
     compile: bool = False  # torch.compile the model (the first step's time is logged as compile_s)
     eval_every_epochs: int = 1  # evaluate (and checkpoint) every this many epochs, and at the end
     eval_at_s: tuple[float, ...] = ()  # also evaluate at the first step past each of these wall-clock seconds

@@ -282,7 +282,7 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
                 "setting": contender.setting,
                 "images_per_s": per_round["median"],
                 "images_per_s_spread": per_round,
-                "step_s": [round(t, 4) for t in rounds],
+                "step_s": [round(t, 6) for t in rounds],
                 "vitrain_speedup": ratio["median"],
                 "vitrain_speedup_spread": ratio,
                 "model_gflops_per_s": flops / 1e9,

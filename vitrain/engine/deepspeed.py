@@ -50,6 +50,7 @@ from vitrain.device import PhaseTimer
 from vitrain.engine.protocol import HEAD, LossFn, forward_then_backward
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import count_parameters
+from vitrain.models.kernels import cpu_kernels
 from vitrain.optim import build_head_optimizer, build_optimizer, set_lr
 from vitrain.parallel.distributed import DistInfo, all_or_none, rank
 from vitrain.parallel.identity_head import average_replicated_gradients
@@ -270,6 +271,7 @@ class DeepSpeedEngine:
         self.config = deepspeed_config(cfg, self.resolved, dist.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
         # Activation checkpointing and cross-rank BatchNorm (the face neck's), as the native strategies apply them.
+        cpu_kernels(model, cfg, dist.device)
         prepare_layers(model, cfg.parallel, dist.device)
         # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
         optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")

@@ -18,6 +18,7 @@ from vitrain.engine.ema import WeightAverage
 from vitrain.engine.protocol import COMPENSATION, EMA, HEAD, LossFn, forward_then_backward
 from vitrain.errors import ConfigError
 from vitrain.models import count_parameters, plan_of
+from vitrain.models.kernels import cpu_kernels
 from vitrain.optim import build_head_optimizer, set_lr
 from vitrain.optim.muon import Muon
 from vitrain.parallel import build_parallel_optimizer, parallelize, unwrap
@@ -64,6 +65,7 @@ class NativeEngine:
             strategy = pipeline.parallelize
         else:  # a deferred reduce-scatter must not meet an accumulating gradient (vitrain/parallel/overlap.py)
             strategy = functools.partial(parallelize, overlap=deferrable(cfg))
+        cpu_kernels(model, cfg, device)
         working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))
         self.model = model
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)

@@ -13,6 +13,7 @@ from torch import nn
 
 from vitrain.config import ModelConfig
 from vitrain.errors import ConfigError
+from vitrain.models.kernels import manual_attention
 from vitrain.models.plan import ParallelPlan, vit_plan
 
 
@@ -63,6 +64,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "manual":  # bmm and softmax, heads split once (vitrain/models/kernels.py)
+            return self.proj(manual_attention(self.qkv(x), self.heads, self.seq_first))
         if self.seq_first:  # (N, B, D) -> heads as (B, H, N, hd)
             n, b, d = x.shape
             qkv = self.qkv(x).reshape(n, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4)
@@ -70,11 +73,7 @@ class Attention(nn.Module):
             b, n, d = x.shape
             qkv = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        if self.impl == "manual":
-            scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
-            out = scores.softmax(dim=-1) @ v
-        else:  # sdpa (and auto where no tuner decided: the trainer resolves it before building)
-            out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v)  # sdpa (and auto where no tuner decided: resolved before)
         if self.seq_first:
             out = out.permute(2, 0, 1, 3).reshape(n, b, d)
         else:

@@ -1,0 +1,172 @@
+"""What vitrain's CPU kernels (vitrain/models/kernels.py) change, on ViT-S/16's shapes at batch 64 (224 px).
+
+    python benchmarks/cpu_kernels.py --out results/cpu-kernels
+
+Three measurements, each with its contenders taking turns round by round (median and min-max, ratios paired by
+round), on this process's threads (2 by default) with freed host memory kept in the heap as training runs it:
+1. each linear layer's forward + backward in bf16: aten's addmm (bias written into the whole output first, then the
+   GEMM accumulates onto it) against oneDNN's linear with the bias in the GEMM's epilogue (train.fused_linear);
+2. manual attention's forward + backward: autograd over the plain ops against the one autograd function;
+3. the whole training step (`vitrain bench run`, amp_o2 bf16 + manual attention) with train.fused_linear=true
+   against false, one process per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vitrain.bench.spread import format_spread, paired_ratio, spread
+from vitrain.device import cpu_description, reuse_freed_host_memory
+from vitrain.models import kernels
+
+STEPS = 6  # timed steps per whole-step run
+BATCH, TOKENS, WIDTH, HEADS, HIDDEN = 64, 197, 384, 6, 1536
+LAYERS = {"qkv": (WIDTH, 3 * WIDTH), "proj": (WIDTH, WIDTH), "fc1": (WIDTH, HIDDEN), "fc2": (HIDDEN, WIDTH)}
+STEP = (
+    "model.preset=vit_small_patch16 model.image_size=224 model.in_chans=3 model.num_classes=1000 "
+    "data.source=synthetic data.mean=[0.5,0.5,0.5] data.std=[0.5,0.5,0.5] train.batch_size=64 log.progress=false "
+    "precision.mode=amp_o2 model.attention=manual"
+).split()
+
+
+def _ms(fn, repeats: int = 5) -> float:
+    """Median of `repeats` calls after one untimed call, in ms."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _race(contenders: dict, rounds: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            out[name].append(_ms(fn))
+    return out
+
+
+def _pair(times: dict[str, list[float]], slow: str, fast: str) -> dict:
+    return {name: spread(v) for name, v in times.items()} | {"speedup": paired_ratio(times[slow], times[fast])}
+
+
+def _layer_step(linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, grad: torch.Tensor) -> None:
+    x.grad = w.grad = b.grad = None
+    linear(x, w, b).backward(grad)
+
+
+def linear_layers(rounds: int) -> dict:
+    """Each of a block's linear layers, forward + backward in bf16 (amp_o2's working copy): F.linear (aten's addmm)
+    against the linear with its bias in oneDNN's GEMM."""
+    results: dict = {}
+    if not kernels._onednn_linear(torch.bfloat16):
+        return results
+    for name, (k, n) in LAYERS.items():
+        x = torch.randn(BATCH, TOKENS, k, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(n, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(BATCH, TOKENS, n, dtype=torch.bfloat16)
+        contenders = {
+            "addmm": functools.partial(_layer_step, F.linear, x, w, b, grad),
+            "onednn": functools.partial(_layer_step, kernels._BiasInGemm.apply, x, w, b, grad),
+        }
+        results[f"{name} ({k} -> {n})"] = _pair(_race(contenders, rounds), "addmm", "onednn")
+    return results
+
+
+def attention(rounds: int) -> dict:
+    qkv = torch.randn(BATCH, TOKENS, 3 * WIDTH, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(BATCH, TOKENS, WIDTH, dtype=torch.bfloat16)
+    plain_graph = kernels._plain_graph
+
+    def run(function: bool) -> None:
+        kernels._plain_graph = plain_graph if function else (lambda: True)
+        try:
+            qkv.grad = None
+            kernels.manual_attention(qkv, HEADS, False).backward(grad)
+        finally:
+            kernels._plain_graph = plain_graph
+
+    times = _race({"plain ops": lambda: run(False), "function": lambda: run(True)}, rounds)
+    return {"attention bf16": _pair(times, "plain ops", "function")}
+
+
+def whole_step(rounds: int, steps: int) -> dict:
+    images: dict[str, list[float]] = {"fused_linear=false": [], "fused_linear=true": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for variant in images:
+                out = Path(tmp) / f"{r}-{variant}.json"
+                cmd = [sys.executable, "-m", "vitrain", "bench", "run", *STEP, f"train.{variant}"]
+                cmd += ["--steps", str(steps), "--warmup", "2", "--json", str(out)]
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+                images[variant].append(json.loads(out.read_text())["images_per_s"])
+                print(f"[{r}] {variant}: {images[variant][-1]:.2f} images/s", flush=True)
+    return {name: spread(v) for name, v in images.items()} | {
+        "speedup": paired_ratio(images["fused_linear=true"], images["fused_linear=false"]),
+        "images_per_s_rounds": images,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the layer and attention races")
+    parser.add_argument("--step-rounds", type=int, default=5, help="rounds of the whole-step runs (0: skip)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    reuse_freed_host_memory()
+    torch.manual_seed(0)
+    result = {"cpu": cpu_description(), "threads": args.threads, "torch": torch.__version__}
+    result["layers"] = linear_layers(args.rounds) | attention(args.rounds)
+    if args.step_rounds:
+        result["step"] = whole_step(args.step_rounds, steps=STEPS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [
+        "# vitrain's CPU kernels on ViT-S/16 shapes (batch 64, 224 px)",
+        "",
+        f"- {result['cpu']}; {args.threads} thread(s); torch {torch.__version__}",
+        f"- Command: `python benchmarks/cpu_kernels.py --out {args.out}`; contenders take turns, {args.rounds} rounds "
+        "(each the median of 5 calls); speedup paired round by round, median (min-max); `~`: spread reaches 1.0x.",
+        "",
+        "| what | before, ms | after, ms | speedup |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, row in result["layers"].items():
+        slow, fast = [v for k, v in row.items() if k != "speedup"]
+        mark = " ~" if row["speedup"]["overlaps_1x"] else ""
+        what = f"{name} forward + backward, " + (
+            "plain ops -> one function" if "attention" in name else "addmm -> bias in oneDNN's GEMM"
+        )
+        speedup = format_spread(row["speedup"], 3)
+        lines.append(f"| {what} | {format_spread(slow, 1)} | {format_spread(fast, 1)} | {speedup}x{mark} |")
+    if "step" in result:
+        s = result["step"]
+        mark = " ~" if s["speedup"]["overlaps_1x"] else ""
+        lines += [
+            "",
+            f"Whole step (`vitrain bench run {' '.join(STEP)} train.fused_linear=... --steps {STEPS} --warmup 2`, "
+            "one process per run), images/s:",
+            f"fused_linear=false {format_spread(s['fused_linear=false'])}, fused_linear=true "
+            f"{format_spread(s['fused_linear=true'])}: **{format_spread(s['speedup'], 3)}x{mark}** paired by round.",
+        ]
+    (args.out / "README.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

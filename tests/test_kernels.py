@@ -1,0 +1,145 @@
+"""The CPU kernels (vitrain/models/kernels.py) compute what the plain layers compute, and are applied where they
+should be: a linear layer with its bias inside the GEMM, manual attention as one autograd function."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import TINY_MODEL
+from vitrain.config import Config
+from vitrain.models import kernels
+from vitrain.models.kernels import BiasInGemmLinear, cpu_kernels, fuse_linear_bias, manual_attention
+from vitrain.models.vit import VisionTransformer
+
+
+def _plain_attention(qkv: torch.Tensor, heads: int, seq_first: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "_plain_graph", lambda: True)  # what torch.compile and export see
+        return manual_attention(qkv, heads, seq_first)
+
+
+@pytest.mark.parametrize("seq_first", [False, True])
+def test_manual_attention_function_has_the_plain_ops_gradients(seq_first: bool, monkeypatch: pytest.MonkeyPatch):
+    torch.manual_seed(0)
+    qkv = torch.randn(3, 5, 3 * 2 * 4, dtype=torch.float64, requires_grad=True)  # 2 heads of 4
+    assert torch.autograd.gradcheck(lambda x: manual_attention(x, 2, seq_first), (qkv,))
+    # The autograd function and the plain ops agree, values and gradients (float64: to rounding).
+    grad = torch.randn(3, 5, 8, dtype=torch.float64)
+    fused = manual_attention(qkv, 2, seq_first)
+    (fused_grad,) = torch.autograd.grad(fused, qkv, grad)
+    plain = _plain_attention(qkv, 2, seq_first, monkeypatch)
+    (plain_grad,) = torch.autograd.grad(plain, qkv, grad)
+    assert fused.grad_fn.name().endswith("_ManualAttentionBackward") and plain.grad_fn.name() != fused.grad_fn.name()
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seq_first", [False, True])
+def test_manual_attention_in_bf16_is_bit_equal_to_the_plain_ops(seq_first: bool, monkeypatch: pytest.MonkeyPatch):
+    """Under autocast (amp_o1) and on bf16 activations (amp_o2): the same bf16 values as autograd over the plain ops,
+    the q scale folded into the head split included."""
+    torch.manual_seed(1)
+    x = torch.randn(4, 9, 3 * 3 * 16)  # 3 heads of 16
+    grad = torch.randn(4, 9, 48).bfloat16()
+    for autocast, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        results = []
+        for plain in (False, True):
+            qkv = x.to(dtype).clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                inputs = qkv * 1.0  # a non-leaf, like the projection's output
+                if plain:
+                    out = _plain_attention(inputs, 3, seq_first, monkeypatch)
+                else:
+                    out = manual_attention(inputs, 3, seq_first)
+            out.backward(grad.to(out.dtype))
+            results.append((out, qkv.grad))
+        (out, dqkv), (ref, dref) = results
+        assert out.dtype == ref.dtype == torch.bfloat16
+        assert torch.equal(out, ref) and torch.equal(dqkv, dref)
+
+
+def _graph_names(t: torch.Tensor) -> set[str]:
+    """The autograd nodes' names behind `t`."""
+    names, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            todo += [n for n, _ in node.next_functions]
+    return names
+
+
+def test_bias_in_gemm_function_has_addmms_values_and_gradients():
+    """The function itself, in fp32 (oneDNN runs fp32 on every x86 CPU): forward and backward as F.linear's."""
+    torch.manual_seed(2)
+    x, w, b = torch.randn(3, 7, 24), torch.randn(40, 24), torch.randn(40)
+    grad = torch.randn(3, 7, 40)
+    got, want = [], []
+    for fn, out in ((kernels._BiasInGemm.apply, got), (torch.nn.functional.linear, want)):
+        inputs = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = fn(*inputs)
+        y.backward(grad)
+        out += [y, *(t.grad for t in inputs)]
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_in_gemm_linear_computes_as_nn_linear():
+    torch.manual_seed(3)
+    plain = nn.Linear(24, 40)
+    fused = copy.deepcopy(plain)
+    assert fuse_linear_bias(fused) == 1 and type(fused) is BiasInGemmLinear
+    assert list(fused.state_dict()) == ["weight", "bias"]
+    x = torch.randn(3, 7, 24)
+    # fp32 keeps aten's kernels (bit-equal); bf16, autocast (amp_o1) or bf16 weights (amp_o2), runs oneDNN's GEMM
+    # with the bias in it where this CPU has it: bf16 values within bf16's rounding of nn.Linear's.
+    bf16 = dict(rtol=1e-2, atol=1e-2)
+    for autocast, dtype, tol in (
+        (False, torch.float32, dict(rtol=0, atol=0)),
+        (True, torch.float32, bf16),
+        (False, torch.bfloat16, bf16),
+    ):
+        outs = []
+        for layer in (fused, plain):
+            layer = copy.deepcopy(layer).to(dtype)
+            xin = x.to(dtype).detach().clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = layer(xin)
+            y.float().square().sum().backward()
+            outs.append((y, xin.grad, layer.weight.grad, layer.bias.grad, _graph_names(y)))
+        (*new, name), (*ref, ref_name) = outs
+        for a, e in zip(new, ref, strict=True):
+            assert a.dtype == e.dtype
+            torch.testing.assert_close(a, e, **tol)
+        runs_onednn = dtype == torch.bfloat16 or autocast
+        assert ("_BiasInGemmBackward" in name) == (runs_onednn and kernels._onednn_linear(torch.bfloat16))
+        assert "_BiasInGemmBackward" not in ref_name
+
+
+def test_cpu_kernels_follow_the_switch(tmp_path):
+    cfg = Config()
+    model_cfg = dataclasses.replace(TINY_MODEL, attention="manual")
+    linears = lambda m: [type(x) for x in m.modules() if isinstance(x, nn.Linear)]  # noqa: E731
+    on = VisionTransformer(model_cfg)
+    cpu_kernels(on, cfg, torch.device("cpu"))
+    assert set(linears(on)) == {BiasInGemmLinear}
+    for changed in (dict(fused_linear=False), dict(compile=True)):
+        off = VisionTransformer(model_cfg)
+        cpu_kernels(off, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changed)), torch.device("cpu"))
+        assert set(linears(off)) == {nn.Linear}
+    # A whole model's training step: the same loss and gradients as the plain layers (fp32: to rounding).
+    plain = VisionTransformer(model_cfg)
+    plain.load_state_dict(on.state_dict())
+    images = torch.randn(2, TINY_MODEL.in_chans, TINY_MODEL.image_size, TINY_MODEL.image_size)
+    grads = []
+    for model in (on, plain):
+        model.zero_grad()
+        model(images).logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][name], rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,171 @@
+"""CPU kernels for the models' layers: linear layers whose bias is added inside oneDNN's GEMM, and manual attention
+as one autograd function that splits the heads once and writes their gradients into one buffer.
+
+Both compute what the plain layers compute (the linear runs bf16 only, where aten's addmm is oneDNN's GEMM as well;
+attention in fp32 to rounding) and fall back to the plain layers wherever they do not apply: another device, another
+dtype, torch.compile, export and tracing.
+Measured on a 2-core Zen 4 (docs/performance.md: "One process: the ViT-S/16 step against the GEMM peak").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from vitrain.config import Config
+
+
+def _plain_graph() -> bool:
+    """torch.compile, torch.export and the JIT tracer see the plain ops (they fuse and export those)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+# ----------------------------------------------------------------------------------------------- linear
+
+
+@functools.cache
+def _onednn_linear(dtype: torch.dtype) -> bool:
+    """Whether linear layers in `dtype` run oneDNN's linear: bf16, where this CPU build runs oneDNN in bf16 (the
+    CPU's AVX-512 or AVX-NE-CONVERT). aten's bf16 addmm is oneDNN's GEMM too, so the values are the same; fp32 stays
+    with aten's kernels (oneDNN's fp32 GEMM was faster too, results/cpu-kernels, but rounds differently: an fp32 run's
+    values stay those of plain PyTorch, bit for bit)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class _BiasInGemm(torch.autograd.Function):
+    """y = x W^T + b with the bias added in the GEMM's epilogue (aten's addmm first fills the whole output with the
+    bias, then accumulates onto it: one more pass over a tensor of batch x tokens x width). Backward as addmm's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.in_shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dx = (g2 @ weight).view(ctx.in_shape) if ctx.needs_input_grad[0] else None
+        dw = g2.t() @ x2 if ctx.needs_input_grad[1] else None
+        db = g2.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+class BiasInGemmLinear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose CPU forward in bf16 adds the bias inside oneDNN's GEMM
+    (ViT-S/16's layers at batch 64: results/cpu-kernels). Elsewhere, nn.Linear's forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if bias is None or x.device.type != "cpu" or _plain_graph():
+            return F.linear(x, weight, bias)
+        if torch.is_autocast_enabled("cpu"):  # what autocast would do for F.linear: all three in its dtype
+            dtype = torch.get_autocast_dtype("cpu")
+            if not _onednn_linear(dtype):
+                return F.linear(x, weight, bias)
+            with torch.autocast("cpu", enabled=False):
+                return _BiasInGemm.apply(x.to(dtype), weight.to(dtype), bias.to(dtype))
+        if not (x.dtype == weight.dtype == bias.dtype) or not _onednn_linear(x.dtype):
+            return F.linear(x, weight, bias)
+        return _BiasInGemm.apply(x, weight, bias)
+
+
+def cpu_kernels(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """What an engine does to a CPU model's layers before precision and parallelism (train.fused_linear)."""
+    if device.type == "cpu" and cfg.train.fused_linear and not cfg.train.compile:
+        if "Linear" not in cfg.precision.fp32_modules:  # that name picks nn.Linear by its class name
+            fuse_linear_bias(model)
+
+
+def fuse_linear_bias(model: nn.Module) -> int:
+    """Every plain nn.Linear of `model` (on the CPU, before sharding) computes as a BiasInGemmLinear; returns how many.
+    The class is swapped in place, so parameters, hooks and state-dict names stay the module's own."""
+    swapped = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.bias is not None and module.weight.device.type in ("cpu", "meta"):
+            module.__class__ = BiasInGemmLinear
+            swapped += 1
+    return swapped
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+
+class _ManualAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d)) v from the fused QKV projection's output, as `bmm`s (what autotune picks over the
+    CPU's flash kernel for bf16). Forward splits the heads in one pass with the scale folded in; backward writes
+    dq, dk and dv into one buffer and merges it back to the projection's layout in one pass (autograd's path:
+    a scale pass, a stack and a copy). 1.07x (1.04-1.09) on ViT-S/16's attention at batch 64, bf16."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Tensor:
+        if seq_first:  # (N, B, 3C)
+            n, b, c3 = qkv.shape
+            src = qkv.view(n, b, 3, heads, -1).permute(2, 1, 3, 0, 4)
+        else:  # (B, N, 3C)
+            b, n, c3 = qkv.shape
+            src = qkv.view(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4)
+        d = c3 // (3 * heads)
+        scale = d**-0.5
+        split = torch.empty(src.shape, dtype=qkv.dtype, device=qkv.device)  # (3, B, H, N, d)
+        torch.mul(src[0], scale, out=split[0])
+        split[1:].copy_(src[1:])
+        q, k, v = (t.view(b * heads, n, d) for t in split.unbind(0))
+        probs = torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)
+        out = torch.bmm(probs, v).view(b, heads, n, d)
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.dims = (b, n, heads, d, scale, seq_first)
+        if seq_first:
+            return out.permute(2, 0, 1, 3).reshape(n, b, heads * d)
+        return out.transpose(1, 2).reshape(b, n, heads * d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, probs = ctx.saved_tensors
+        b, n, heads, d, scale, seq_first = ctx.dims
+        if seq_first:
+            g = grad.view(n, b, heads, d).permute(1, 2, 0, 3).reshape(b * heads, n, d)
+        else:
+            g = grad.view(b, n, heads, d).transpose(1, 2).reshape(b * heads, n, d)
+        dsplit = torch.empty((3, b * heads, n, d), dtype=grad.dtype, device=grad.device)
+        torch.bmm(probs.transpose(1, 2), g, out=dsplit[2])
+        dscores = torch._softmax_backward_data(torch.bmm(g, v.transpose(1, 2)), probs, -1, probs.dtype)
+        torch.bmm(dscores, k, out=dsplit[0])
+        dsplit[0].mul_(scale)
+        torch.bmm(dscores.transpose(1, 2), q, out=dsplit[1])  # q is already scaled
+        dsplit = dsplit.view(3, b, heads, n, d)
+        if seq_first:
+            return dsplit.permute(3, 1, 0, 2, 4).reshape(n, b, 3 * heads * d), None, None
+        return dsplit.permute(1, 3, 0, 2, 4).reshape(b, n, 3 * heads * d), None, None
+
+
+def manual_attention(qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Tensor:
+    """Multi-head attention over the fused QKV projection's output ((B, N, 3C), or (N, B, 3C) when `seq_first`,
+    q, k, v in that order, each heads x head_dim): the attention's output before its projection, in the input's
+    layout. One autograd function when a gradient is wanted (above); the plain ops otherwise."""
+    if qkv.requires_grad and torch.is_grad_enabled() and not _plain_graph():
+        device = qkv.device.type
+        if not torch.is_autocast_enabled(device):
+            return _ManualAttention.apply(qkv, heads, seq_first)
+        with torch.autocast(device, enabled=False):  # autocast runs bmm in its dtype: the whole function does
+            return _ManualAttention.apply(qkv.to(torch.get_autocast_dtype(device)), heads, seq_first)
+    if seq_first:
+        n, b, c3 = qkv.shape
+        q, k, v = qkv.reshape(n, b, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
+    else:
+        b, n, c3 = qkv.shape
+        q, k, v = qkv.reshape(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    out = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+    if seq_first:
+        return out.permute(2, 0, 1, 3).reshape(n, b, c3 // 3)
+    return out.transpose(1, 2).reshape(b, n, c3 // 3)
