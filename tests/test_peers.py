@@ -41,6 +41,12 @@ def test_peers_train_the_same_model_and_are_compared_to_vitrain(tmp_path):
     for row in rows.values():
         assert len(row["step_s"]) == 3 and row["images_per_s_spread"]["n"] == 3
         assert row["images_per_s"] > 0 and 0 < row["mfu"] < 2
+        # MFU round by round: each round's step over the GEMM peak measured in that round
+        peaks = result["peaks_gflops_per_s_rounds"][row["compute_dtype"]]
+        per_round = sorted(
+            result["train_gflops_per_image"] * 4 / t / p for t, p in zip(row["step_s"], peaks, strict=True)
+        )
+        assert row["mfu_spread"]["n"] == 3 and row["mfu"] == pytest.approx(per_round[1], rel=1e-3)
         # vitrain's speed-up is paired round by round: the median of the contender's step over vitrain's
         paired = sorted(t / v for t, v in zip(row["step_s"], rows["vitrain"]["step_s"], strict=True))
         assert row["vitrain_speedup"] == pytest.approx(paired[1], rel=1e-3)

@@ -13,7 +13,8 @@ Every contender trains the same architecture (class token, 1000 classes) on the 
 Each peer's choice is timed first; then all take `--warmup` steps (default 3: autotune's and the allocator's first
 steps settle) and `--steps` rounds (default 7), one step each per round in turns. A row gives the median images/s
 and its spread (min-max over the rounds); a ratio to vitrain is taken round by round (pairing cancels drift between
-rounds) and its median and spread are given, marked where the spread reaches across 1.0x.
+rounds) and its median and spread are given, marked where the spread reaches across 1.0x. MFU too is taken round by round:
+the GEMM peak is measured at the start of every round, and a round's MFU is its step's model FLOP/s over that peak.
 
 The peers are an extra: `pip install 'vitrain[peers]'` (timm is imported as vitrain/models/external.py does, which
 lets the registry's CUDA-only torchvision import beside the CPU wheel).
@@ -25,6 +26,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -259,7 +261,15 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         for _ in range(warmup):
             contender.step()
     times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    # The GEMM peak is measured in every round beside the steps: a shared machine's speed drifts between rounds, and
+    # a round's MFU (its step over its own peak) moves with neither (docs/performance.md).
+    dtypes = sorted({c.dtype for c in contenders})
+    round_peaks: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
+    sources: dict[str, str] = {}
     for round_ in range(steps):
+        for dtype in dtypes:
+            peak, sources[dtype] = peak_flops(device, dtype)
+            round_peaks[dtype].append(peak)
         for contender in contenders:
             times[contender.name].append(contender.step())
         print(
@@ -268,14 +278,14 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         )
     trainer.close()
     cost = complexity(cfg.model)
-    peaks = {dtype: peak_flops(device, dtype) for dtype in {c.dtype for c in contenders}}
     rows = []
     for contender in contenders:
         rounds = times[contender.name]
         per_round = spread([batch / t for t in rounds])
         ratio = paired_ratio(rounds, times["vitrain"])  # its step time over vitrain's: vitrain's speed-up
         flops = cost.train_flops * per_round["median"]
-        peak, source = peaks[contender.dtype]
+        peaks = round_peaks[contender.dtype]
+        mfu = spread([cost.train_flops * batch / t / peak for t, peak in zip(rounds, peaks, strict=True)])
         rows.append(
             {
                 "name": contender.name,
@@ -287,8 +297,9 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
                 "vitrain_speedup_spread": ratio,
                 "model_gflops_per_s": flops / 1e9,
                 "compute_dtype": contender.dtype,
-                "mfu": flops / peak,
-                "peak_source": source,
+                "mfu": mfu["median"],
+                "mfu_spread": mfu,
+                "peak_source": sources[contender.dtype],
             }
         )
     where = f"GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else cpu_description()
@@ -301,7 +312,9 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "steps": steps,
         "warmup": warmup,
         "train_gflops_per_image": cost.train_flops / 1e9,
-        "peaks_gflops_per_s": {dtype: peak / 1e9 for dtype, (peak, _) in peaks.items()},
+        "peaks_gflops_per_s": {dtype: statistics.median(v) / 1e9 for dtype, v in round_peaks.items()},
+        "peaks_gflops_per_s_spread": {dtype: spread([p / 1e9 for p in v]) for dtype, v in round_peaks.items()},
+        "peaks_gflops_per_s_rounds": {dtype: [round(p / 1e9, 3) for p in v] for dtype, v in round_peaks.items()},
         "rows": rows,
         "missing": missing,
         "wall_s": time.perf_counter() - started,
@@ -309,7 +322,15 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    peaks = ", ".join(f"{dtype} {value:.0f}" for dtype, value in result["peaks_gflops_per_s"].items())
+    measured = result.get("peaks_gflops_per_s_spread") or {
+        dtype: {"median": value, "n": 1} for dtype, value in result["peaks_gflops_per_s"].items()
+    }
+    peaks = ", ".join(f"{dtype} {format_spread(value, 0)}" for dtype, value in measured.items())
+    each_round = (
+        " in each round; a row's MFU is each round's over that round's peak"
+        if "peaks_gflops_per_s_spread" in result
+        else ""
+    )
     sources = sorted({row["peak_source"] for row in result["rows"] if row.get("peak_source")})
     lines = [
         f"# vitrain vs peers: {result['model']}, batch {result['batch']}",
@@ -318,7 +339,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"- {result['warmup']} warm-up steps, then {result['steps']} rounds of one step each, taking turns. images/s: "
         "median (min-max) over the rounds; vitrain x: the contender's step time over vitrain's in the same round, "
         "median (min-max); `~` marks a ratio whose spread reaches across 1.0x.",
-        f"- Peak GFLOP/s for MFU: {peaks} ({'; '.join(sources) or 'measured here'}).",
+        f"- Peak GFLOP/s for MFU: {peaks} ({'; '.join(sources) or 'measured here'}{each_round}).",
         f"- Command: `{result.get('command', '')}` ({result['wall_s']:.0f} s)",
         "",
         "| contender | runs as | images/s | vitrain x | model GFLOP/s | MFU (its dtype) |",
@@ -328,9 +349,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         ips = row.get("images_per_s_spread") or {"median": row["images_per_s"], "n": 1}
         ratio = row.get("vitrain_speedup_spread") or {"median": row["vitrain_speedup"], "n": 1}
         marker = " ~" if ratio.get("overlaps_1x") and row["name"] != "vitrain" else ""
+        mfu = format_spread(row.get("mfu_spread") or {"median": row["mfu"], "n": 1}, 3)
         lines.append(
             f"| {row['name']} | {row['setting']} | {format_spread(ips)} | {format_spread(ratio, unit='x')}{marker} | "
-            f"{row['model_gflops_per_s']:.0f} | {row['mfu']:.3f} ({row['compute_dtype']}) |"
+            f"{row['model_gflops_per_s']:.0f} | {mfu} ({row['compute_dtype']}) |"
         )
     for peer, why in result["missing"].items():
         lines.append(f"| {peer} | not run: {why} | | | | |")
