@@ -326,11 +326,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         dtype: {"median": value, "n": 1} for dtype, value in result["peaks_gflops_per_s"].items()
     }
     peaks = ", ".join(f"{dtype} {format_spread(value, 0)}" for dtype, value in measured.items())
-    each_round = (
-        " in each round; a row's MFU is each round's over that round's peak"
-        if "peaks_gflops_per_s_spread" in result
-        else ""
-    )
+    each_round = ""
+    if "peaks_gflops_per_s_spread" in result:
+        each_round = " in each round; a row's MFU: each round's step over that round's peak"
     sources = sorted({row["peak_source"] for row in result["rows"] if row.get("peak_source")})
     lines = [
         f"# vitrain vs peers: {result['model']}, batch {result['batch']}",
