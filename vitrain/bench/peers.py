@@ -13,8 +13,9 @@ Every contender trains the same architecture (class token, 1000 classes) on the 
 Each peer's choice is timed first; then all take `--warmup` steps (default 3: autotune's and the allocator's first
 steps settle) and `--steps` rounds (default 7), one step each per round in turns. A row gives the median images/s
 and its spread (min-max over the rounds); a ratio to vitrain is taken round by round (pairing cancels drift between
-rounds) and its median and spread are given, marked where the spread reaches across 1.0x. MFU too is taken round by round:
-the GEMM peak is measured at the start of every round, and a round's MFU is its step's model FLOP/s over that peak.
+rounds) and its median and spread are given, marked where the spread reaches across 1.0x. MFU too is taken round by
+round: the GEMM peak is measured at the start of every round, and a round's MFU is its step's model FLOP/s over
+that peak.
 
 The peers are an extra: `pip install 'vitrain[peers]'` (timm is imported as vitrain/models/external.py does, which
 lets the registry's CUDA-only torchvision import beside the CPU wheel).
