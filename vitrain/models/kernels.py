@@ -36,7 +36,8 @@ def _onednn_linear(dtype: torch.dtype) -> bool:
     values stay those of plain PyTorch, bit for bit)."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return dtype == torch.bfloat16 and supported is not None and bool(supported())
 
 
 class _BiasInGemm(torch.autograd.Function):
