@@ -40,8 +40,8 @@ def test_manual_attention_function_has_the_plain_ops_gradients(seq_first: bool, 
 
 
 @pytest.mark.parametrize("seq_first", [False, True])
-def test_manual_attention_in_bf16_is_bit_equal_to_the_plain_ops(seq_first: bool, monkeypatch: pytest.MonkeyPatch):
-    """Under autocast (amp_o1) and on bf16 activations (amp_o2): the same bf16 values as autograd over the plain ops,
+def test_manual_attention_in_bf16_matches_the_plain_ops(seq_first: bool, monkeypatch: pytest.MonkeyPatch):
+    """Under autocast (amp_o1) and on bf16 activations (amp_o2): the bf16 values of autograd over the plain ops (bit-equal on a Zen 4; other CPUs' bf16 bmm kernels may sum in another order),
     the q scale folded into the head split included."""
     torch.manual_seed(1)
     x = torch.randn(4, 9, 3 * 3 * 16)  # 3 heads of 16
@@ -60,7 +60,9 @@ def test_manual_attention_in_bf16_is_bit_equal_to_the_plain_ops(seq_first: bool,
             results.append((out, qkv.grad))
         (out, dqkv), (ref, dref) = results
         assert out.dtype == ref.dtype == torch.bfloat16
-        assert torch.equal(out, ref) and torch.equal(dqkv, dref)
+        # bf16 tolerances: the CPU kinds' bf16 bmm kernels sum in layout-dependent orders (one ulp apart)
+        torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(dqkv, dref, rtol=1.6e-2, atol=1e-2)
 
 
 def _graph_names(t: torch.Tensor) -> set[str]:

@@ -154,7 +154,7 @@ def manual_attention(qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Te
     """Multi-head attention over the fused QKV projection's output ((B, N, 3C), or (N, B, 3C) when `seq_first`,
     q, k, v in that order, each heads x head_dim): the attention's output before its projection, in the input's
     layout. One autograd function when a gradient is wanted (above); the plain ops otherwise."""
-    if qkv.requires_grad and torch.is_grad_enabled() and not _plain_graph():
+    if qkv.device.type == "cpu" and qkv.requires_grad and torch.is_grad_enabled() and not _plain_graph():
         device = qkv.device.type
         if not torch.is_autocast_enabled(device):
             return _ManualAttention.apply(qkv, heads, seq_first)
