@@ -41,8 +41,8 @@ def test_manual_attention_function_has_the_plain_ops_gradients(seq_first: bool, 
 
 @pytest.mark.parametrize("seq_first", [False, True])
 def test_manual_attention_in_bf16_matches_the_plain_ops(seq_first: bool, monkeypatch: pytest.MonkeyPatch):
-    """Under autocast (amp_o1) and on bf16 activations (amp_o2): the bf16 values of autograd over the plain ops (bit-equal on a Zen 4; other CPUs' bf16 bmm kernels may sum in another order),
-    the q scale folded into the head split included."""
+    """Under autocast (amp_o1) and on bf16 activations (amp_o2): the bf16 values of autograd over the plain ops, the q
+    scale folded into the head split included (bit-equal on a Zen 4; other CPUs' bf16 bmm may sum in another order)."""
     torch.manual_seed(1)
     x = torch.randn(4, 9, 3 * 3 * 16)  # 3 heads of 16
     grad = torch.randn(4, 9, 48).bfloat16()
