@@ -110,13 +110,8 @@ class _ManualAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Tensor:
-        if seq_first:  # (N, B, 3C)
-            n, b, c3 = qkv.shape
-            src = qkv.view(n, b, 3, heads, -1).permute(2, 1, 3, 0, 4)
-        else:  # (B, N, 3C)
-            b, n, c3 = qkv.shape
-            src = qkv.view(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        d = c3 // (3 * heads)
+        src = split_heads(qkv, heads, seq_first)  # (3, B, H, N, d), a view
+        _, b, _, n, d = src.shape
         scale = d**-0.5
         split = torch.empty(src.shape, dtype=qkv.dtype, device=qkv.device)  # (3, B, H, N, d)
         torch.mul(src[0], scale, out=split[0])
@@ -126,9 +121,7 @@ class _ManualAttention(torch.autograd.Function):
         out = torch.bmm(probs, v).view(b, heads, n, d)
         ctx.save_for_backward(q, k, v, probs)
         ctx.dims = (b, n, heads, d, scale, seq_first)
-        if seq_first:
-            return out.permute(2, 0, 1, 3).reshape(n, b, heads * d)
-        return out.transpose(1, 2).reshape(b, n, heads * d)
+        return merge_heads(out, seq_first)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -160,13 +153,23 @@ def manual_attention(qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Te
             return _ManualAttention.apply(qkv, heads, seq_first)
         with torch.autocast(device, enabled=False):  # autocast runs bmm in its dtype: the whole function does
             return _ManualAttention.apply(qkv.to(torch.get_autocast_dtype(device)), heads, seq_first)
+    q, k, v = split_heads(qkv, heads, seq_first).unbind(0)
+    return merge_heads(((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v, seq_first)
+
+
+def split_heads(qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Tensor:
+    """The fused QKV projection's output ((B, N, 3C), or (N, B, 3C) when `seq_first`) as (3, B, heads, N, head_dim):
+    q, k and v split into heads, a view where the input allows it."""
     if seq_first:
-        n, b, c3 = qkv.shape
-        q, k, v = qkv.reshape(n, b, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
-    else:
-        b, n, c3 = qkv.shape
-        q, k, v = qkv.reshape(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-    out = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        n, b, _ = qkv.shape
+        return qkv.reshape(n, b, 3, heads, -1).permute(2, 1, 3, 0, 4)
+    b, n, _ = qkv.shape
+    return qkv.reshape(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4)
+
+
+def merge_heads(out: torch.Tensor, seq_first: bool) -> torch.Tensor:
+    """Attention's (B, heads, N, head_dim) output back in the layer's layout: (B, N, C), or (N, B, C)."""
+    b, heads, n, d = out.shape
     if seq_first:
-        return out.permute(2, 0, 1, 3).reshape(n, b, c3 // 3)
-    return out.transpose(1, 2).reshape(b, n, c3 // 3)
+        return out.permute(2, 0, 1, 3).reshape(n, b, heads * d)
+    return out.transpose(1, 2).reshape(b, n, heads * d)

@@ -13,7 +13,7 @@ from torch import nn
 
 from vitrain.config import ModelConfig
 from vitrain.errors import ConfigError
-from vitrain.models.kernels import manual_attention
+from vitrain.models.kernels import manual_attention, merge_heads, split_heads
 from vitrain.models.plan import ParallelPlan, vit_plan
 
 
@@ -66,19 +66,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "manual":  # bmm and softmax, heads split once (vitrain/models/kernels.py)
             return self.proj(manual_attention(self.qkv(x), self.heads, self.seq_first))
-        if self.seq_first:  # (N, B, D) -> heads as (B, H, N, hd)
-            n, b, d = x.shape
-            qkv = self.qkv(x).reshape(n, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4)
-        else:  # (B, N, D)
-            b, n, d = x.shape
-            qkv = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        q, k, v = split_heads(self.qkv(x), self.heads, self.seq_first).unbind(0)  # each (B, H, N, hd)
         out = F.scaled_dot_product_attention(q, k, v)  # sdpa (and auto where no tuner decided: resolved before)
-        if self.seq_first:
-            out = out.permute(2, 0, 1, 3).reshape(n, b, d)
-        else:
-            out = out.transpose(1, 2).reshape(b, n, d)
-        return self.proj(out)
+        return self.proj(merge_heads(out, self.seq_first))
 
 
 class Mlp(nn.Module):
