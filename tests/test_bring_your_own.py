@@ -197,6 +197,17 @@ def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):
     assert summary["steps"] == 2 and summary["params"] == sum(p.numel() for p in UserNet(1, 4).parameters())
 
 
+def test_a_module_handed_to_the_library_leaves_with_its_own_layer_classes(tmp_path):
+    """Engines swap CPU linear layers to the fused-bias class (vitrain/models/kernels.py) for training only."""
+    import vitrain
+
+    net = UserNet(1, 10)
+    overrides = ["train.max_steps=1", "train.batch_size=16", f"log.out_dir={tmp_path}", "log.progress=false"]
+    vitrain.train("digits", [*overrides, "precision.mode=amp_o2", "train.fused_linear=true"], model=net)
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 7 and all(type(m) is nn.Linear for m in linears)
+
+
 class FlatNet(nn.Module):
     """A model with no repeated block: one unit for every strategy; what needs blocks refuses in one line."""
 

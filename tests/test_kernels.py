@@ -89,6 +89,11 @@ def test_bias_in_gemm_function_has_addmms_values_and_gradients():
         out += [y, *(t.grad for t in inputs)]
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    # a frozen weight: the input is not kept for its gradient, the others come out as before
+    frozen = [x.clone().requires_grad_(), w, b.clone().requires_grad_()]
+    kernels._BiasInGemm.apply(*frozen).backward(grad)
+    torch.testing.assert_close(frozen[0].grad, got[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(frozen[2].grad, got[3], rtol=1e-5, atol=1e-5)
 
 
 def test_bias_in_gemm_linear_computes_as_nn_linear():

@@ -52,6 +52,7 @@ class NativeEngine:
     ):
         self.cfg, self.dist, self.pipeline = cfg, dist, pipeline
         device = dist.device
+        cpu_kernels(model, cfg, device)  # before the policy: its probe (time_modes) times the layers that will train
         self.precision = PrecisionPolicy(
             cfg.precision,
             device,
@@ -65,7 +66,6 @@ class NativeEngine:
             strategy = pipeline.parallelize
         else:  # a deferred reduce-scatter must not meet an accumulating gradient (vitrain/parallel/overlap.py)
             strategy = functools.partial(parallelize, overlap=deferrable(cfg))
-        cpu_kernels(model, cfg, device)
         working = self.precision.prepare(model, lambda m, mixed: strategy(m, cfg.parallel, device, mixed))
         self.model = model
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)

@@ -29,6 +29,7 @@ from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
 from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError, VitrainError
+from vitrain.models.kernels import unfuse_linear_bias
 from vitrain.models.plan import auto_wrap
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import init_distributed, mean_over_ranks
@@ -145,7 +146,10 @@ class Trainer:
 
     def close(self) -> None:
         """Let go of the model, optimizer and data before the process group is destroyed: a DDP wrapper freed after
-        its group joins gloo's threads holding the GIL, a deadlock at exit (an error's traceback keeps the trainer)."""
+        its group joins gloo's threads holding the GIL, a deadlock at exit (an error's traceback keeps the trainer).
+        A model's linear layers that an engine swapped to the CPU kernel's class are nn.Linear again."""
+        if self.model is not None:
+            unfuse_linear_bias(self.model)
         self.model = self.forward = self.precision = self.head = self.engine = self.train_step = None
         self.task = self.train_loader = self.epoch_batches = self.pipeline = None
         gc.collect()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 if TYPE_CHECKING:
     from vitrain.config import Config
@@ -47,7 +48,7 @@ class _BiasInGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2, weight)
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, weight)  # a frozen weight needs no input
         ctx.in_shape = x.shape
         y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -99,6 +100,17 @@ def fuse_linear_bias(model: nn.Module) -> int:
     return swapped
 
 
+def unfuse_linear_bias(model: nn.Module) -> int:
+    """The layers fuse_linear_bias swapped are plain nn.Linear again (a model handed to the library leaves training
+    with the classes it came with); returns how many."""
+    swapped = 0
+    for module in model.modules():
+        if type(module) is BiasInGemmLinear:
+            module.__class__ = nn.Linear
+            swapped += 1
+    return swapped
+
+
 # -------------------------------------------------------------------------------------------- attention
 
 
@@ -127,6 +139,7 @@ class _ManualAttention(torch.autograd.Function):
         return merge_heads(out, seq_first)
 
     @staticmethod
+    @once_differentiable  # its backward writes into buffers (out=): no graph of its own for a second derivative
     def backward(ctx, grad: torch.Tensor):
         q, k, v, probs = ctx.saved_tensors
         b, n, heads, d, scale, seq_first = ctx.dims
