@@ -126,6 +126,8 @@ def test_bias_in_gemm_linear_computes_as_nn_linear():
         runs_onednn = dtype == torch.bfloat16 or autocast
         assert ("_BiasInGemmBackward" in name) == (runs_onednn and kernels._onednn_linear(torch.bfloat16))
         assert "_BiasInGemmBackward" not in ref_name
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast computes fp64 in fp64, and so does the layer
+        assert copy.deepcopy(fused).double()(x.double()).dtype == torch.float64
 
 
 def test_cpu_kernels_follow_the_switch(tmp_path):

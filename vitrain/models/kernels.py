@@ -73,7 +73,7 @@ class BiasInGemmLinear(nn.Linear):
             return F.linear(x, weight, bias)
         if torch.is_autocast_enabled("cpu"):  # what autocast would do for F.linear: all three in its dtype
             dtype = torch.get_autocast_dtype("cpu")
-            if not _onednn_linear(dtype):
+            if not _onednn_linear(dtype) or torch.float64 in (x.dtype, weight.dtype):  # autocast leaves fp64 alone
                 return F.linear(x, weight, bias)
             with torch.autocast("cpu", enabled=False):
                 return _BiasInGemm.apply(x.to(dtype), weight.to(dtype), bias.to(dtype))
