@@ -2,13 +2,14 @@
 
     python benchmarks/cpu_kernels.py --out results/cpu-kernels
 
-Three measurements, each with its contenders taking turns round by round (median and min-max, ratios paired by
+Four measurements, each with its contenders taking turns round by round (median and min-max, ratios paired by
 round), on this process's threads (2 by default) with freed host memory kept in the heap as training runs it:
 1. each linear layer's forward + backward in bf16: aten's addmm (bias written into the whole output first, then the
    GEMM accumulates onto it) against oneDNN's linear with the bias in the GEMM's epilogue (train.fused_linear);
 2. manual attention's forward + backward: autograd over the plain ops against the one autograd function;
-3. the whole training step (`vitrain bench run`, amp_o2 bf16 + manual attention) with train.fused_linear=true
-   against false, one process per run.
+3. amp_o2's fp32 LayerNorm on bf16 activations: the cast hooks against precision.compile_norms's compiled kernel;
+4. the whole training step (`vitrain bench run`, amp_o2 bf16 + manual attention) with a switch (--step-switch,
+   train.fused_linear by default) true against false, one process per run.
 """
 
 from __future__ import annotations
@@ -103,19 +104,43 @@ def attention(rounds: int) -> dict:
     return {"attention bf16": _pair(times, "plain ops", "function")}
 
 
-def whole_step(rounds: int, steps: int) -> dict:
-    images: dict[str, list[float]] = {"fused_linear=false": [], "fused_linear=true": []}
+def norms(rounds: int) -> dict:
+    """amp_o2's fp32 LayerNorm on bf16 activations, forward + backward: the hooks' upcast, norm and downcast against
+    precision.compile_norms's one compiled kernel (its compile happens in the first, untimed, call)."""
+    from torch import nn
+
+    from vitrain.precision import _working_copy, compile_norms_problem
+
+    if compile_norms_problem(torch.device("cpu")) is not None:
+        return {}
+    x = torch.randn(BATCH, TOKENS, WIDTH, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(BATCH, TOKENS, WIDTH, dtype=torch.bfloat16)
+    norm = nn.LayerNorm(WIDTH)
+
+    def run(module: nn.Module) -> None:
+        x.grad = norm.weight.grad = norm.bias.grad = None
+        module(x).backward(grad)
+
+    hooks, compiled = (_working_copy(norm, torch.bfloat16, compile_norms=c)[0] for c in (False, True))
+    times = _race({"hooks": lambda: run(hooks), "compiled": lambda: run(compiled)}, rounds)
+    return {f"LayerNorm ({WIDTH}) in fp32 on bf16": _pair(times, "hooks", "compiled")}
+
+
+def whole_step(rounds: int, steps: int, switch: str) -> dict:
+    off, on = f"{switch}=false", f"{switch}=true"
+    images: dict[str, list[float]] = {off: [], on: []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for variant in images:
                 out = Path(tmp) / f"{r}-{variant}.json"
-                cmd = [sys.executable, "-m", "vitrain", "bench", "run", *STEP, f"train.{variant}"]
+                cmd = [sys.executable, "-m", "vitrain", "bench", "run", *STEP, variant]
                 cmd += ["--steps", str(steps), "--warmup", "2", "--json", str(out)]
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
                 images[variant].append(json.loads(out.read_text())["images_per_s"])
                 print(f"[{r}] {variant}: {images[variant][-1]:.2f} images/s", flush=True)
     return {name: spread(v) for name, v in images.items()} | {
-        "speedup": paired_ratio(images["fused_linear=true"], images["fused_linear=false"]),
+        "switch": switch,
+        "speedup": paired_ratio(images[on], images[off]),
         "images_per_s_rounds": images,
     }
 
@@ -126,21 +151,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the layer and attention races")
     parser.add_argument("--step-rounds", type=int, default=5, help="rounds of the whole-step runs (0: skip)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--step-switch", default="train.fused_linear", help="the boolean the whole-step runs toggle")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     reuse_freed_host_memory()
     torch.manual_seed(0)
     result = {"cpu": cpu_description(), "threads": args.threads, "torch": torch.__version__}
-    result["layers"] = linear_layers(args.rounds) | attention(args.rounds)
+    result["layers"] = linear_layers(args.rounds) | attention(args.rounds) | norms(args.rounds)
     if args.step_rounds:
-        result["step"] = whole_step(args.step_rounds, steps=STEPS)
+        result["step"] = whole_step(args.step_rounds, STEPS, args.step_switch)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         "# vitrain's CPU kernels on ViT-S/16 shapes (batch 64, 224 px)",
         "",
         f"- {result['cpu']}; {args.threads} thread(s); torch {torch.__version__}",
-        f"- Command: `python benchmarks/cpu_kernels.py --out {args.out}`; contenders take turns, {args.rounds} rounds "
+        f"- Command: `python benchmarks/cpu_kernels.py {' '.join(sys.argv[1:])}`; contenders take turns, "
+        f"{args.rounds} rounds "
         "(each the median of 5 calls); speedup paired round by round, median (min-max); `~`: spread reaches 1.0x.",
         "",
         "| what | before, ms | after, ms | speedup |",
@@ -149,9 +176,13 @@ def main() -> None:
     for name, row in result["layers"].items():
         slow, fast = [v for k, v in row.items() if k != "speedup"]
         mark = " ~" if row["speedup"]["overlaps_1x"] else ""
-        what = f"{name} forward + backward, " + (
-            "plain ops -> one function" if "attention" in name else "addmm -> bias in oneDNN's GEMM"
-        )
+        if "attention" in name:
+            change = "plain ops -> one function"
+        elif "LayerNorm" in name:
+            change = "hooks (upcast, norm, downcast) -> one compiled kernel"
+        else:
+            change = "addmm -> bias in oneDNN's GEMM"
+        what = f"{name} forward + backward, {change}"
         speedup = format_spread(row["speedup"], 3)
         lines.append(f"| {what} | {format_spread(slow, 1)} | {format_spread(fast, 1)} | {speedup}x{mark} |")
     if "step" in result:
@@ -159,10 +190,10 @@ def main() -> None:
         mark = " ~" if s["speedup"]["overlaps_1x"] else ""
         lines += [
             "",
-            f"Whole step (`vitrain bench run {' '.join(STEP)} train.fused_linear=... --steps {STEPS} --warmup 2`, "
+            f"Whole step (`vitrain bench run {' '.join(STEP)} {s['switch']}=... --steps {STEPS} --warmup 2`, "
             "one process per run), images/s:",
-            f"fused_linear=false {format_spread(s['fused_linear=false'])}, fused_linear=true "
-            f"{format_spread(s['fused_linear=true'])}: **{format_spread(s['speedup'], 3)}x{mark}** paired by round.",
+            f"{s['switch']}=false {format_spread(s[s['switch'] + '=false'])}, true "
+            f"{format_spread(s[s['switch'] + '=true'])}: **{format_spread(s['speedup'], 3)}x{mark}** paired by round.",
         ]
     (args.out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

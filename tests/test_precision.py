@@ -120,6 +120,53 @@ def test_o2_vit_layernorms_fp32_other_weights_bf16(tiny_model):
         assert param.dtype == expected, name
 
 
+def _graph_names(t: torch.Tensor) -> set[str]:
+    names, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            todo += [n for n, _ in node.next_functions]
+    return names
+
+
+def test_o2_compile_norms_runs_each_layernorm_and_its_casts_as_one_compiled_kernel():
+    """precision.compile_norms: the same values and fp32 norm gradients as the cast hooks, through torch.compile."""
+    from vitrain.precision import CompiledFp32LayerNorm, compile_norms_problem
+
+    if compile_norms_problem(CPU) is not None:
+        pytest.skip(f"torch.compile needs {compile_norms_problem(CPU)}")
+    torch.manual_seed(0)
+    x = torch.randn(8, 12, 16)
+    results = []
+    for compile_norms in (False, True):
+        model = NormZoo()
+        working = policy("amp_o2", compile_norms=compile_norms).prepare(model)
+        assert (type(working.module.ln) is CompiledFp32LayerNorm) == compile_norms
+        assert type(working.module.gn) is nn.GroupNorm  # the other norms keep the hooks
+        torch.manual_seed(1)
+        ln_out = working.module.ln(x.to(torch.bfloat16).requires_grad_())
+        assert ln_out.dtype == torch.bfloat16
+        assert ("CompiledFunctionBackward" in _graph_names(ln_out)) == compile_norms
+        ln_out.float().square().sum().backward()
+        with torch.no_grad():  # evaluation: eager, the same values
+            eval_out = working.module.ln(x.to(torch.bfloat16))
+        results.append((ln_out, eval_out, model.ln.weight.grad, model.ln.bias.grad))
+        assert model.ln.weight.grad.dtype == torch.float32
+    for plain, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled.float(), plain.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_compile_norms_without_a_compiler_is_one_line_naming_the_field(monkeypatch):
+    from vitrain import precision
+
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(precision.shutil, "which", lambda name: None)
+    cfg = load_config(CONFIG_DIR / "digits.yaml", ["precision.compile_norms=true", "train.device=cpu"], check=False)
+    with pytest.raises(ConfigError, match=r"precision.compile_norms=true needs a C\+\+ compiler .* set it to false"):
+        precision.check(cfg)
+
+
 def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls(tiny_model):
     model = tiny_model
     pol = policy("amp_o1")

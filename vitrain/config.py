@@ -299,6 +299,11 @@ class PrecisionConfig:
     # amp_o2/pure: class names of the layers kept in fp32 beside the norms (LayerNorm, GroupNorm, RMSNorm, BatchNorm
     # always are), e.g. [Attention] for a model of your own whose softmax needs it.
     fp32_modules: tuple[str, ...] = ()
+    # amp_o2 with a working copy (parallel.strategy single, ddp, zero1): each LayerNorm's upcast, fp32 norm and
+    # downcast as one torch.compile'd kernel in training (the casts otherwise make two extra passes each way).
+    # Costs a compile in the first step (seconds; cached on disk after) and a C++ compiler on a CPU (Triton on a
+    # GPU). ViT-S/16 b64 on a 2-core Zen 4: docs/performance.md. Ignored by the other modes and strategies.
+    compile_norms: bool = False
 
 
 @dataclass

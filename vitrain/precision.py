@@ -38,17 +38,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import Config, PrecisionConfig
-from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, synchronize
+from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, resolve_device, synchronize
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.models.plan import keeps_fp32
 
@@ -255,6 +258,46 @@ def norm_output_to(dtype: torch.dtype):
     return hook
 
 
+def _layer_norm_in_fp32(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, shape: tuple[int, ...], eps: float
+) -> torch.Tensor:
+    return F.layer_norm(x.float(), shape, weight, bias, eps).to(x.dtype)
+
+
+@functools.cache
+def _compiled_layer_norm() -> Callable[..., torch.Tensor]:
+    """One compiled function for every norm of the run (weights are its inputs, so the shapes pick the graph)."""
+    return torch.compile(_layer_norm_in_fp32)
+
+
+class CompiledFp32LayerNorm(nn.LayerNorm):
+    """amp_o2's LayerNorm with precision.compile_norms: fp32 weights, input and output in the low dtype, the upcast,
+    the norm and the downcast compiled into one kernel forward and one backward (the plain path: a norm_in_fp32
+    pre-hook and a norm_output_to hook, four passes more over the activations per call). Evaluation runs eager:
+    no compile per evaluation batch shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        args = (x, self.weight, self.bias, tuple(self.normalized_shape), self.eps)
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # a compiled model fuses it itself
+            return _layer_norm_in_fp32(*args)
+        return _compiled_layer_norm()(*args)
+
+
+def compile_norms_problem(device: torch.device) -> str | None:
+    """Why precision.compile_norms cannot compile on `device` (None: it can): inductor builds C++ on a CPU and
+    Triton kernels on a GPU."""
+    if device.type == "cpu":
+        names = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+        if not any(name and shutil.which(name) for name in names):
+            return "a C++ compiler (g++, c++ or clang++ on PATH, or $CXX), which torch.compile needs on a CPU"
+        return None
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton, which torch.compile needs on a GPU"
+    return f"torch.compile's inductor backend on device type {device.type}"
+
+
 class PrecisionPolicy:
     """One precision mode applied from outside the model: preparation, autocast, loss scaling and the step."""
 
@@ -272,6 +315,7 @@ class PrecisionPolicy:
         self.strategy = strategy
         self.reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.fp32_modules = cfg.fp32_modules  # class names kept in fp32 beside the norms (a user's model)
+        self.compile_norms = cfg.compile_norms
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
         # fp32/bf16: a step whose loss or gradients hold inf/NaN is skipped, up to this many in a row, then the
         # run stops (fp16 has the loss scaler's own policy: skip, halve the scale, stop at the minimum).
@@ -304,7 +348,7 @@ class PrecisionPolicy:
                 if keeps_fp32(module, self.fp32_modules):
                     _compute_in_fp32(module)
         elif self.mode == "amp_o2" and self.strategy not in SHARDED:
-            working, self.pairs = _working_copy(model, self.dtype, self.fp32_modules)
+            working, self.pairs = _working_copy(model, self.dtype, self.fp32_modules, self.compile_norms)
         computing = parallelize(working, self.parallel_precision()) if parallelize is not None else working
         if self.mode == "pure" or (self.mode == "amp_o2" and self.strategy not in SHARDED):
             return LowPrecisionIO(computing, self.dtype)
@@ -513,13 +557,13 @@ def any_rank(flag: torch.Tensor) -> bool:
 
 
 def _working_copy(
-    model: nn.Module, dtype: torch.dtype, fp32_modules: tuple[str, ...] = ()
+    model: nn.Module, dtype: torch.dtype, fp32_modules: tuple[str, ...] = (), compile_norms: bool = False
 ) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
     """amp_o2's low-dtype copy of `model` and its (working, master) parameter pairs.
 
     Norm layers (and the classes named in precision.fp32_modules, with everything inside them) are not copied: the
     copy shares the master's fp32 parameters and running statistics and runs them in fp32 (inputs upcast on entry,
-    outputs cast back to `dtype`).
+    outputs cast back to `dtype`); with `compile_norms`, a plain LayerNorm does the three as one compiled kernel.
     """
     working = copy.deepcopy(model)
     pairs = []
@@ -532,7 +576,9 @@ def _working_copy(
                 setattr(work_mod, name, param)
             for name, buf in master_mod.named_buffers(recurse=False):
                 work_mod._buffers[name] = buf
-            if id(master_mod) not in inner:  # the top of a kept subtree: fp32 in, the low dtype out
+            if compile_norms and type(work_mod) is nn.LayerNorm:  # the casts inside its compiled kernel
+                work_mod.__class__ = CompiledFp32LayerNorm
+            elif id(master_mod) not in inner:  # the top of a kept subtree: fp32 in, the low dtype out
                 work_mod.register_forward_pre_hook(norm_in_fp32)
                 work_mod.register_forward_hook(norm_output_to(dtype))
             continue
@@ -612,6 +658,10 @@ def check(cfg: Config) -> None:
             f"{cfg.parallel.strategy} shards or broadcasts; use precision.mode=amp_o2 (fp32 master weights, "
             "sharded with the optimizer state) or parallel.strategy=ddp"
         )
+    if p.compile_norms:
+        problem = compile_norms_problem(resolve_device(cfg.train.device))
+        if problem is not None:
+            raise ConfigError(f"precision.compile_norms=true needs {problem}; install it or set it to false")
     if p.init_scale < p.min_scale or p.min_scale <= 0:
         raise ConfigError(f"precision.init_scale={p.init_scale} must be >= precision.min_scale={p.min_scale} > 0")
     if p.growth_interval <= 0 or p.max_overflows_at_min <= 0:
