@@ -658,7 +658,7 @@ def check(cfg: Config) -> None:
             f"{cfg.parallel.strategy} shards or broadcasts; use precision.mode=amp_o2 (fp32 master weights, "
             "sharded with the optimizer state) or parallel.strategy=ddp"
         )
-    if p.compile_norms:
+    if p.compile_norms and p.mode in ("auto", "amp_o2") and cfg.parallel.strategy not in SHARDED:
         problem = compile_norms_problem(resolve_device(cfg.train.device))
         if problem is not None:
             raise ConfigError(f"precision.compile_norms=true needs {problem}; install it or set it to false")

@@ -209,10 +209,18 @@ def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
         trainer.train_step(batch, cfg.optim.lr)
 
     c = trainer.cfg
-
+    chosen = (
+        ("precision.mode", cfg.precision.mode),
+        ("model.attention", cfg.model.attention),
+        ("optim.impl", cfg.optim.impl),
+    )
+    fixed = [f"{key}={value}" for key, value in chosen if value != "auto"]
+    fixed += ["precision.compile_norms=true"] if cfg.precision.compile_norms else []
+    fixed += ["train.fused_linear=false"] if not cfg.train.fused_linear else []
+    recipe = f"set: {', '.join(fixed)}" if fixed else "default recipe: auto values by autotune"
     setting = (
         f"{engine.precision_label}, AdamW {optimizer_kernel(c, trainer.device)}, attention {c.model.attention} "
-        f"(default recipe: auto values by autotune)"
+        f"({recipe})"
     )
     return Contender("vitrain", setting, _timed(trainer.device, body), dtype_key(engine.precision_label)), trainer
 
