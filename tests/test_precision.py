@@ -149,8 +149,9 @@ def test_o2_compile_norms_runs_each_layernorm_and_its_casts_as_one_compiled_kern
         assert ln_out.dtype == torch.bfloat16
         assert ("CompiledFunctionBackward" in _graph_names(ln_out)) == compile_norms
         ln_out.float().square().sum().backward()
-        with torch.no_grad():  # evaluation: eager, the same values
+        with torch.no_grad():  # evaluation: eager, the same values; an fp32 input still hands bf16 on
             eval_out = working.module.ln(x.to(torch.bfloat16))
+            assert working.module.ln(x).dtype == torch.bfloat16
         results.append((ln_out, eval_out, model.ln.weight.grad, model.ln.bias.grad))
         assert model.ln.weight.grad.dtype == torch.float32
     for plain, compiled in zip(*results, strict=True):
@@ -160,11 +161,12 @@ def test_o2_compile_norms_runs_each_layernorm_and_its_casts_as_one_compiled_kern
 def test_compile_norms_without_a_compiler_is_one_line_naming_the_field(monkeypatch):
     from vitrain import precision
 
-    monkeypatch.setenv("CXX", "")
     monkeypatch.setattr(precision.shutil, "which", lambda name: None)
     cfg = load_config(CONFIG_DIR / "digits.yaml", ["precision.compile_norms=true", "train.device=cpu"], check=False)
-    with pytest.raises(ConfigError, match=r"precision.compile_norms=true needs a C\+\+ compiler .* set it to false"):
+    with pytest.raises(ConfigError, match=r"precision.compile_norms=true needs the C\+\+ compiler .* set it to false"):
         precision.check(cfg)
+    for ignored in ("precision.mode=amp_o1", "parallel.strategy=zero2", "train.engine=deepspeed"):  # where it is off
+        precision.check(load_config(CONFIG_DIR / "digits.yaml", ["precision.compile_norms=true", ignored], check=False))
 
 
 def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls(tiny_model):

@@ -302,7 +302,8 @@ class PrecisionConfig:
     # amp_o2 with a working copy (parallel.strategy single, ddp, zero1): each LayerNorm's upcast, fp32 norm and
     # downcast as one torch.compile'd kernel in training (the casts otherwise make two extra passes each way).
     # Costs a compile in the first step (seconds; cached on disk after) and a C++ compiler on a CPU (Triton on a
-    # GPU). ViT-S/16 b64 on a 2-core Zen 4: docs/performance.md. Ignored by the other modes and strategies.
+    # GPU). ViT-S/16 b64 on a 2-core Zen 4: docs/performance.md. Ignored by the other modes and strategies and by
+    # train.engine=deepspeed.
     compile_norms: bool = False
 
 

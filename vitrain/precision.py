@@ -41,9 +41,11 @@ import copy
 import functools
 import os
 import shutil
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,8 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import Config, PrecisionConfig
-from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, resolve_device, synchronize
+from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, synchronize
 from vitrain.errors import ConfigError, VitrainError
+from vitrain.models.kernels import _plain_graph
 from vitrain.models.plan import keeps_fp32
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -259,9 +262,14 @@ def norm_output_to(dtype: torch.dtype):
 
 
 def _layer_norm_in_fp32(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, shape: tuple[int, ...], eps: float
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shape: tuple[int, ...],
+    eps: float,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return F.layer_norm(x.float(), shape, weight, bias, eps).to(x.dtype)
+    return F.layer_norm(x.float(), shape, weight, bias, eps).to(out_dtype)
 
 
 @functools.cache
@@ -276,9 +284,11 @@ class CompiledFp32LayerNorm(nn.LayerNorm):
     pre-hook and a norm_output_to hook, four passes more over the activations per call). Evaluation runs eager:
     no compile per evaluation batch shape."""
 
+    out_dtype: torch.dtype  # the working copy's low dtype (what norm_output_to hands on)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.weight, self.bias, tuple(self.normalized_shape), self.eps)
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # a compiled model fuses it itself
+        args = (x, self.weight, self.bias, tuple(self.normalized_shape), self.eps, self.out_dtype)
+        if not torch.is_grad_enabled() or _plain_graph():  # compile, export and tracing see the plain ops
             return _layer_norm_in_fp32(*args)
         return _compiled_layer_norm()(*args)
 
@@ -287,9 +297,13 @@ def compile_norms_problem(device: torch.device) -> str | None:
     """Why precision.compile_norms cannot compile on `device` (None: it can): inductor builds C++ on a CPU and
     Triton kernels on a GPU."""
     if device.type == "cpu":
-        names = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-        if not any(name and shutil.which(name) for name in names):
-            return "a C++ compiler (g++, c++ or clang++ on PATH, or $CXX), which torch.compile needs on a CPU"
+        from torch._inductor import config as inductor
+
+        compiler = inductor.cpp.cxx[-1] or "g++"  # what inductor builds with: $CXX, else g++ (clang++ on macOS)
+        if not shutil.which(compiler):
+            return f"the C++ compiler {compiler} ($CXX, else g++), which torch.compile builds CPU kernels with"
+        if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+            return "Python's headers (Python.h), which torch.compile builds CPU kernels against"
         return None
     if device.type == "cuda":
         from torch.utils._triton import has_triton
@@ -576,9 +590,12 @@ def _working_copy(
                 setattr(work_mod, name, param)
             for name, buf in master_mod.named_buffers(recurse=False):
                 work_mod._buffers[name] = buf
+            if id(master_mod) in inner:
+                continue
             if compile_norms and type(work_mod) is nn.LayerNorm:  # the casts inside its compiled kernel
                 work_mod.__class__ = CompiledFp32LayerNorm
-            elif id(master_mod) not in inner:  # the top of a kept subtree: fp32 in, the low dtype out
+                work_mod.out_dtype = dtype
+            else:  # the top of a kept subtree: fp32 in, the low dtype out
                 work_mod.register_forward_pre_hook(norm_in_fp32)
                 work_mod.register_forward_hook(norm_output_to(dtype))
             continue
@@ -658,8 +675,10 @@ def check(cfg: Config) -> None:
             f"{cfg.parallel.strategy} shards or broadcasts; use precision.mode=amp_o2 (fp32 master weights, "
             "sharded with the optimizer state) or parallel.strategy=ddp"
         )
-    if p.compile_norms and p.mode in ("auto", "amp_o2") and cfg.parallel.strategy not in SHARDED:
-        problem = compile_norms_problem(resolve_device(cfg.train.device))
+    native_unsharded = cfg.train.engine == "native" and cfg.parallel.strategy not in SHARDED
+    if p.compile_norms and p.mode in ("auto", "amp_o2") and native_unsharded:
+        device = cfg.train.device if cfg.train.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        problem = compile_norms_problem(torch.device(device))
         if problem is not None:
             raise ConfigError(f"precision.compile_norms=true needs {problem}; install it or set it to false")
     if p.init_scale < p.min_scale or p.min_scale <= 0:

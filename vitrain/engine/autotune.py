@@ -198,7 +198,10 @@ class _Race:
             parallel = dataclasses.replace(cfg.parallel, strategy="single", pipeline_stages=1)
         cfg = dataclasses.replace(
             cfg,
-            precision=dataclasses.replace(cfg.precision, mode=values.get("precision.mode", cfg.precision.mode)),
+            # compile_norms off in the race: its compile would land in a candidate's first step (the run keeps it)
+            precision=dataclasses.replace(
+                cfg.precision, mode=values.get("precision.mode", cfg.precision.mode), compile_norms=False
+            ),
             model=dataclasses.replace(cfg.model, attention=values.get("model.attention", cfg.model.attention)),
             parallel=parallel,
         )

@@ -96,6 +96,7 @@ def fuse_linear_bias(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is nn.Linear and module.bias is not None and module.weight.device.type in ("cpu", "meta"):
             module.__class__ = BiasInGemmLinear
+            module._swapped_by_vitrain = True  # unfuse_linear_bias gives back these only
             swapped += 1
     return swapped
 
@@ -105,7 +106,7 @@ def unfuse_linear_bias(model: nn.Module) -> int:
     with the classes it came with); returns how many."""
     swapped = 0
     for module in model.modules():
-        if type(module) is BiasInGemmLinear:
+        if type(module) is BiasInGemmLinear and module.__dict__.pop("_swapped_by_vitrain", False):
             module.__class__ = nn.Linear
             swapped += 1
     return swapped
