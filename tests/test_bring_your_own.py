@@ -20,6 +20,7 @@ from tests.conftest import run_cli
 from tests.distributed_helpers import run_two_ranks, tiny_config
 from vitrain.cli import main
 from vitrain.data import ImageSet, build_loaders
+from vitrain.errors import ConfigError
 from vitrain.models import build_model, plan_of
 from vitrain.tasks.evaluate import evaluate
 
@@ -206,6 +207,11 @@ def test_a_module_handed_to_the_library_leaves_with_its_own_layer_classes(tmp_pa
     vitrain.train("digits", [*overrides, "precision.mode=amp_o2", "train.fused_linear=true"], model=net)
     linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
     assert len(linears) == 7 and all(type(m) is nn.Linear for m in linears)
+    # a set-up that fails after the engine swapped them (a flat model cannot recompute blocks) gives them back too
+    flat = FlatNet(vitrain.load_config("digits", ["model.num_classes=10"]).model)
+    with pytest.raises(ConfigError, match="recomputes repeated blocks"):
+        vitrain.train("digits", [*overrides, "parallel.activation_checkpointing=block"], model=flat)
+    assert type(flat.head) is nn.Linear
 
 
 class FlatNet(nn.Module):

@@ -124,10 +124,14 @@ class Trainer:
         # The engine (train.engine) sets up precision, parallelism and the optimizers, and owns backward, step,
         # save and load (vitrain/engine/protocol.py); the step drives it (vitrain/engine/step.py).
         decided = self.tuned.precision(cfg.precision) if self.tuned is not None else None
-        self.engine = build_engine(cfg, model, self.dist, self.head, self.pipeline, precision=decided)
-        # Token dropping's draws and the task's teacher (train.distill) belong to the step (vitrain/engine/step.py).
-        token_drop, teacher = TokenDrop.from_config(cfg, self.dist.rank), teacher_of(self.task, self.engine)
-        self.train_step = TrainStep(self.engine, self.task.loss, t.accum_steps, token_drop, teacher)
+        try:
+            self.engine = build_engine(cfg, model, self.dist, self.head, self.pipeline, precision=decided)
+            # Token dropping's draws and the task's teacher (train.distill) belong to the step (engine/step.py).
+            token_drop, teacher = TokenDrop.from_config(cfg, self.dist.rank), teacher_of(self.task, self.engine)
+            self.train_step = TrainStep(self.engine, self.task.loss, t.accum_steps, token_drop, teacher)
+        except BaseException:
+            unfuse_linear_bias(model)  # a model handed in leaves a failed set-up as it came (close() after a run)
+            raise
         self.model = self.engine.model  # the single-device model: parameter names, complexity
         self.forward = self.engine.forward  # what computes the loss and the evaluation
         self.precision = getattr(self.engine, "precision", None)  # the native engine's policy (tools and tests)
