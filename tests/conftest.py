@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from vitrain.config import Config, ModelConfig, load_config
@@ -97,3 +98,14 @@ def shared_data(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"real data {path} is absent (it lives in ../shared/data beside the repo)")
     return path
+
+
+def graph_names(t: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes behind tensor `t` (which functions its backward runs)."""
+    names, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            todo += [n for n, _ in node.next_functions]
+    return names

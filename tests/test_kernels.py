@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import TINY_MODEL
+from tests.conftest import TINY_MODEL, graph_names
 from vitrain.config import Config
 from vitrain.models import kernels
 from vitrain.models.kernels import BiasInGemmLinear, cpu_kernels, fuse_linear_bias, manual_attention
@@ -65,17 +65,6 @@ def test_manual_attention_in_bf16_matches_the_plain_ops(seq_first: bool, monkeyp
         torch.testing.assert_close(dqkv, dref, rtol=1.6e-2, atol=1e-2)
 
 
-def _graph_names(t: torch.Tensor) -> set[str]:
-    """The autograd nodes' names behind `t`."""
-    names, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node.name() not in names:
-            names.add(node.name())
-            todo += [n for n, _ in node.next_functions]
-    return names
-
-
 def test_bias_in_gemm_function_has_addmms_values_and_gradients():
     """The function itself, in fp32 (oneDNN runs fp32 on every x86 CPU): forward and backward as F.linear's."""
     torch.manual_seed(2)
@@ -122,7 +111,7 @@ def test_bias_in_gemm_linear_computes_as_nn_linear():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 y = layer(xin)
             y.float().square().sum().backward()
-            outs.append((y, xin.grad, layer.weight.grad, layer.bias.grad, _graph_names(y)))
+            outs.append((y, xin.grad, layer.weight.grad, layer.bias.grad, graph_names(y)))
         (*new, name), (*ref, ref_name) = outs
         for a, e in zip(new, ref, strict=True):
             assert a.dtype == e.dtype

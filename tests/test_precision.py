@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.conftest import TINY_MODEL, TRUNK_FIELDS, model_overrides
+from tests.conftest import TINY_MODEL, TRUNK_FIELDS, graph_names, model_overrides
 from vitrain.config import CONFIG_DIR, OptimConfig, PrecisionConfig, load_config
 from vitrain.device import cpu_description
 from vitrain.engine import Trainer, runs
@@ -120,16 +120,6 @@ def test_o2_vit_layernorms_fp32_other_weights_bf16(tiny_model):
         assert param.dtype == expected, name
 
 
-def _graph_names(t: torch.Tensor) -> set[str]:
-    names, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node.name() not in names:
-            names.add(node.name())
-            todo += [n for n, _ in node.next_functions]
-    return names
-
-
 def test_o2_compile_norms_runs_each_layernorm_and_its_casts_as_one_compiled_kernel():
     """precision.compile_norms: the same values and fp32 norm gradients as the cast hooks, through torch.compile."""
     from vitrain.precision import CompiledFp32LayerNorm, compile_norms_problem
@@ -147,7 +137,7 @@ def test_o2_compile_norms_runs_each_layernorm_and_its_casts_as_one_compiled_kern
         torch.manual_seed(1)
         ln_out = working.module.ln(x.to(torch.bfloat16).requires_grad_())
         assert ln_out.dtype == torch.bfloat16
-        assert ("CompiledFunctionBackward" in _graph_names(ln_out)) == compile_norms
+        assert ("CompiledFunctionBackward" in graph_names(ln_out)) == compile_norms
         ln_out.float().square().sum().backward()
         with torch.no_grad():  # evaluation: eager, the same values; an fp32 input still hands bf16 on
             eval_out = working.module.ln(x.to(torch.bfloat16))
