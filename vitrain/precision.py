@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import Config, PrecisionConfig
-from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, synchronize
+from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, resolve_device, synchronize
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.models.kernels import _plain_graph
 from vitrain.models.plan import keeps_fp32
@@ -677,8 +677,7 @@ def check(cfg: Config) -> None:
         )
     native_unsharded = cfg.train.engine == "native" and cfg.parallel.strategy not in SHARDED
     if p.compile_norms and p.mode in ("auto", "amp_o2") and native_unsharded:
-        device = cfg.train.device if cfg.train.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        problem = compile_norms_problem(torch.device(device))
+        problem = compile_norms_problem(resolve_device(cfg.train.device))
         if problem is not None:
             raise ConfigError(f"precision.compile_norms=true needs {problem}; install it or set it to false")
     if p.init_scale < p.min_scale or p.min_scale <= 0:
