@@ -63,10 +63,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpu_free_env(nproc: int) -> dict[str, str]:
+    """The variables that keep `nproc` ranks started from here off the GPUs where this machine has fewer GPUs than
+    ranks (NCCL wants one per rank): each rank's train.device=auto then resolves to the CPU, and the ranks join with
+    gloo. Nothing where there are enough. Ask in the parent: a process that has asked CUDA keeps its answer."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < nproc else {}
+
+
 def run_two_ranks(job: Callable[..., None], *args: Any) -> None:
     """Run `job(*args)` in 2 processes joined in one group, as torchrun would set them up: gloo on CPUs, and on a
-    machine with fewer than 2 GPUs too (NCCL wants a GPU per rank), NCCL where there are 2."""
-    mp.spawn(_worker, args=(free_port(), job, args, torch.cuda.device_count() < 2), nprocs=2, join=True)
+    machine with fewer than 2 GPUs too (`gpu_free_env`), NCCL where there are 2."""
+    run_ranks(2, job, *args)
+
+
+def run_ranks(nproc: int, job: Callable[..., None], *args: Any) -> None:
+    """Run `job(*args)` in `nproc` processes joined in one group (gloo or NCCL as in `run_two_ranks`)."""
+    mp.spawn(_worker, args=(free_port(), nproc, job, args, gpu_free_env(nproc)), nprocs=nproc, join=True)
 
 
 def torchrun_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
@@ -80,10 +92,9 @@ def torchrun_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
     }
 
 
-def _worker(rank: int, port: int, job: Callable[..., None], args: tuple, hide_gpus: bool) -> None:
-    os.environ.update(torchrun_env(rank, port))
-    if hide_gpus:  # before anything in this fresh process asks CUDA: train.device=auto then resolves to the CPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+def _worker(rank: int, port: int, nproc: int, job: Callable[..., None], args: tuple, env: dict[str, str]) -> None:
+    # Before anything in this fresh process asks CUDA.
+    os.environ.update({**torchrun_env(rank, port, world_size=nproc), **env})
     from vitrain.parallel import shutdown
 
     try:

@@ -151,7 +151,9 @@ def test_the_trainer_keeps_freed_host_memory_unless_told_not_to(tmp_path, monkey
     monkeypatch.setattr(trainer_module, "reuse_freed_host_memory", lambda: calls.append(1))
     for switch, expected in (("true", [1]), ("false", [])):
         calls.clear()
-        cfg = load_config(None, tiny_overrides(tmp_path / switch, f"train.reuse_host_memory={switch}"))
+        # The host memory setting is a CPU run's: a GPU run leaves the C library's allocator as it is.
+        overrides = tiny_overrides(tmp_path / switch, f"train.reuse_host_memory={switch}", "train.device=cpu")
+        cfg = load_config(None, overrides)
         trainer_module.Trainer(cfg).close()
         assert calls == expected
 

@@ -23,7 +23,7 @@ def trained(tmp_path_factory):
     cfg = tiny_config(tmp_path_factory.mktemp("export"), "src", train={"max_steps": 2})
     trainer = Trainer(cfg)
     trainer.fit()
-    return cfg, unwrap(trainer.model), ckpt.latest(cfg.run_dir)
+    return cfg, unwrap(trainer.model).cpu(), ckpt.latest(cfg.run_dir)  # trained on a GPU where there is one
 
 
 def _export(checkpoint, out, fmt):
@@ -45,7 +45,7 @@ def test_init_from_an_export_starts_from_its_weights(trained, tmp_path):
     cfg, model, checkpoint = trained
     weights = _export(checkpoint, tmp_path / "out", "vitrain")
     fresh = tiny_config(tmp_path, "finetune", model={"init_from": str(weights)})
-    started = unwrap(Trainer(fresh).model)
+    started = unwrap(Trainer(fresh).model).cpu()
     images = torch.randn(3, 3, 8, 8)
     model.eval(), started.eval()
     torch.testing.assert_close(started(images), model(images), rtol=0, atol=0)
@@ -87,7 +87,7 @@ def test_timm_export_loads_strictly_into_timm_with_the_same_logits(tmp_path, var
     weights = _export(ckpt.latest(cfg.run_dir), tmp_path / "out", "timm")
     reference = timm_vit.VisionTransformer(**timm_kwargs(cfg.model))
     reference.load_state_dict(load_file(str(weights)), strict=True)
-    ours = unwrap(trainer.model)
+    ours = unwrap(trainer.model).cpu()
     reference.eval(), ours.eval()
     images = torch.randn(4, 3, 8, 8)
     with torch.no_grad():

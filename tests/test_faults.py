@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, model_overrides
-from tests.distributed_helpers import MODEL, free_port, losses, tiny_config, torchrun_env
+from tests.distributed_helpers import MODEL, free_port, gpu_free_env, losses, tiny_config, torchrun_env
 from vitrain import checkpoint as ckpt
 from vitrain.engine import Trainer
 from vitrain.engine.step import TrainStep
@@ -122,7 +122,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 def _two_rank_cli(tmp_path: Path, fault: str, *args: str) -> list[tuple[int, str, float]]:
     """Both ranks of a gloo job as separate processes (as torchrun starts them): [(exit code, stderr, exit time)]."""
     port = free_port()
-    env_base = {**os.environ, "VITRAIN_FAULT_LOG": str(tmp_path / "fault")}
+    env_base = {**os.environ, "VITRAIN_FAULT_LOG": str(tmp_path / "fault"), **gpu_free_env(2)}
     procs, logs = [], []
     try:
         for rank in range(2):
@@ -291,7 +291,7 @@ def _torchrun(*args: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
             f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "--no-python",
             sys.executable, str(RUNNER), *args,
         ],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **gpu_free_env(2)},
     )  # fmt: skip
 
 

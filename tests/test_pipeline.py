@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.distributed_helpers import free_port, losses, run_two_ranks, tiny_config, torchrun_env
+from tests.distributed_helpers import losses, run_ranks, run_two_ranks, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.config import load_config
 from vitrain.engine import Trainer
@@ -130,21 +128,17 @@ def test_a_one_process_checkpoint_resumes_pipelined(runs):
 # ------------------------------------------------------------------------------------------ PP x DP, 4 processes
 
 
-def _four_rank_worker(rank, port, out_dir):
-    os.environ.update(torchrun_env(rank, port, world_size=4))
-    try:
-        for strategy in ("ddp", "zero3"):
-            # 2 stages x 2 replicas of 8 images: the single process's global batch of 16.
-            cfg = tiny_config(out_dir, f"pp_dp_{strategy}", batch_size=8, model=MODEL, parallel=_pipelined("1f1b"))
-            cfg.parallel.strategy = strategy
-            Trainer(cfg).fit()
-    finally:
-        shutdown()
+def _four_rank_job(out_dir):
+    for strategy in ("ddp", "zero3"):
+        # 2 stages x 2 replicas of 8 images: the single process's global batch of 16.
+        cfg = tiny_config(out_dir, f"pp_dp_{strategy}", batch_size=8, model=MODEL, parallel=_pipelined("1f1b"))
+        cfg.parallel.strategy = strategy
+        Trainer(cfg).fit()
 
 
 @pytest.fixture(scope="module")
 def four_rank_runs(runs):
-    mp.spawn(_four_rank_worker, args=(free_port(), runs), nprocs=4, join=True)
+    run_ranks(4, _four_rank_job, runs)
     return runs
 
 

@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import REPO, TINY, model_overrides
 from tests.data_helpers import TREE_MODEL, write_shards
-from tests.distributed_helpers import MODEL, free_port, losses, tiny_config
+from tests.distributed_helpers import MODEL, free_port, gpu_free_env, losses, tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.config import config_from_dict, load_config
 from vitrain.data.loader import TRACE_ENV
@@ -37,9 +37,8 @@ def torchrun(fault: str, *args: str, env: dict | None = None, timeout: float = 2
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--monitor-interval=0.1", "--no-python", sys.executable, str(RUNNER), fault, "train", *args,
     ]  # fmt: skip
-    return subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+    env = {**os.environ, **gpu_free_env(2), **(env or {})}
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -137,7 +136,7 @@ def test_an_async_checkpoint_holds_the_weights_of_its_step_while_training_goes_o
     trainer = Trainer(cfg)
     trainer.fit()
     engine = trainer.engine
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    before = {k: v.cpu().clone() for k, v in trainer.model.state_dict().items()}  # the model may be on a GPU
     trainer.step += 1
     path = trainer.save()
     with torch.no_grad():  # training goes on while the files are written: the checkpoint keeps the step's weights
@@ -166,7 +165,7 @@ def test_async_staging_buffers_are_made_after_the_first_step_and_reused_by_every
     staging.prepare({"other": torch.ones(3)})  # a state of another layout: the next save stages it into new buffers
     staged = staging.stage(state)
     assert staging.preparing is None and staged["model"].keys() == state["model"].keys()
-    assert all(torch.equal(staged["model"][k], v) for k, v in state["model"].items())
+    assert all(torch.equal(staged["model"][k].cpu(), v.cpu()) for k, v in state["model"].items())
     trainer.close()
 
 
@@ -281,8 +280,9 @@ def test_two_launchers_as_two_nodes_train_resume_and_fail_together(tmp_path):
             "--monitor-interval=0.1", "-m", "vitrain", "train", *args,
         ]  # fmt: skip
         logs = [open(tmp_path / f"{name}-{node}.log", "w") for node in range(2)]
+        env = {**os.environ, **gpu_free_env(2)}  # one GPU: both nodes on the CPU
         return [
-            subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
             for log in logs
         ]
 

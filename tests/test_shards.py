@@ -15,7 +15,7 @@ import torch
 
 from tests.conftest import REPO, TINY, run_cli, shared_data
 from tests.data_helpers import TREE_MODEL, jpeg_bytes, make_tree, write_shards
-from tests.distributed_helpers import free_port
+from tests.distributed_helpers import free_port, gpu_free_env
 from vitrain.config import DataConfig, load_config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.loader import TRACE_ENV, Position
@@ -261,7 +261,8 @@ def test_seven_uneven_shards_on_two_ranks_train_to_the_end_without_a_hang(tmp_pa
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vitrain",
          "train", *TREE, "data.source=shards", f"data.root={tmp_path / 'seven'}", "train.batch_size=4",
          "train.epochs=2", "train.threads=1", "parallel.strategy=ddp", f"log.out_dir={tmp_path}/runs", "name=seven"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "MASTER_PORT": str(free_port())},
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "MASTER_PORT": str(free_port()), **gpu_free_env(2)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "runs" / "seven" / "summary.json").read_text())

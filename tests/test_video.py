@@ -260,9 +260,9 @@ def test_the_trainer_inflates_model_inflate_from_before_training(tmp_path):
                                  "model.inflate=center"])  # fmt: skip
     trainer = Trainer(cfg)
     try:
-        kernel = trainer.model.patch_embed.proj.weight.detach()
+        kernel = trainer.model.patch_embed.proj.weight.detach().cpu()  # the model may be on a GPU
         assert torch.equal(kernel[:, :, 1], image.patch_embed.proj.weight) and not kernel[:, :, 0].any()
-        assert torch.equal(trainer.model.blocks[1].mlp.fc2.weight, image.blocks[1].mlp.fc2.weight)
+        assert torch.equal(trainer.model.blocks[1].mlp.fc2.weight.cpu(), image.blocks[1].mlp.fc2.weight)
     finally:
         trainer.close()
 

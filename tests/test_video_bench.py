@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY, model_overrides
+from tests.distributed_helpers import gpu_free_env
 from tests.video_helpers import VIDEO_OVERRIDES
 from vitrain.cli import main
 from vitrain.config import load_config
@@ -81,7 +82,8 @@ def test_bench_times_the_video_step_under_zero3_on_two_ranks_as_the_docs_run_it(
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vitrain",
             "bench", "run", *BENCH, "parallel.strategy=zero3", "parallel.activation_checkpointing=block", "--synthetic",
             "--steps", "1", "--warmup", "1", "--json", str(out)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **gpu_free_env(2)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert (result["strategy"], result["world_size"], result["global_batch"]) == ("zero3", 2, 8)

@@ -46,7 +46,7 @@ def test_a_face_model_starts_from_a_classifier_and_keeps_its_neck_fresh(tmp_path
     save_file(classifier.state_dict(), str(tmp_path / "classifier.safetensors"))
     cfg.model.init_from = str(tmp_path / "classifier.safetensors")
     trainer = Trainer(cfg)
-    assert torch.equal(trainer.model.blocks[0].attn.qkv.weight, classifier.blocks[0].attn.qkv.weight)
+    assert torch.equal(trainer.model.blocks[0].attn.qkv.weight.cpu(), classifier.blocks[0].attn.qkv.weight)
 
 
 def test_lamb_on_a_sharded_head_is_refused():

@@ -39,6 +39,11 @@ def deferrable(cfg: Config) -> bool:
     return cfg.parallel.overlap_comm and cfg.train.accum_steps == 1
 
 
+# torch 2.13 renamed `reduce_scatter_tensor` (kept as a deprecated alias) to `reduce_scatter_single`; 2.11 has only
+# the old name (seen on a GPU machine's torch 2.11: every deferred zero2/zero3 step failed there).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class OverlappedReduceScatter:
     """FSDP2's reduce-scatter (its `ReduceScatter` interface) as the process group's own, not waited for here."""
 
@@ -57,7 +62,7 @@ class OverlappedReduceScatter:
         async_op: bool = False,
     ):
         # The work holds both tensors until it completes; FSDP2 reads `output_tensor` only after `wait`.
-        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=True)
         self.pending.append(work)
 
     def wait(self) -> None:
@@ -83,7 +88,8 @@ def overlap_collectives(
             continue
         own = {p.dtype for p in module.parameters(recurse=False)} or {p.dtype for p in module.parameters()}
         reduced_in = torch.float32 if id(module) in fp32_ids else reduce_dtype
-        if reduced_in is None or own == {reduced_in}:  # the shard is not cast after its reduction
+        # The shard is not cast after its reduction; a torch without FSDP2's seam keeps its blocking call.
+        if (reduced_in is None or own == {reduced_in}) and hasattr(module, "set_custom_reduce_scatter"):
             module.set_custom_reduce_scatter(comm)
     units = list(units)
     if len(units) > 1:
