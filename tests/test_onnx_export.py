@@ -52,7 +52,8 @@ def test_a_digits_run_exports_a_graph_whose_logits_match_pytorchs_to_1e4(digits_
     assert [(i.name, i.shape) for i in session.get_inputs()] == [("images", ["batch", 1, 16, 16])]
     assert [o.name for o in session.get_outputs()] == ["logits"]
     images, _ = next(iter(trainer.task.val_loader.epoch(0)))  # real digits, normalized as in training
-    model = unwrap(trainer.model).cpu().eval()  # trained on a GPU where there is one; onnxruntime runs on the CPU
+    # Trained and loaded on a GPU where there is one; onnxruntime runs on the CPU.
+    images, model = images.cpu(), unwrap(trainer.model).cpu().eval()
     for batch in (1, 5, len(images)):
         with torch.no_grad():
             expected = model(images[:batch]).numpy()

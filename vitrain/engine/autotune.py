@@ -314,8 +314,9 @@ def _one_at_a_time(
             torch.cuda.empty_cache()
     seconds.update(measured)
     batch = race.cfg.train.batch_size
+    why = "a GPU times each alone" if race.device.type == "cuda" else "they would not all fit at once"
     rounds.append(
-        "one candidate at a time (they would not all fit at once): "
+        f"one candidate at a time ({why}): "
         + ", ".join(f"{label} {batch / t:.1f} img/s" for label, t in measured.items())
     )
     return labels[min(measured, key=measured.get)]
