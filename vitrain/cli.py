@@ -192,9 +192,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, then overrides")
     run.add_argument(
-        "--steps", type=int, default=None, help="timed optimizer steps (default 5; ladder rows 3; peers: rounds, 7)"
+        "--steps",
+        type=int,
+        default=None,
+        help="timed optimizer steps (default 5; ladder rows 3, 20 on a GPU; peers: rounds, 7)",
     )
-    run.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 1; peers 3)")
+    run.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 1, 5 on a GPU; peers 3)"
+    )
     run.add_argument(
         "--synthetic",
         action="store_true",

@@ -220,8 +220,10 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     cfg = load_config(resolve_config_path(name) if name else None, (DEFAULT_BASE if name is None else []) + overrides)
     device = "cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu"
     nproc = args.nproc or default_nproc(device)
-    steps = args.steps or 3
-    warmup = 1 if args.warmup is None else args.warmup
+    # A GPU step of these models takes about 0.1 s: 3 of them could not rank the rows of a one-H100 ViT-B/16 ladder
+    # (results/cuda-h100), so a GPU times 20 after 5 (cuDNN and allocator warm-up).
+    steps = args.steps or (3 if device == "cpu" else 20)
+    warmup = (1 if device == "cpu" else 5) if args.warmup is None else args.warmup
     repeats = getattr(args, "repeats", None) or 1
     batch = (
         cfg.train.batch_size
