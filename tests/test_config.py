@@ -109,6 +109,16 @@ def test_wrong_type_names_field():
         load_config(None, ["model.depth=six"])
 
 
+def test_a_switch_of_true_false_or_auto_takes_each_and_refuses_others_in_one_line():
+    for given, expected in (("true", True), ("off", False), ("auto", "auto")):
+        cfg = load_config(overrides=[f"precision.compile_norms={given}"], check=False)  # true: a compiler or not
+        assert cfg.precision.compile_norms == expected
+    with pytest.raises(
+        ConfigError, match=r"precision\.compile_norms='maybe' is not allowed; choose one of: true, false, auto"
+    ):
+        load_config(overrides=["precision.compile_norms=maybe"])
+
+
 def test_bad_choice_lists_alternatives():
     with pytest.raises(ConfigError, match=r"model\.pool=mean is not allowed"):
         load_config(None, ["model.pool=mean"])

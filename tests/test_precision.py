@@ -159,6 +159,23 @@ def test_compile_norms_without_a_compiler_is_one_line_naming_the_field(monkeypat
         precision.check(load_config(CONFIG_DIR / "digits.yaml", ["precision.compile_norms=true", ignored], check=False))
 
 
+def test_compile_norms_auto_compiles_on_a_cpu_that_can_build_and_keeps_the_hooks_elsewhere(monkeypatch):
+    from vitrain import precision
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(precision, "compile_norms_problem", lambda device: None)
+    assert precision.compiles_norms("auto", cpu) and not precision.compiles_norms("auto", gpu)  # a GPU: unmeasured
+    assert precision.compiles_norms(True, gpu) and not precision.compiles_norms(False, cpu)
+    monkeypatch.setattr(precision, "compile_norms_problem", lambda device: "the C++ compiler g++")
+    assert not precision.compiles_norms("auto", cpu)  # no compiler: the hooks, and no error
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    working = policy("amp_o2", compile_norms="auto").prepare(model)
+    assert type(working.module[1]) is nn.LayerNorm
+    cfg = load_config(CONFIG_DIR / "digits.yaml", ["precision.mode=amp_o2", "train.device=cpu"], check=False)
+    assert cfg.precision.compile_norms == "auto"
+    precision.check(cfg)  # auto never asks for a compiler
+
+
 def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls(tiny_model):
     model = tiny_model
     pol = policy("amp_o1")

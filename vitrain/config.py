@@ -302,9 +302,10 @@ class PrecisionConfig:
     # amp_o2 with a working copy (parallel.strategy single, ddp, zero1): each LayerNorm's upcast, fp32 norm and
     # downcast as one torch.compile'd kernel in training (the casts otherwise make two extra passes each way).
     # Costs a compile in the first step (seconds; cached on disk after) and a C++ compiler on a CPU (Triton on a
-    # GPU). ViT-S/16 b64 on a 2-core Zen 4: docs/performance.md. Ignored by the other modes and strategies and by
-    # train.engine=deepspeed.
-    compile_norms: bool = False
+    # GPU). auto: on a CPU whose C++ compiler and Python headers are there (steps 1.03-1.07x faster on a 2-core
+    # Zen 4: docs/performance.md), off elsewhere; true: wherever it applies, and a missing compiler is an error.
+    # Ignored by the other modes and strategies and by train.engine=deepspeed.
+    compile_norms: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -741,7 +742,15 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], name)
+        if len(inner) == 1:
+            return _coerce(value, inner[0], name)
+        for member in inner:  # e.g. bool | Literal["auto"]: the first member that takes the value
+            try:
+                return _coerce(value, member, name)
+            except ConfigError:
+                pass
+        allowed = ", ".join("true, false" if a is bool else _type_name(a).replace("|", ", ") for a in inner)
+        raise ConfigError(f"{name}={value!r} is not allowed; choose one of: {allowed}")
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

@@ -312,6 +312,15 @@ def compile_norms_problem(device: torch.device) -> str | None:
     return f"torch.compile's inductor backend on device type {device.type}"
 
 
+def compiles_norms(setting: bool | str, device: torch.device) -> bool:
+    """Whether amp_o2's norms compile under precision.compile_norms=`setting` on `device`. auto: on a CPU that can
+    build inductor's kernels (ViT-S/16 and ViT-Ti/16 steps 1.03-1.07x on a 2-core Zen 4, docs/performance.md); off
+    on a GPU, where its effect is not measured."""
+    if setting == "auto":
+        return device.type == "cpu" and compile_norms_problem(device) is None
+    return bool(setting)
+
+
 class PrecisionPolicy:
     """One precision mode applied from outside the model: preparation, autocast, loss scaling and the step."""
 
@@ -329,7 +338,7 @@ class PrecisionPolicy:
         self.strategy = strategy
         self.reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.fp32_modules = cfg.fp32_modules  # class names kept in fp32 beside the norms (a user's model)
-        self.compile_norms = cfg.compile_norms
+        self.compile_norms = compiles_norms(cfg.compile_norms, device)
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
         # fp32/bf16: a step whose loss or gradients hold inf/NaN is skipped, up to this many in a row, then the
         # run stops (fp16 has the loss scaler's own policy: skip, halve the scale, stop at the minimum).
@@ -676,7 +685,7 @@ def check(cfg: Config) -> None:
             "sharded with the optimizer state) or parallel.strategy=ddp"
         )
     native_unsharded = cfg.train.engine == "native" and cfg.parallel.strategy not in SHARDED
-    if p.compile_norms and p.mode in ("auto", "amp_o2") and native_unsharded:
+    if p.compile_norms is True and p.mode in ("auto", "amp_o2") and native_unsharded:
         problem = compile_norms_problem(resolve_device(cfg.train.device))
         if problem is not None:
             raise ConfigError(f"precision.compile_norms=true needs {problem}; install it or set it to false")

@@ -215,7 +215,8 @@ def vitrain_contender(cfg: Config, images, labels) -> tuple[Contender, Any]:
         ("optim.impl", cfg.optim.impl),
     )
     fixed = [f"{key}={value}" for key, value in chosen if value != "auto"]
-    fixed += ["precision.compile_norms=true"] if cfg.precision.compile_norms else []
+    if cfg.precision.compile_norms != "auto":
+        fixed.append(f"precision.compile_norms={str(cfg.precision.compile_norms).lower()}")
     fixed += ["train.fused_linear=false"] if not cfg.train.fused_linear else []
     recipe = f"set: {', '.join(fixed)}" if fixed else "default recipe: auto values by autotune"
     setting = (
