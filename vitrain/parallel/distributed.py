@@ -143,7 +143,11 @@ def shutdown() -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         for obj in gc.get_objects():
-            if isinstance(obj, DeviceMesh):
+            try:
+                is_mesh = isinstance(obj, DeviceMesh)
+            except ReferenceError:  # a weakref.proxy whose object is gone (torch.compile's caches leave them)
+                continue
+            if is_mesh:
                 getattr(obj, "_pg_registry", {}).clear()
     gc.collect()
 
