@@ -10,6 +10,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,17 @@ def _history(client, run_id: str, name: str) -> dict[int, float]:
 
 
 def _wandb_records(run_dir: Path) -> list:
+    """Every record of the run's offline W&B files, oldest first, once the last run's exit record is on disk: W&B's
+    own process writes them, and one CI run under load read the file before its records were there."""
+    deadline = time.monotonic() + 30
+    while True:
+        records = _read_wandb_records(run_dir)
+        if _of_kind(records, "run") and _of_kind(records, "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _read_wandb_records(run_dir: Path) -> list:
     """Every record of the run's offline W&B files, oldest first: leveldb-style log blocks after a 7-byte header."""
     from wandb.proto import wandb_internal_pb2
 
