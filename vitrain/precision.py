@@ -338,7 +338,7 @@ class PrecisionPolicy:
         self.strategy = strategy
         self.reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.fp32_modules = cfg.fp32_modules  # class names kept in fp32 beside the norms (a user's model)
-        self.compile_norms = compiles_norms(cfg.compile_norms, device)
+        self.compile_norms = cfg.compile_norms  # resolved where a working copy is made (auto imports inductor)
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
         # fp32/bf16: a step whose loss or gradients hold inf/NaN is skipped, up to this many in a row, then the
         # run stops (fp16 has the loss scaler's own policy: skip, halve the scale, stop at the minimum).
@@ -371,7 +371,8 @@ class PrecisionPolicy:
                 if keeps_fp32(module, self.fp32_modules):
                     _compute_in_fp32(module)
         elif self.mode == "amp_o2" and self.strategy not in SHARDED:
-            working, self.pairs = _working_copy(model, self.dtype, self.fp32_modules, self.compile_norms)
+            compiled = compiles_norms(self.compile_norms, self.device)
+            working, self.pairs = _working_copy(model, self.dtype, self.fp32_modules, compiled)
         computing = parallelize(working, self.parallel_precision()) if parallelize is not None else working
         if self.mode == "pure" or (self.mode == "amp_o2" and self.strategy not in SHARDED):
             return LowPrecisionIO(computing, self.dtype)
