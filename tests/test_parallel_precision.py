@@ -17,7 +17,7 @@ from vitrain.device import BF16_UNITS_ENV
 from vitrain.engine import Trainer
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
-from vitrain.precision import resolve, time_block_modes
+from vitrain.precision import CompiledFp32LayerNorm, compile_norms_problem, resolve, time_block_modes
 
 AMP_O2 = {"mode": "amp_o2", "dtype": "bf16"}
 PURE = {"mode": "pure", "dtype": "bf16"}
@@ -27,6 +27,7 @@ VARIANTS = {
     "o2_zero1": (AMP_O2, {"strategy": "zero1"}),
     "o2_zero2": (AMP_O2, {"strategy": "zero2"}),
     "o2_zero3": (AMP_O2, {"strategy": "zero3"}),
+    "o2_zero3_norm_hooks": ({**AMP_O2, "compile_norms": False}, {"strategy": "zero3"}),
     "o2_zero3_ac": (AMP_O2, {"strategy": "zero3", "activation_checkpointing": "block"}),
     "o2_zero3_sublayer": (AMP_O2, {"strategy": "zero3", "wrap": "sublayer"}),
     "o2_zero3_reduce_bf16": ({**AMP_O2, "reduce_dtype": "bf16"}, {"strategy": "zero3"}),
@@ -46,11 +47,11 @@ def _train_variants(out_dir):
 
 
 def _inspect_dtypes(out_dir):
-    """One forward and backward of zero3 and ddp under amp_o2; each rank writes what the modules saw."""
-    # The cast hooks' path: with precision.compile_norms (auto on a CPU that has a compiler) the casts run inside the
-    # norm, so its input is bf16 there (tests/test_precision.py checks that path's values).
-    precision = {**AMP_O2, "compile_norms": False}
-    for strategy in ("zero3", "ddp"):
+    """One forward and backward of zero3, ddp and zero2 under amp_o2; each rank writes what the modules saw."""
+    # zero3, ddp: the cast hooks' path. zero2: precision.compile_norms=auto, compiled where this CPU can build
+    # inductor's kernels; the casts then run inside the norm, so its input is bf16 there.
+    for strategy, compile_norms in (("zero3", False), ("ddp", False), ("zero2", "auto")):
+        precision = {**AMP_O2, "compile_norms": compile_norms}
         trainer = Trainer(
             tiny_config(
                 out_dir, f"inspect_{strategy}", batch_size=8, precision=precision, parallel={"strategy": strategy}
@@ -89,7 +90,9 @@ def _inspect_dtypes(out_dir):
             ],
             "model_params": {n: str(p.dtype) for n, p in trainer.model.named_parameters()},
         }
-        if strategy == "zero3":
+        if strategy == "zero2":
+            report["norm_compiled"] = isinstance(trainer.model.blocks[0].norm1, CompiledFp32LayerNorm)
+        elif strategy == "zero3":
             state = trainer.model.blocks[0]._get_fsdp_state()._fsdp_param_group.mp_policy
             report["block_policy"] = [str(state.param_dtype), str(state.reduce_dtype)]
         else:
@@ -135,6 +138,21 @@ def test_zero3_amp_o2_steps_fp32_shards_computes_bf16_and_keeps_norms_fp32(runs,
         assert seen == {"weight": expected, "input": expected}, name
     assert {n for n in report["seen"] if "norm" in n} >= {"blocks.0.norm1", "blocks.1.norm2", "norm"}
     assert report["block_policy"] == ["torch.bfloat16", "torch.float32"]  # precision.reduce_dtype defaults to fp32
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_zero2_amp_o2_computes_its_fp32_norms_in_one_compiled_kernel_where_the_cpu_can_build_it(runs, rank):
+    report = json.loads((runs / f"inspect_zero2_rank{rank}.json").read_text())
+    compiled = compile_norms_problem(torch.device("cpu")) is None
+    assert report["norm_compiled"] == compiled
+    assert all(p["dtype"] == p["grad"] == "torch.float32" and p["sharded"] for p in report["optimized"])
+    for name, seen in report["seen"].items():
+        norm = "norm" in name
+        weight, given = (
+            ("torch.float32", "torch.bfloat16" if compiled else "torch.float32") if norm else 2 * ("torch.bfloat16",)
+        )
+        assert seen == {"weight": weight, "input": given}, name
+    assert {n for n in report["seen"] if "norm" in n} >= {"blocks.0.norm1", "blocks.1.norm2", "norm"}
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -155,7 +155,12 @@ def test_compile_norms_without_a_compiler_is_one_line_naming_the_field(monkeypat
     cfg = load_config(CONFIG_DIR / "digits.yaml", ["precision.compile_norms=true", "train.device=cpu"], check=False)
     with pytest.raises(ConfigError, match=r"precision.compile_norms=true needs the C\+\+ compiler .* set it to false"):
         precision.check(cfg)
-    for ignored in ("precision.mode=amp_o1", "parallel.strategy=zero2", "train.engine=deepspeed"):  # where it is off
+    zero2 = load_config(
+        CONFIG_DIR / "digits.yaml", ["precision.compile_norms=true", "parallel.strategy=zero2"], check=False
+    )
+    with pytest.raises(ConfigError, match=r"precision.compile_norms=true needs"):  # FSDP2's fp32 norm unit compiles too
+        precision.check(zero2)
+    for ignored in ("precision.mode=amp_o1", "train.engine=deepspeed"):  # where it is off
         precision.check(load_config(CONFIG_DIR / "digits.yaml", ["precision.compile_norms=true", ignored], check=False))
 
 

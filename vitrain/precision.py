@@ -75,6 +75,7 @@ class ParallelPrecision:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     fp32_modules: tuple[str, ...] = ()  # class names kept in fp32 beside the norms (precision.fp32_modules)
+    compile_norms: bool = False  # FSDP2's fp32 LayerNorms compute as CompiledFp32LayerNorm (precision.compile_norms)
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,17 @@ class CompiledFp32LayerNorm(nn.LayerNorm):
         return _compiled_layer_norm()(*args)
 
 
+def fp32_between(module: nn.Module, dtype: torch.dtype, compile_norms: bool) -> None:
+    """Make `module` (fp32 weights) take its inputs upcast to fp32 and hand its output on in `dtype`: a plain
+    LayerNorm under `compile_norms` as one compiled kernel, anything else through a pre-hook and a hook."""
+    if compile_norms and type(module) is nn.LayerNorm:
+        module.__class__ = CompiledFp32LayerNorm
+        module.out_dtype = dtype
+    else:
+        module.register_forward_pre_hook(norm_in_fp32)
+        module.register_forward_hook(norm_output_to(dtype))
+
+
 def compile_norms_problem(device: torch.device) -> str | None:
     """Why precision.compile_norms cannot compile on `device` (None: it can): inductor builds C++ on a CPU and
     Triton kernels on a GPU."""
@@ -382,7 +394,11 @@ class PrecisionPolicy:
         """What the parallel strategy must apply for low-precision weights; None when the weights are fp32."""
         if self.mode in ("fp32", "amp_o1"):
             return None
-        return ParallelPrecision(self.dtype, self.reduce_dtype, self.fp32_modules)
+        # Resolved only for FSDP2's amp_o2 (a DDP hook never reads it; auto imports inductor's config).
+        compiled = (
+            self.mode == "amp_o2" and self.strategy in SHARDED and compiles_norms(self.compile_norms, self.device)
+        )
+        return ParallelPrecision(self.dtype, self.reduce_dtype, self.fp32_modules, compiled)
 
     def sync_working_copy(self) -> None:
         """Refresh the low-dtype working weights from the fp32 master (after a step or a checkpoint load)."""
@@ -602,12 +618,7 @@ def _working_copy(
                 work_mod._buffers[name] = buf
             if id(master_mod) in inner:
                 continue
-            if compile_norms and type(work_mod) is nn.LayerNorm:  # the casts inside its compiled kernel
-                work_mod.__class__ = CompiledFp32LayerNorm
-                work_mod.out_dtype = dtype
-            else:  # the top of a kept subtree: fp32 in, the low dtype out
-                work_mod.register_forward_pre_hook(norm_in_fp32)
-                work_mod.register_forward_hook(norm_output_to(dtype))
+            fp32_between(work_mod, dtype, compile_norms)  # the top of a kept subtree
             continue
         for name, param in list(work_mod.named_parameters(recurse=False)):
             low = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
@@ -685,8 +696,7 @@ def check(cfg: Config) -> None:
             f"{cfg.parallel.strategy} shards or broadcasts; use precision.mode=amp_o2 (fp32 master weights, "
             "sharded with the optimizer state) or parallel.strategy=ddp"
         )
-    native_unsharded = cfg.train.engine == "native" and cfg.parallel.strategy not in SHARDED
-    if p.compile_norms is True and p.mode in ("auto", "amp_o2") and native_unsharded:
+    if p.compile_norms is True and p.mode in ("auto", "amp_o2") and cfg.train.engine == "native":
         problem = compile_norms_problem(resolve_device(cfg.train.device))
         if problem is not None:
             raise ConfigError(f"precision.compile_norms=true needs {problem}; install it or set it to false")

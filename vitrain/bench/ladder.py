@@ -101,6 +101,7 @@ POOLED = ["model.pool=gap"]
 SEQ_FIRST = ["model.layout=seq_first"]
 BF16_GRADIENTS = "precision.reduce_dtype=bf16"
 BLOCKING = "parallel.overlap_comm=false"  # FSDP2's reduce-scatters and all-gathers block the compute thread (a CPU)
+NORM_HOOKS = "precision.compile_norms=false"  # amp_o2's fp32 norms through cast hooks, not one compiled kernel
 TOKEN_DROP = ["train.token_drop=0.5"]  # half the patch tokens of each image (vitrain/engine/token_drop.py)
 
 
@@ -176,6 +177,9 @@ def rows() -> list[Row]:
         # parallel.overlap_comm's measured effect: the same rows with FSDP2's collectives blocking, as FSDP2 calls them.
         Row("native zero2, collectives blocking", engines, compare("zero2", BLOCKING), _multi),
         Row("native zero3, collectives blocking", engines, compare("zero3", BLOCKING), _multi),
+        # precision.compile_norms's measured effect on FSDP2's fp32 norm unit (auto compiles them on a CPU that can).
+        Row("native zero2, norm cast hooks", engines, compare("zero2", NORM_HOOKS), _multi),
+        Row("native zero3, norm cast hooks", engines, compare("zero3", NORM_HOOKS), _multi),
         # Both averaging gradients in bf16, DeepSpeed's own default (engine.communication_data_type).
         Row("native zero2, bf16 gradients", engines, compare("zero2", BF16_GRADIENTS), _bf16_multi),
         Row(
@@ -194,6 +198,12 @@ def rows() -> list[Row]:
 OVERLAP_VS_BLOCKING = (
     ("native zero2", "native zero2, collectives blocking"),
     ("native zero3", "native zero3, collectives blocking"),
+)
+
+# precision.compile_norms's effect: each native sharded row (norms compiled where auto can) against the cast hooks.
+COMPILED_VS_HOOKS = (
+    ("native zero2", "native zero2, norm cast hooks"),
+    ("native zero3", "native zero3, norm cast hooks"),
 )
 
 # The issue's comparison: vitrain's own ZeRO stage against DeepSpeed's, same precision and batch.
@@ -221,9 +231,11 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     device = "cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu"
     nproc = args.nproc or default_nproc(device)
     # A GPU step of these models takes about 0.1 s: 3 of them could not rank the rows of a one-H100 ViT-B/16 ladder
-    # (results/cuda-h100), so a GPU times 20 after 5 (cuDNN and allocator warm-up).
+    # (results/cuda-h100), so a GPU times 20 after 5 (cuDNN and allocator warm-up). A CPU times 3 after 2: with
+    # compiled norms (precision.compile_norms=auto) the step after the compiling one still ran 1.2x slower under
+    # 2-rank zero2 (ViT-Ti/16, a ninth session's docs/performance.md).
     steps = args.steps or (3 if device == "cpu" else 20)
-    warmup = (1 if device == "cpu" else 5) if args.warmup is None else args.warmup
+    warmup = (2 if device == "cpu" else 5) if args.warmup is None else args.warmup
     repeats = getattr(args, "repeats", None) or 1
     batch = (
         cfg.train.batch_size
@@ -394,6 +406,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
     by_name = {r.name: r for r in table_rows}
     engine_pairs = _pairs(by_name, NATIVE_VS_DEEPSPEED, ("native", "deepspeed"))
     overlap_pairs = _pairs(by_name, OVERLAP_VS_BLOCKING, ("overlapped", "blocking"))
+    norm_pairs = _pairs(by_name, COMPILED_VS_HOOKS, ("compiled", "hooks"))
     return {
         "model": first.get("model", f"{cfg.model.preset}"),
         "device": first.get("device") or (cpu_description() if ctx.device == "cpu" else torch.cuda.get_device_name()),
@@ -411,6 +424,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         "rows": out_rows,
         "native_vs_deepspeed": engine_pairs,
         "overlap_vs_blocking": overlap_pairs,
+        "compiled_norms_vs_hooks": norm_pairs,
     }
 
 
@@ -504,6 +518,13 @@ PAIR_TABLES: tuple[tuple[str, str, str, Callable[[dict[str, Any]], tuple[str, st
         "by round, median (min-max); each row's FSDP unit as autotune picked it for that setting):",
         "| overlapped | vs | images/s ratio | peak GiB overlapped / blocking |",
         lambda p: (f"{p['overlapped']} (unit: {p['wrap']})", f"{p['blocking']} (unit: {p['wrap_other']})"),
+    ),
+    (
+        "compiled_norms_vs_hooks",
+        "precision.compile_norms: FSDP2's fp32 norms as one compiled kernel each (auto, where this CPU can build it) "
+        "against the cast hooks (images/s ratio paired round by round, median (min-max)):",
+        "| compiled | vs | images/s ratio | peak GiB compiled / hooks |",
+        lambda p: (f"{p['compiled']} (unit: {p['wrap']})", f"{p['hooks']} (unit: {p['wrap_other']})"),
     ),
 )
 

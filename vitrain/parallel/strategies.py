@@ -107,7 +107,7 @@ def fully_shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from vitrain.precision import norm_in_fp32, norm_output_to
+    from vitrain.precision import fp32_between
 
     plan = plan_of(model, cfg.wrap, cfg.block, precision.fp32_modules if precision is not None else ())
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
@@ -133,18 +133,18 @@ def fully_shard_model(
         # forward to backward under zero3 too: norms hold a few thousand values per block, and one unit is one
         # all-gather and one reduce-scatter per step instead of one of each per block, each of which waits for the
         # slowest rank (the step breakdown in docs/performance.md). Each norm hands its output on in the compute
-        # dtype of the unit around it. FSDP2 casts a group's inputs only where the group's forward starts, so every
-        # norm upcasts its own: a CUDA LayerNorm refuses bf16 inputs with fp32 weights, and a CPU one would run on
-        # bf16 inputs. Other modules kept fp32 (precision.fp32_modules) may be large: their groups follow the
-        # strategy's resharding.
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        # dtype of the unit around it. FSDP2 would cast a group's inputs only where the group's forward starts, so
+        # it casts none and every norm upcasts its own (a CUDA LayerNorm refuses bf16 inputs with fp32 weights, and
+        # a CPU one would run on bf16 inputs): under precision.compile_norms a plain LayerNorm inside its compiled
+        # kernel, else a pre-hook. Other modules kept fp32 (precision.fp32_modules) may be large: their groups
+        # follow the strategy's resharding.
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         groups = [(plan.norms, {**shard, "reshard_after_forward": False})] if plan.norms else []
         groups += [(group, shard) for group in plan.fp32_groups]
         for group, how in groups:
+            for module in group:  # before FSDP2 subclasses it: a compiled norm is picked by its exact class
+                fp32_between(module, precision.param_dtype, precision.compile_norms)
             fully_shard(group, mp_policy=fp32, **how)
-            for module in group:
-                module.register_forward_pre_hook(norm_in_fp32)
-                module.register_forward_hook(norm_output_to(precision.param_dtype))
     for unit in plan.shard_units:
         fully_shard(unit, mp_policy=policy, **shard)
     fully_shard(model, mp_policy=root_policy, **shard)
