@@ -221,6 +221,23 @@ def test_candidates_step_through_the_runs_own_step_and_the_tasks_loss(tmp_path, 
     assert len(stepped) >= 3 * 3 and len(calls) == len(stepped)  # each candidate: warm-up and timed steps
 
 
+def test_amp_o2_races_with_the_norms_the_run_compiles_their_compile_in_an_untimed_step(tmp_path, monkeypatch):
+    from vitrain.precision import compile_norms_problem
+
+    stepped = []
+    real_call = tune.TrainStep.__call__
+    monkeypatch.setattr(tune.TrainStep, "__call__", lambda step, *a, **k: stepped.append(1) or real_call(step, *a, **k))
+    cfg = auto_cfg(tmp_path)  # precision.compile_norms=auto
+    task = build_task(cfg)
+    loader = task.build_data(CPU, 0, 1)
+    race = tune._Race(cfg, task, DistInfo(0, 1, 0, CPU), next(iter(loader.epoch(0))))
+    compiles = compile_norms_problem(CPU) is None
+    race.candidate({"precision.mode": "amp_o2", "model.attention": "manual"})
+    assert len(stepped) == int(compiles)  # built and stepped once untimed where its norms compile
+    race.candidate({"precision.mode": "amp_o1", "model.attention": "manual"})
+    assert len(stepped) == int(compiles)  # nothing compiles: no step before the warm-up ones
+
+
 def test_tuning_leaves_the_runs_random_stream_alone(tmp_path, autotune_on):
     tuned = Trainer(auto_cfg(tmp_path, "log.out_dir=" + str(tmp_path / "a")))
     plain = Trainer(load_config(None, tiny_overrides(tmp_path, "log.out_dir=" + str(tmp_path / "b"))))

@@ -299,12 +299,13 @@ class PrecisionConfig:
     # amp_o2/pure: class names of the layers kept in fp32 beside the norms (LayerNorm, GroupNorm, RMSNorm, BatchNorm
     # always are), e.g. [Attention] for a model of your own whose softmax needs it.
     fp32_modules: tuple[str, ...] = ()
-    # amp_o2 with a working copy (parallel.strategy single, ddp, zero1): each LayerNorm's upcast, fp32 norm and
-    # downcast as one torch.compile'd kernel in training (the casts otherwise make two extra passes each way).
+    # amp_o2 (the working copy's norms under single, ddp, zero1; FSDP2's fp32 norm unit under zero2, zero3): each
+    # LayerNorm's upcast, fp32 norm and downcast as one torch.compile'd kernel in training (the casts otherwise make
+    # two extra passes each way).
     # Costs a compile in the first step (seconds; cached on disk after) and a C++ compiler on a CPU (Triton on a
     # GPU). auto: on a CPU whose C++ compiler and Python headers are there (steps 1.03-1.07x faster on a 2-core
     # Zen 4: docs/performance.md), off elsewhere; true: wherever it applies, and a missing compiler is an error.
-    # Ignored by the other modes and strategies and by train.engine=deepspeed.
+    # Ignored by the other modes and by train.engine=deepspeed.
     compile_norms: bool | Literal["auto"] = "auto"
 
 

@@ -60,7 +60,7 @@ from vitrain.models.memory import estimate
 from vitrain.models.plan import auto_wrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
 from vitrain.parallel.overlap import deferrable
-from vitrain.precision import LOW_DTYPES, SHARDED, Resolved
+from vitrain.precision import LOW_DTYPES, SHARDED, CompiledFp32LayerNorm, Resolved
 from vitrain.tasks import teacher_of
 
 TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
@@ -198,10 +198,7 @@ class _Race:
             parallel = dataclasses.replace(cfg.parallel, strategy="single", pipeline_stages=1)
         cfg = dataclasses.replace(
             cfg,
-            # compile_norms off in the race: its compile would land in a candidate's first step (the run keeps it)
-            precision=dataclasses.replace(
-                cfg.precision, mode=values.get("precision.mode", cfg.precision.mode), compile_norms=False
-            ),
+            precision=dataclasses.replace(cfg.precision, mode=values.get("precision.mode", cfg.precision.mode)),
             model=dataclasses.replace(cfg.model, attention=values.get("model.attention", cfg.model.attention)),
             parallel=parallel,
         )
@@ -215,6 +212,10 @@ class _Race:
         engine = NativeEngine(cfg, model, self.dist, head=head)
         step = TrainStep(engine, task.loss, 1, TokenDrop.from_config(cfg, self.dist.rank), teacher_of(task, engine))
         engine.set_lr(cfg.optim.lr)
+        if any(isinstance(m, CompiledFp32LayerNorm) for m in engine.forward.modules()):
+            # amp_o2 raced with the norms the run would compile (precision.compile_norms), their compile (seconds,
+            # once per process: the run's own step then reuses it) in an untimed step before the warm-up ones.
+            step(self.batch)
 
         def run() -> float:
             start = time.perf_counter()
