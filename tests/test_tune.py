@@ -238,6 +238,14 @@ def test_amp_o2_races_with_the_norms_the_run_compiles_their_compile_in_an_untime
     assert len(stepped) == int(compiles)  # nothing compiles: no step before the warm-up ones
 
 
+def test_a_decision_raced_with_compiled_norms_is_not_reused_with_the_cast_hooks(tmp_path):
+    options = {"precision.mode": ["fp32", "amp_o1", "amp_o2"], "model.attention": ["sdpa", "manual"]}
+    compiled, hooks = (auto_cfg(tmp_path, f"precision.compile_norms={v}") for v in ("true", "false"))
+    assert tune.cache_path(compiled, CPU, options) != tune.cache_path(hooks, CPU, options)
+    fp32 = [load_config(None, tiny_overrides(tmp_path, f"precision.compile_norms={v}")) for v in ("true", "false")]
+    assert len({tune.cache_path(cfg, CPU, {"model.attention": ["sdpa", "manual"]}) for cfg in fp32}) == 1
+
+
 def test_tuning_leaves_the_runs_random_stream_alone(tmp_path, autotune_on):
     tuned = Trainer(auto_cfg(tmp_path, "log.out_dir=" + str(tmp_path / "a")))
     plain = Trainer(load_config(None, tiny_overrides(tmp_path, "log.out_dir=" + str(tmp_path / "b"))))

@@ -151,10 +151,15 @@ def resolve(
 
 
 def time_block_modes(
-    block: nn.Module, shape: tuple[int, ...], repeats: int = 3, device: torch.device | None = None
+    block: nn.Module,
+    shape: tuple[int, ...],
+    repeats: int = 3,
+    device: torch.device | None = None,
+    compile_norms: bool = False,
 ) -> dict[str, float]:
     """Seconds (best of `repeats`, after a warm-up) of one forward and backward of a copy of `block` on an input
-    of `shape`: under bf16 autocast on fp32 weights (amp_o1) and with bf16 weights, norms fp32 (amp_o2)."""
+    of `shape`: under bf16 autocast on fp32 weights (amp_o1) and with bf16 weights, norms fp32 (amp_o2; with
+    `compile_norms` as the run computes them, their compile in the warm-up call)."""
     device = device or next(block.parameters()).device
     draw = torch.Generator(device).manual_seed(0)  # the run's own random stream is left alone
     fp32 = copy.deepcopy(block)
@@ -162,7 +167,7 @@ def time_block_modes(
         fp32.to_empty(device=device)
         for param in fp32.parameters():
             nn.init.normal_(param, std=0.02, generator=draw)
-    low, _ = _working_copy(fp32, torch.bfloat16)
+    low, _ = _working_copy(fp32, torch.bfloat16, compile_norms=compile_norms)
     x = torch.randn(shape, device=device, generator=draw)
     runs = {"amp_o1": (fp32, x, True), "amp_o2": (low, x.to(torch.bfloat16), False)}
     seconds = {}

@@ -60,7 +60,7 @@ from vitrain.models.memory import estimate
 from vitrain.models.plan import auto_wrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
 from vitrain.parallel.overlap import deferrable
-from vitrain.precision import LOW_DTYPES, SHARDED, CompiledFp32LayerNorm, Resolved
+from vitrain.precision import LOW_DTYPES, SHARDED, CompiledFp32LayerNorm, Resolved, compiles_norms
 from vitrain.tasks import teacher_of
 
 TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
@@ -212,7 +212,8 @@ class _Race:
         engine = NativeEngine(cfg, model, self.dist, head=head)
         step = TrainStep(engine, task.loss, 1, TokenDrop.from_config(cfg, self.dist.rank), teacher_of(task, engine))
         engine.set_lr(cfg.optim.lr)
-        if any(isinstance(m, CompiledFp32LayerNorm) for m in engine.forward.modules()):
+        compiles = any(isinstance(m, CompiledFp32LayerNorm) for m in engine.forward.modules())
+        if max_over_ranks(float(compiles), self.device):  # every rank steps (a sharded step is collective)
             # amp_o2 raced with the norms the run would compile (precision.compile_norms), their compile (seconds,
             # once per process: the run's own step then reuses it) in an untimed step before the warm-up ones.
             step(self.batch)
@@ -323,6 +324,13 @@ def _one_at_a_time(
     return labels[min(measured, key=measured.get)]
 
 
+def _norms_compiled(cfg: Config, device: torch.device) -> bool:
+    """Whether an amp_o2 candidate of `cfg` computes its norms compiled (False where no candidate can be amp_o2)."""
+    if cfg.precision.mode not in ("auto", "amp_o2"):
+        return False
+    return compiles_norms(cfg.precision.compile_norms, device)
+
+
 def _label(values: dict[str, str]) -> str:
     """A candidate's name in the log: `amp_o2 bf16 + manual`, `wrap=block`."""
     mode, attention, wrap = (values.get(k) for k in ("precision.mode", "model.attention", "parallel.wrap"))
@@ -363,8 +371,9 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
         "embed_dim": cfg.task.embed_dim if cfg.task.name == "face" else 0,
         "batch": cfg.train.batch_size,
         "optim": [cfg.optim.name, cfg.optim.impl],
-        # A fixed precision times attention under that precision: each its own decision.
-        "precision": [cfg.precision.mode, cfg.precision.dtype],
+        # A fixed precision times attention under that precision: each its own decision. amp_o2 races with its
+        # norms compiled or not (precision.compile_norms as this device resolves it).
+        "precision": [cfg.precision.mode, cfg.precision.dtype, _norms_compiled(cfg, device)],
         "options": options,
     }
     if cfg.parallel.strategy in SHARDED:  # raced over every rank: the sharding and the ranks are part of the shape

@@ -27,7 +27,7 @@ from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.overlap import deferrable
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.parallel.strategies import finish_reductions, fully_shard_model
-from vitrain.precision import PrecisionPolicy, Resolved, check_finite, time_block_modes
+from vitrain.precision import PrecisionPolicy, Resolved, check_finite, compiles_norms, time_block_modes
 
 
 class NativeEngine:
@@ -271,5 +271,7 @@ def time_modes(cfg: Config, model: nn.Module, dist: DistInfo) -> dict[str, float
     rank 0 for every rank (precision.resolve picks the faster)."""
     plan = plan_of(model, cfg.parallel.wrap, cfg.parallel.block)
     shape = plan.block_input_shape(cfg.train.batch_size)
-    timed = time_block_modes(plan.checkpoint_units[0], shape, device=dist.device) if dist.is_main else None
+    compiled = compiles_norms(cfg.precision.compile_norms, dist.device)  # amp_o2 timed as it would train
+    block = plan.checkpoint_units[0]
+    timed = time_block_modes(block, shape, device=dist.device, compile_norms=compiled) if dist.is_main else None
     return broadcast_object(timed)

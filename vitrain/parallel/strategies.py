@@ -134,17 +134,21 @@ def fully_shard_model(
         # all-gather and one reduce-scatter per step instead of one of each per block, each of which waits for the
         # slowest rank (the step breakdown in docs/performance.md). Each norm hands its output on in the compute
         # dtype of the unit around it. FSDP2 would cast a group's inputs only where the group's forward starts, so
-        # it casts none and every norm upcasts its own (a CUDA LayerNorm refuses bf16 inputs with fp32 weights, and
-        # a CPU one would run on bf16 inputs): under precision.compile_norms a plain LayerNorm inside its compiled
-        # kernel, else a pre-hook. Other modules kept fp32 (precision.fp32_modules) may be large: their groups
-        # follow the strategy's resharding.
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        groups = [(plan.norms, {**shard, "reshard_after_forward": False})] if plan.norms else []
-        groups += [(group, shard) for group in plan.fp32_groups]
-        for group, how in groups:
+        # the norms' unit casts none and every norm upcasts its own (a CUDA LayerNorm refuses bf16 inputs with fp32
+        # weights, and a CPU one would run on bf16 inputs): under precision.compile_norms a plain LayerNorm inside
+        # its compiled kernel, else a pre-hook. Other modules kept fp32 (precision.fp32_modules) may be large: their
+        # groups follow the strategy's resharding, and FSDP2 also casts their keyword tensors (the pre-hook casts
+        # positional ones).
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        norms_policy = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+        groups = [(plan.norms, norms_policy, {**shard, "reshard_after_forward": False})] if plan.norms else []
+        groups += [(group, fp32, shard) for group in plan.fp32_groups]
+        for group, mp_policy, how in groups:
             for module in group:  # before FSDP2 subclasses it: a compiled norm is picked by its exact class
                 fp32_between(module, precision.param_dtype, precision.compile_norms)
-            fully_shard(group, mp_policy=fp32, **how)
+            fully_shard(group, mp_policy=mp_policy, **how)
     for unit in plan.shard_units:
         fully_shard(unit, mp_policy=policy, **shard)
     fully_shard(model, mp_policy=root_policy, **shard)
