@@ -253,6 +253,53 @@ def test_autotune_never_steps_a_module_handed_to_the_library(tmp_path, monkeypat
         trainer.close()
 
 
+def _fp32_modules_cfg(out_dir, name, parallel, batch_size=8):
+    return tiny_config(out_dir, name, batch_size=batch_size, model={"name": "tests.test_bring_your_own:user_net"},
+                       precision={"mode": "amp_o2", "dtype": "bf16", "fp32_modules": ["UserBlock"]},
+                       parallel=parallel)  # fmt: skip
+
+
+def _fp32_modules_sharded(out_dir):
+    from vitrain.engine import Trainer
+
+    # zero3: each block (its class named) is its own fp32 unit, not a second unit of its own.
+    trainer = Trainer(_fp32_modules_cfg(out_dir, "zero3", {"strategy": "zero3", "wrap": "block"}))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    trainer = Trainer(_fp32_modules_cfg(out_dir, "zero2", {"strategy": "zero2"}))
+    seen = {}
+    for name, module in trainer.model.named_modules():
+        if isinstance(module, nn.Linear | nn.LayerNorm):
+            module.register_forward_pre_hook(
+                lambda m, args, name=name: seen.setdefault(name, str(args[0].dtype)) and None
+            )
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    (out_dir / f"seen{torch.distributed.get_rank()}.json").write_text(json.dumps(seen))
+
+
+def test_layers_named_in_fp32_modules_compute_in_fp32_under_zero2_and_zero3_on_two_ranks_like_one_process(tmp_path):
+    from tests.distributed_helpers import losses
+    from vitrain.engine import Trainer
+
+    Trainer(_fp32_modules_cfg(tmp_path, "single", {"strategy": "single"}, batch_size=16)).fit()  # 2 ranks x 8
+    run_two_ranks(_fp32_modules_sharded, tmp_path)
+    reference = losses(tmp_path / "single")
+    for strategy in ("zero2", "zero3"):
+        got = losses(tmp_path / strategy)
+        assert sorted(got) == [1, 2, 3, 4, 5]
+        for step, loss in reference.items():
+            assert got[step] == pytest.approx(loss, rel=1e-2), (strategy, step)
+    seen = json.loads((tmp_path / "seen0.json").read_text())
+    # Each kept UserBlock gets its input upcast (FSDP2's cast); the layers outside compute in bf16.
+    assert seen["layers.0.fc1"] == seen["layers.2.norm"] == "torch.float32"
+    assert seen["classifier"] == "torch.bfloat16"
+
+
 def test_layers_named_in_fp32_modules_stay_fp32_inside_and_out_under_amp_o2(tmp_path):
     from vitrain.engine import Trainer
 

@@ -71,15 +71,22 @@ def fp32_layers(
     """The layers low precision keeps in fp32 (`keeps_fp32`): every norm of the model, in order; and the layers of the
     classes in `names` (precision.fp32_modules) that are not norms, grouped by where they sit: each block's, then the
     rest, empty groups left out."""
-    norms = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
 
     def named(module: nn.Module) -> bool:
         return keeps_fp32(module, names) and not isinstance(module, NORM_TYPES)
 
-    in_blocks = [[m for m in block.modules() if named(m)] for block in blocks]
+    inner = _inside([m for m in model.modules() if named(m)])
+    norms = [m for m in model.modules() if isinstance(m, NORM_TYPES) and id(m) not in inner]
+    in_blocks = [[m for m in block.modules() if named(m) and id(m) not in inner] for block in blocks]
     grouped = {id(m) for group in in_blocks for m in group}
-    rest = [m for m in model.modules() if named(m) and id(m) not in grouped]
+    rest = [m for m in model.modules() if named(m) and id(m) not in grouped and id(m) not in inner]
     return norms, [group for group in [*in_blocks, rest] if group]
+
+
+def _inside(tops: list[nn.Module]) -> set[int]:
+    """The ids of the modules inside `tops` (kept fp32 as a whole: their own norms and layers get no casts or units
+    of their own, as in amp_o2's working copy)."""
+    return {id(m) for top in tops for m in list(top.modules())[1:]}
 
 
 def stage_blocks(depth: int, stages: int) -> list[range]:
@@ -114,7 +121,14 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
     if own is not None:
         plan = own(wrap)
         named = [m for m in model.modules() if type(m).__name__ in fp32_modules and not keeps_fp32(m)]
-        return dataclasses.replace(plan, fp32_groups=[*plan.fp32_groups, *([m] for m in named)]) if named else plan
+        if not named:
+            return plan
+        inner = _inside(named)
+        return dataclasses.replace(
+            plan,
+            norms=[m for m in plan.norms if id(m) not in inner],
+            fp32_groups=[*plan.fp32_groups, *([m] for m in named if id(m) not in inner)],
+        )
     blocks = repeated_blocks(model, block)
     units = list(blocks) if wrap in ("block", "sublayer") else []
     norms, groups = fp32_layers(model, blocks, fp32_modules)

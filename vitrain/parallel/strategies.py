@@ -149,8 +149,10 @@ def fully_shard_model(
             for module in group:  # before FSDP2 subclasses it: a compiled norm is picked by its exact class
                 fp32_between(module, precision.param_dtype, precision.compile_norms)
             fully_shard(group, mp_policy=mp_policy, **how)
+    kept_fp32 = {id(m) for group in plan.fp32_groups for m in group} if precision is not None else set()
     for unit in plan.shard_units:
-        fully_shard(unit, mp_policy=policy, **shard)
+        if id(unit) not in kept_fp32:  # a block named in precision.fp32_modules is its own fp32 unit already
+            fully_shard(unit, mp_policy=policy, **shard)
     fully_shard(model, mp_policy=root_policy, **shard)
     # On a GPU FSDP2 overlaps on its own streams. With one unit (the whole model) its reduce-scatter starts as
     # backward ends, with nothing left to overlap; deferred there, ViT-Ti zero2 ladder rows ran 0.91x blocking.
