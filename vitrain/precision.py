@@ -56,7 +56,7 @@ from vitrain.config import Config, PrecisionConfig
 from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, resolve_device, synchronize
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.models.kernels import _plain_graph
-from vitrain.models.plan import keeps_fp32
+from vitrain.models.plan import inside_kept, keeps_fp32
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = {"fp32": torch.float32, **LOW_DTYPES}
@@ -613,7 +613,7 @@ def _working_copy(
     working = copy.deepcopy(model)
     pairs = []
     tops = [m for m in model.modules() if keeps_fp32(m, fp32_modules)]
-    inner = {id(m) for top in tops for m in list(top.modules())[1:]}
+    inner = inside_kept(tops)
     kept = inner | {id(top) for top in tops}
     for work_mod, master_mod in zip(working.modules(), model.modules(), strict=True):
         if id(master_mod) in kept:

@@ -75,7 +75,7 @@ def fp32_layers(
     def named(module: nn.Module) -> bool:
         return keeps_fp32(module, names) and not isinstance(module, NORM_TYPES)
 
-    inner = _inside([m for m in model.modules() if named(m)])
+    inner = inside_kept([m for m in model.modules() if named(m)])
     norms = [m for m in model.modules() if isinstance(m, NORM_TYPES) and id(m) not in inner]
     in_blocks = [[m for m in block.modules() if named(m) and id(m) not in inner] for block in blocks]
     grouped = {id(m) for group in in_blocks for m in group}
@@ -83,9 +83,9 @@ def fp32_layers(
     return norms, [group for group in [*in_blocks, rest] if group]
 
 
-def _inside(tops: list[nn.Module]) -> set[int]:
-    """The ids of the modules inside `tops` (kept fp32 as a whole: their own norms and layers get no casts or units
-    of their own, as in amp_o2's working copy)."""
+def inside_kept(tops: list[nn.Module]) -> set[int]:
+    """The ids of the modules inside `tops`, the top layers kept fp32 (`keeps_fp32`): they run in fp32 as part of
+    their top, with no casts or units of their own (amp_o2's working copy, FSDP2's fp32 units)."""
     return {id(m) for top in tops for m in list(top.modules())[1:]}
 
 
@@ -123,7 +123,7 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
         named = [m for m in model.modules() if type(m).__name__ in fp32_modules and not keeps_fp32(m)]
         if not named:
             return plan
-        inner = _inside(named)
+        inner = inside_kept(named)
         return dataclasses.replace(
             plan,
             norms=[m for m in plan.norms if id(m) not in inner],
