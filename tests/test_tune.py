@@ -236,6 +236,8 @@ def test_amp_o2_races_with_the_norms_the_run_compiles_their_compile_in_an_untime
     assert len(stepped) == int(compiles)  # built and stepped once untimed where its norms compile
     race.candidate({"precision.mode": "amp_o1", "model.attention": "manual"})
     assert len(stepped) == int(compiles)  # nothing compiles: no step before the warm-up ones
+    race.candidate({"precision.mode": "amp_o2", "model.attention": "sdpa"})
+    assert len(stepped) == int(compiles)  # compiled once per race: the next amp_o2 candidate reuses it
 
 
 def test_a_decision_raced_with_compiled_norms_is_not_reused_with_the_cast_hooks(tmp_path):

@@ -189,6 +189,7 @@ class _Race:
     def __init__(self, cfg: Config, task: Any, dist: DistInfo, batch: tuple[torch.Tensor, torch.Tensor]):
         self.cfg, self.task, self.dist, self.device = cfg, task, dist, dist.device
         self.batch = [batch]
+        self.norms_compiled = False  # an amp_o2 candidate's compiled norms have stepped once in this race
 
     def candidate(self, values: dict[str, str]) -> Callable[[], float]:
         cfg = self.cfg
@@ -212,11 +213,15 @@ class _Race:
         engine = NativeEngine(cfg, model, self.dist, head=head)
         step = TrainStep(engine, task.loss, 1, TokenDrop.from_config(cfg, self.dist.rank), teacher_of(task, engine))
         engine.set_lr(cfg.optim.lr)
-        compiles = any(isinstance(m, CompiledFp32LayerNorm) for m in engine.forward.modules())
+        compiles = not self.norms_compiled and any(
+            isinstance(m, CompiledFp32LayerNorm) for m in engine.forward.modules()
+        )
         if max_over_ranks(float(compiles), self.device):  # every rank steps (a sharded step is collective)
             # amp_o2 raced with the norms the run would compile (precision.compile_norms), their compile (seconds,
-            # once per process: the run's own step then reuses it) in an untimed step before the warm-up ones.
+            # once per process: later candidates and the run's own step reuse it; the candidates share the norms'
+            # shapes) in an untimed step before the first one's warm-up steps.
             step(self.batch)
+            self.norms_compiled = True
 
         def run() -> float:
             start = time.perf_counter()
