@@ -8,7 +8,7 @@ Every row is `vitrain bench run RECIPE overrides` in its own processes (vitrain/
 peak memory is its own; 2-rank rows run under torchrun, 1 thread per rank on a CPU, the 1-process rows with every
 core), rows taking turns for `--repeats` rounds so that a drift of the machine touches every row alike. A row gives
 its median clips/s (images/s) with the spread over the rounds, its ratio to the first row taken round by round, and
-the peak memory of its median round (process peak RSS on a CPU, the allocator's peak on a GPU; the largest rank's).
+the largest peak memory over its rounds (process peak RSS on a CPU, the allocator's peak on a GPU; the largest rank's).
 
 video: the space-time ViT-S/16 (tubelets 2x16x16), 8 frames of 112 px (4 x 7 x 7 = 196 tokens), batch 4 per
 process, fp32, synthetic clips (`--synthetic`: the step, not the decoder): plain, activation checkpointing per block,
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from vitrain.bench import write_results
-from vitrain.bench.ladder import Row, run_row, settle
+from vitrain.bench.ladder import Row, peak_gib, run_row, settle
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.device import cpu_description
 
@@ -137,8 +137,8 @@ def main() -> None:
         "",
         f"{cpu}; {cores} cores. `python benchmarks/task_bench.py {args.set}`: {args.repeats} rounds, rows taking",
         f"turns, {args.warmup} warm-up + {args.steps} timed steps per round. Rate: median (min-max) over the rounds;",
-        "ratio: to the first row, round by round (`~`: the spread reaches across 1.0x); memory: the median round's",
-        "peak (process peak RSS on a CPU: the whole process, not the activations alone; the largest rank's).",
+        "ratio: to the first row, round by round (`~`: the spread reaches across 1.0x); memory: the largest peak over",
+        "the rounds (process peak RSS on a CPU: the whole process, not the activations alone; the largest rank's).",
         "",
         f"| row | processes | {unit} | vs first row | step ms | peak memory GiB | command |",
         "|---|---:|---:|---:|---:|---:|---|",
@@ -157,7 +157,7 @@ def main() -> None:
             ratio_text = "1.00x (reference)"
         else:
             ratio_text = "" if ratio is None else ("~" if ratio["overlaps_1x"] else "") + format_spread(ratio, 2, "x")
-        memory = row.result["peak_memory_bytes"] / 2**30
+        memory = peak_gib(row)
         step_ms = 1000 * row.result["step_s"]
         lines.append(
             f"| {row.name} | {nproc} | {format_spread(figures, 2)} | {ratio_text} | {step_ms:.0f} | {memory:.2f} | "

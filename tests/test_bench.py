@@ -317,6 +317,18 @@ def test_ladder_pairs_native_zero_stages_with_deepspeeds_round_by_round():
     )
 
 
+def test_ladder_peak_memory_is_the_largest_over_the_rounds_not_the_median_rounds():
+    native = _rounds_row("native zero3", [9.0, 10.0, 11.0])  # the median round (10 images/s) held the least
+    for round_, gib in zip(native.rounds, (1.25, 0.75, 1.0), strict=True):
+        round_["peak_memory_bytes"] = int(gib * 2**30)
+    deepspeed = _rounds_row("DeepSpeed stage 3", [9.0, 9.0, 9.0])
+    summary = ladder._summary([native, deepspeed], *(_context(), 1, 3, 1, {}, 1.0, load_config(None, []), ["x"], 3))
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert rows["native zero3"]["peak_memory_gib"] == pytest.approx(1.25)
+    (pair,) = summary["native_vs_deepspeed"]
+    assert pair["peak_memory_gib"] == pytest.approx([1.25, 1.0])
+
+
 def test_ladder_rows_are_picked_by_whole_name_or_by_part():
     rows = ladder.rows()
     picked = [r.name for r in ladder.asked_for(rows, "DeepSpeed stage 2,native zero")]

@@ -19,7 +19,7 @@ from vitrain.models.vit import VisionTransformer
 
 def _plain_attention(qkv: torch.Tensor, heads: int, seq_first: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     with monkeypatch.context() as m:
-        m.setattr(kernels, "_plain_graph", lambda: True)  # what torch.compile and export see
+        m.setattr(kernels, "plain_graph", lambda: True)  # what torch.compile and export see
         return manual_attention(qkv, heads, seq_first)
 
 

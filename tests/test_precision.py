@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,24 @@ def test_compile_norms_auto_compiles_on_a_cpu_that_can_build_and_keeps_the_hooks
     cfg = load_config(CONFIG_DIR / "digits.yaml", ["precision.mode=amp_o2", "train.device=cpu"], check=False)
     assert cfg.precision.compile_norms == "auto"
     precision.check(cfg)  # auto never asks for a compiler
+
+
+def test_asking_whether_norms_compile_reads_inductors_compiler_without_importing_inductor(monkeypatch):
+    code = (
+        "import sys, torch; from vitrain.precision import compile_norms_problem as p; "
+        "print(p(torch.device('cpu'))); print('torch._inductor.config' in sys.modules)"
+    )
+    env = {**os.environ, "CXX": "no-such-compiler-vitrain"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    problem, imported = out.strip().splitlines()
+    assert "no-such-compiler-vitrain" in problem and imported == "False"  # $CXX, as inductor reads it; no import
+    from types import SimpleNamespace
+
+    from vitrain import precision
+
+    loaded = SimpleNamespace(cpp=SimpleNamespace(cxx=(None, "set-by-the-user-c++")))  # a config a user changed
+    monkeypatch.setitem(sys.modules, "torch._inductor.config", loaded)
+    assert "set-by-the-user-c++" in precision.compile_norms_problem(torch.device("cpu"))
 
 
 def test_o1_keeps_every_weight_fp32_and_autocasts_matmuls(tiny_model):

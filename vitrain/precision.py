@@ -41,6 +41,7 @@ import copy
 import functools
 import os
 import shutil
+import sys
 import sysconfig
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from torch import nn
 from vitrain.config import Config, PrecisionConfig
 from vitrain.device import BF16_UNITS_ENV, cpu_has_bf16_matmul_units, resolve_device, synchronize
 from vitrain.errors import ConfigError, VitrainError
-from vitrain.models.kernels import _plain_graph
+from vitrain.models.kernels import plain_graph
 from vitrain.models.plan import inside_kept, keeps_fp32
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -294,7 +295,7 @@ class CompiledFp32LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.weight, self.bias, tuple(self.normalized_shape), self.eps, self.out_dtype)
-        if not torch.is_grad_enabled() or _plain_graph():  # compile, export and tracing see the plain ops
+        if not torch.is_grad_enabled() or plain_graph():  # compile, export and tracing see the plain ops
             return _layer_norm_in_fp32(*args)
         return _compiled_layer_norm()(*args)
 
@@ -314,9 +315,7 @@ def compile_norms_problem(device: torch.device) -> str | None:
     """Why precision.compile_norms cannot compile on `device` (None: it can): inductor builds C++ on a CPU and
     Triton kernels on a GPU."""
     if device.type == "cpu":
-        from torch._inductor import config as inductor
-
-        compiler = inductor.cpp.cxx[-1] or "g++"  # what inductor builds with: $CXX, else g++ (clang++ on macOS)
+        compiler = _inductor_cxx()
         if not shutil.which(compiler):
             return f"the C++ compiler {compiler} ($CXX, else g++), which torch.compile builds CPU kernels with"
         if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
@@ -327,6 +326,16 @@ def compile_norms_problem(device: torch.device) -> str | None:
 
         return None if has_triton() else "Triton, which torch.compile needs on a GPU"
     return f"torch.compile's inductor backend on device type {device.type}"
+
+
+def _inductor_cxx() -> str:
+    """The C++ compiler inductor builds with: its config's where that is loaded (a user may have set it), else
+    inductor's default read the same way, $CXX else g++ (clang++ on macOS), without importing inductor (seconds at
+    start-up, for a run that may never compile)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        return config.cpp.cxx[-1] or "g++"
+    return os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
 
 
 def compiles_norms(setting: bool | str, device: torch.device) -> bool:
@@ -355,7 +364,7 @@ class PrecisionPolicy:
         self.strategy = strategy
         self.reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.fp32_modules = cfg.fp32_modules  # class names kept in fp32 beside the norms (a user's model)
-        self.compile_norms = cfg.compile_norms  # resolved where a working copy is made (auto imports inductor)
+        self.compile_norms = cfg.compile_norms  # resolved where a working copy is made
         self.scaler = LossScaler(cfg) if self.dtype == torch.float16 else None
         # fp32/bf16: a step whose loss or gradients hold inf/NaN is skipped, up to this many in a row, then the
         # run stops (fp16 has the loss scaler's own policy: skip, halve the scale, stop at the minimum).
@@ -399,7 +408,7 @@ class PrecisionPolicy:
         """What the parallel strategy must apply for low-precision weights; None when the weights are fp32."""
         if self.mode in ("fp32", "amp_o1"):
             return None
-        # Resolved only for FSDP2's amp_o2 (a DDP hook never reads it; auto imports inductor's config).
+        # Resolved only for FSDP2's amp_o2 (a DDP hook never reads it).
         compiled = (
             self.mode == "amp_o2" and self.strategy in SHARDED and compiles_norms(self.compile_norms, self.device)
         )

@@ -11,7 +11,8 @@ processes, DeepSpeed not installed) or that fails is kept in the table with the 
 `--repeats R` runs the whole ladder R times, rows taking turns (round 1: every row, then round 2, ...), so that a
 drift of the machine's speed touches every row alike: a row then gives its median images/s with the spread over
 the rounds, and its ratio to the baseline is taken round by round (median and spread, `~` where the spread reaches
-across 1.0x). Its other columns (step breakdown, memory, MFU) are those of its median round.
+across 1.0x). Its peak memory is the largest over its rounds; its other columns (step breakdown, MFU) are those of
+its median round.
 """
 
 from __future__ import annotations
@@ -361,6 +362,12 @@ def settle(row: Row, repeats: int) -> None:
         row.status = f"{len(row.failures)} of {repeats} rounds failed: {row.failures[-1]}"
 
 
+def peak_gib(row: Row) -> float:
+    """The row's peak memory in GiB: the largest process's, the largest over the rounds (one round's high-water mark
+    moves with what the allocator kept, so the median round's alone can read below what a rank needed)."""
+    return max(r["peak_memory_bytes"] for r in row.rounds) / 2**30
+
+
 def _error_line(stderr: str) -> str:
     """The line that says why a row failed: vitrain's one-line error, else the last exception line."""
     lines = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
@@ -388,7 +395,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
                 vs_baseline_spread=ratio,
                 step_ms=r["step_s"] * 1e3,
                 breakdown_ms={k: v * 1e3 for k, v in r["breakdown_s"].items()},
-                peak_memory_gib=r["peak_memory_bytes"] / 2**30,
+                peak_memory_gib=peak_gib(row),
                 mfu=r["mfu"],
                 precision=r["precision"],
                 optimizer=r["optimizer"],
@@ -442,7 +449,7 @@ def _pairs(by_name: dict[str, Row], names: tuple[tuple[str, str], ...], keys: tu
                 keys[0]: first,
                 keys[1]: second,
                 "images_per_s_ratio": ratio,
-                "peak_memory_gib": [a.result["peak_memory_bytes"] / 2**30, b.result["peak_memory_bytes"] / 2**30],
+                "peak_memory_gib": [peak_gib(a), peak_gib(b)],
                 "wrap": a.result.get("wrap", ""),
                 "wrap_other": b.result.get("wrap", ""),
             }
@@ -470,8 +477,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
         f"- Command: `{summary['command']}` ({summary['wall_s']:.0f} s)",
         f"- Ratios are to the baseline row of this run; the DeepSpeed group and the native rows beside it compute in "
         f"{summary['comparison_precision']} (bf16 where its GEMM peak measured above 1.2x fp32's). Peak memory: the "
-        "largest process's over its steps (CPU: peak RSS, its high-water mark reset once the model, optimizer and "
-        "autotune's choice are built). MFU: model FLOPs over the computing dtype's peak, "
+        "largest process's over its steps, the largest over the rounds (CPU: peak RSS, its high-water mark reset "
+        "once the model, optimizer and autotune's choice are built). MFU: model FLOPs over the computing dtype's peak, "
         + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in summary["peaks_tflops_per_process"].items())
         + " GFLOP/s per process measured before the rows.",
         "",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vitrain.bench import write_results
-from vitrain.bench.ladder import Row, run_row, settle
+from vitrain.bench.ladder import Row, peak_gib, run_row, settle
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
 from vitrain.device import cpu_description, gemm_flops
@@ -133,7 +133,7 @@ def _summary(rows, device, cores, nproc, global_batch, precision, steps, warmup,
                 mfu=r["mfu"],
                 step_ms=r["step_s"] * 1e3,
                 breakdown_ms={k: v * 1e3 for k, v in r["breakdown_s"].items()},
-                peak_memory_gib=r["peak_memory_bytes"] / 2**30,
+                peak_memory_gib=peak_gib(row),  # the largest over the rounds
                 precision=r["precision"],
                 optimizer=r["optimizer"],
                 attention=r["attention"],  # the kernel each row ran (auto: autotune's pick under its own layout)

@@ -271,7 +271,8 @@ def time_modes(cfg: Config, model: nn.Module, dist: DistInfo) -> dict[str, float
     rank 0 for every rank (precision.resolve picks the faster)."""
     plan = plan_of(model, cfg.parallel.wrap, cfg.parallel.block)
     shape = plan.block_input_shape(cfg.train.batch_size)
-    compiled = compiles_norms(cfg.precision.compile_norms, dist.device)  # amp_o2 timed as it would train
-    block = plan.checkpoint_units[0]
-    timed = time_block_modes(block, shape, device=dist.device, compile_norms=compiled) if dist.is_main else None
+    timed = None
+    if dist.is_main:
+        compiled = compiles_norms(cfg.precision.compile_norms, dist.device)  # amp_o2 timed as it would train
+        timed = time_block_modes(plan.checkpoint_units[0], shape, device=dist.device, compile_norms=compiled)
     return broadcast_object(timed)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from vitrain.config import Config
 
 
-def _plain_graph() -> bool:
+def plain_graph() -> bool:
     """torch.compile, torch.export and the JIT tracer see the plain ops (they fuse and export those)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
@@ -69,7 +69,7 @@ class BiasInGemmLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if bias is None or x.device.type != "cpu" or _plain_graph():
+        if bias is None or x.device.type != "cpu" or plain_graph():
             return F.linear(x, weight, bias)
         if torch.is_autocast_enabled("cpu"):  # what autocast would do for F.linear: all three in its dtype
             dtype = torch.get_autocast_dtype("cpu")
@@ -163,7 +163,7 @@ def manual_attention(qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Te
     """Multi-head attention over the fused QKV projection's output ((B, N, 3C), or (N, B, 3C) when `seq_first`,
     q, k, v in that order, each heads x head_dim): the attention's output before its projection, in the input's
     layout. One autograd function when a gradient is wanted (above); the plain ops otherwise."""
-    if qkv.device.type == "cpu" and qkv.requires_grad and torch.is_grad_enabled() and not _plain_graph():
+    if qkv.device.type == "cpu" and qkv.requires_grad and torch.is_grad_enabled() and not plain_graph():
         device = qkv.device.type
         if not torch.is_autocast_enabled(device):
             return _ManualAttention.apply(qkv, heads, seq_first)
