@@ -325,6 +325,7 @@ def test_ladder_peak_memory_is_the_largest_over_the_rounds_not_the_median_rounds
     summary = ladder._summary([native, deepspeed], *(_context(), 1, 3, 1, {}, 1.0, load_config(None, []), ["x"], 3))
     rows = {r["name"]: r for r in summary["rows"]}
     assert rows["native zero3"]["peak_memory_gib"] == pytest.approx(1.25)
+    assert rows["native zero3"]["peak_memory_gib_rounds"] == pytest.approx([1.25, 0.75, 1.0])
     (pair,) = summary["native_vs_deepspeed"]
     assert pair["peak_memory_gib"] == pytest.approx([1.25, 1.0])
 
@@ -357,6 +358,22 @@ def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
     assert rows["zero3 + AMP O2"]["status"] == "skipped: needs 2 or more processes (--nproc 1)"
     assert rows["+ pooled classifier"]["status"].startswith("skipped: not asked for")
     assert (tmp_path / "out" / "ladder.md").exists() and (tmp_path / "out" / "ladder.png").exists()
+
+
+def test_autotune_races_once_before_the_rounds_and_its_pass_is_not_a_round(monkeypatch):
+    calls = []
+
+    def fake_run_row(row, config, overrides, nproc, steps, warmup, peaks_arg, threads):
+        calls.append((row.name, steps, warmup))
+        row.rounds.append({"images_per_s": 1.0})
+
+    monkeypatch.setattr(ladder, "run_row", fake_run_row)
+    native = ladder.Row("native zero2", "g", lambda ctx: [])
+    deepspeed = ladder.Row("DeepSpeed stage 2", "g", lambda ctx: [])
+    ladder.tune_first(native, "c.yaml", ["parallel.strategy=zero2"], 2, "", 1)
+    ladder.tune_first(deepspeed, "c.yaml", ["parallel.strategy=zero2", "train.engine=deepspeed"], 2, "", 1)
+    assert calls == [("native zero2", 1, 0)]  # one untimed step, where autotune may race; DeepSpeed has no race
+    assert native.rounds == [] and deepspeed.rounds == []  # the pass's figures are dropped
 
 
 def test_bench_optim_defaults_to_the_kernels_each_optimizer_has():

@@ -169,6 +169,22 @@ def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypat
     )
 
 
+def test_a_run_that_raced_collects_and_hands_back_the_candidates_memory_and_a_cached_one_does_not(
+    tmp_path, autotune_on, monkeypatch
+):
+    import vitrain.engine.trainer as trainer_module
+
+    fake_steps(monkeypatch, {(m, a): 0.02 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")})
+    done = []
+    monkeypatch.setattr(trainer_module.gc, "collect", lambda *a: done.append("collect"))
+    monkeypatch.setattr(trainer_module, "trim_heap", lambda: done.append("trim"))
+    Trainer(auto_cfg(tmp_path, "log.out_dir=" + str(tmp_path / "a"))).close()
+    assert done[:2] == ["collect", "trim"]  # the cycles first, then their pages back to the OS
+    done.clear()
+    Trainer(auto_cfg(tmp_path, "log.out_dir=" + str(tmp_path / "b"))).close()  # the decision read from the cache
+    assert "trim" not in done
+
+
 def test_candidates_that_would_not_fit_together_run_one_at_a_time(tmp_path, autotune_on, monkeypatch):
     cfg = auto_cfg(tmp_path)
     one = tune._memory_check(cfg, None)[1]("amp_o2")

@@ -194,6 +194,13 @@ def glibc_function(name: str):
         return None
 
 
+def trim_heap() -> None:
+    """Return the free pages of every malloc arena to the OS (glibc's malloc_trim(0)); a no-op elsewhere."""
+    trim = glibc_function("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 

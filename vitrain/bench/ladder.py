@@ -12,7 +12,8 @@ processes, DeepSpeed not installed) or that fails is kept in the table with the 
 drift of the machine's speed touches every row alike: a row then gives its median images/s with the spread over
 the rounds, and its ratio to the baseline is taken round by round (median and spread, `~` where the spread reaches
 across 1.0x). Its peak memory is the largest over its rounds; its other columns (step breakdown, MFU) are those of
-its median round.
+its median round. Autotune's race, where a row has one, runs once before round 1 (`tune_first`), so that every
+round times and measures a run whose decision is made.
 """
 
 from __future__ import annotations
@@ -288,6 +289,8 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
             print(f"  {row.name}: {row.status}", file=sys.stderr)
         else:
             runnable.append(row)
+    for row in runnable:
+        tune_first(row, config, common + row.overrides(ctx), nproc, peaks_arg, threads)
     for round_ in range(repeats):
         for row in runnable:
             run_row(row, config, common + row.overrides(ctx), nproc, steps, warmup, peaks_arg, threads)
@@ -315,6 +318,20 @@ def asked_for(table_rows: list[Row], spec: str | None) -> list[Row]:
         return list(table_rows)
     names = {row.name for row in table_rows}
     return [r for r in table_rows if any(w == r.name or (w not in names and w in r.name) for w in wanted)]
+
+
+def tune_first(row: Row, config, overrides, nproc, peaks_arg, threads) -> None:
+    """Autotune's race for a native row, run once before the rounds in the row's own processes (one untimed step,
+    its figures dropped): every round then reads the decision it cached, as every run after a config's first does.
+    A round that raced would carry the race into its peak memory: its candidates are freed, but the heap they
+    fragmented stays (ViT-S/16 zero2, batch 16 per rank: 1.75 GiB against 1.49 in the same run with the decision
+    cached, docs/performance.md). DeepSpeed rows have nothing to race."""
+    if "train.engine=deepspeed" in overrides:
+        return
+    tuning = Row(row.name, row.group, row.overrides)
+    run_row(tuning, config, overrides, nproc, 1, 0, peaks_arg, threads)
+    how = "done" if tuning.rounds else f"failed: {tuning.failures[-1]}"  # the rounds then fail and say why
+    print(f"  [autotune first] {row.name}: {how} ({tuning.wall_s:.0f} s)", file=sys.stderr)
 
 
 def run_row(row: Row, config, overrides, nproc, steps, warmup, peaks_arg, threads) -> None:
@@ -396,6 +413,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
                 step_ms=r["step_s"] * 1e3,
                 breakdown_ms={k: v * 1e3 for k, v in r["breakdown_s"].items()},
                 peak_memory_gib=peak_gib(row),
+                peak_memory_gib_rounds=[x["peak_memory_bytes"] / 2**30 for x in row.rounds],  # in round order
                 mfu=r["mfu"],
                 precision=r["precision"],
                 optimizer=r["optimizer"],

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vitrain.bench import write_results
-from vitrain.bench.ladder import Row, peak_gib, run_row, settle
+from vitrain.bench.ladder import Row, peak_gib, run_row, settle, tune_first
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
 from vitrain.device import cpu_description, gemm_flops
@@ -98,6 +98,8 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         f"{steps} timed steps, {repeats} round(s) -> {out}",
         file=sys.stderr,
     )
+    for row, row_overrides, processes, threads, peaks_arg in plan:
+        tune_first(row, config, row_overrides, processes, peaks_arg, max(threads, 1))
     for round_ in range(repeats):
         for row, row_overrides, processes, threads, peaks_arg in plan:
             run_row(row, config, row_overrides, processes, steps, warmup, peaks_arg, max(threads, 1))

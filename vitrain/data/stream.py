@@ -42,7 +42,7 @@ from vitrain.data.shards import (
     read_samples,
     shard_urls,
 )
-from vitrain.device import glibc_function
+from vitrain.device import trim_heap
 from vitrain.errors import DataError
 
 
@@ -304,13 +304,6 @@ class StreamLoader:
 # chunks in the arena of the thread that made them, so over a long epoch the process holds hundreds of MB it no
 # longer uses (results/loader-sources/stream_rss*.json); every TRIM_EVERY batches the loader hands them back.
 TRIM_EVERY = 16
-
-
-def trim_heap() -> None:
-    """Return the free pages of every malloc arena to the OS (glibc's malloc_trim(0)); a no-op elsewhere."""
-    trim = glibc_function("malloc_trim")
-    if trim is not None:
-        trim(0)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from vitrain import checkpoint as ckpt
 from vitrain.config import Config
 from vitrain.data.augment import progressive_size, resize_batch
 from vitrain.data.loader import WaitTimer, first_batch
-from vitrain.device import resolve_device, reuse_freed_host_memory
+from vitrain.device import resolve_device, reuse_freed_host_memory, trim_heap
 from vitrain.engine import cluster, report, runs
 from vitrain.engine.autotune import autotune
 from vitrain.engine.protocol import build_engine
@@ -94,6 +94,11 @@ class Trainer:
         # auto values (precision, attention): every rank times this run's own step per candidate (engine/autotune.py).
         sample = lambda: first_batch(self.train_loader)  # noqa: E731
         self.tuned = autotune(cfg, self.task, self.dist, sample, pipelined=self.pipeline is not None)
+        if self.tuned is not None and not self.tuned.from_cache and self.device.type == "cpu":
+            # The race's candidates are garbage, some of it in reference cycles (modules and their hooks): collect
+            # it, then hand its pages back; the heap kept for reuse (above) would otherwise hold them all run.
+            gc.collect()
+            trim_heap()
         if self.tuned is not None and "model.attention" in self.tuned.values:
             model_cfg = dataclasses.replace(cfg.model, attention=self.tuned.values["model.attention"])
             cfg = self.cfg = self.task.cfg = dataclasses.replace(cfg, model=model_cfg)
