@@ -294,8 +294,9 @@ def test_ladder_pairs_native_zero_stages_with_deepspeeds_round_by_round():
     blocking2 = row("native zero2, collectives blocking", [10.0, 11.0, 5.0])
     blocking2.rounds[0]["wrap"] = blocking2.result["wrap"] = "model"
     hooks2 = row("native zero2, norm cast hooks", [11.0, 11.0, 6.0])
+    scattering2 = row("native zero2, FSDP2 reduce-scatter", [12.0, 10.0, 6.0])
     summary = ladder._summary(
-        [native2, deepspeed2, native3, deepspeed3, blocking2, hooks2],
+        [native2, deepspeed2, native3, deepspeed3, blocking2, hooks2, scattering2],
         *(_context(), 1, 3, 1, {}, 1.0, load_config(None, []), ["x"], 3),
     )
     # parallel.overlap_comm's effect pairs the same way, each side's unit named.
@@ -307,6 +308,11 @@ def test_ladder_pairs_native_zero_stages_with_deepspeeds_round_by_round():
     (norms,) = summary["compiled_norms_vs_hooks"]  # precision.compile_norms's effect, the same way
     assert (norms["compiled"], norms["hooks"]) == ("native zero2", "native zero2, norm cast hooks")
     assert norms["images_per_s_ratio"]["median"] == pytest.approx(1.0)
+    (reduce,) = summary["grad_reduce_vs_reduce_scatter"]  # parallel.grad_reduce's effect, the same way
+    assert reduce["reduce_scatter"] == "native zero2, FSDP2 reduce-scatter"
+    assert reduce["images_per_s_ratio"]["median"] == pytest.approx(1.0) and "parallel.grad_reduce" in (
+        ladder.to_markdown(summary)
+    )
     rows = {r["name"]: r for r in summary["rows"]}
     assert rows["native zero2"]["images_per_s_rounds"] == [12.0, 11.0, 6.0]  # round order, for any other pairing
     (pair,) = summary["native_vs_deepspeed"]
@@ -338,6 +344,8 @@ def test_ladder_rows_are_picked_by_whole_name_or_by_part():
     assert picked[4:] == [
         "native zero2, collectives blocking",
         "native zero3, collectives blocking",
+        "native zero2, FSDP2 reduce-scatter",
+        "native zero3, FSDP2 reduce-scatter",
         "native zero2, norm cast hooks",
         "native zero3, norm cast hooks",
         "native zero2, bf16 gradients",

@@ -217,30 +217,53 @@ def test_shutdown_joins_gloos_threads_after_dtensor_collectives(tmp_path):
 
 
 def _overlapped_and_blocking_gradients(out_dir):
-    """Each rank: one zero2 model per unit kind whose reduce-scatters run beside backward (parallel.overlap_comm) and
-    one whose reduce-scatters block, the same weights and images: what was still running after backward, whether
-    the gradients are equal once waited for, and whether a run accumulating micro-batches overlaps."""
+    """Each rank: zero2 models per unit kind whose reductions run beside backward (parallel.overlap_comm) or block,
+    by FSDP2's reduce-scatter or by an all-reduce (parallel.grad_reduce), the same weights and images: what was
+    still running after backward, how many all-reduces backward issued, whether the gradients equal FSDP2's own
+    blocking reduce-scatter's once waited for, and whether a run accumulating micro-batches defers."""
+    import torch.distributed as dist
+
     from vitrain.parallel.strategies import finish_reductions
 
     init_distributed(torch.device("cpu"), "zero2")
-    report = {}
+    all_reduce, calls = dist.all_reduce, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    report = {"auto": load_config(overrides=[]).parallel.grad_reduce}
     for wrap in ("block", "model"):
-        cfg = load_config(
-            overrides=[*model_overrides(fields=TRUNK_FIELDS), "parallel.strategy=zero2", f"parallel.wrap={wrap}"]
-        )
         grads = {}
-        for overlap in (True, False):
-            torch.manual_seed(5)
-            model = create_model(cfg.model)
-            parallelize(model, cfg.parallel, torch.device("cpu"), overlap=overlap)
-            torch.manual_seed(6 + torch.distributed.get_rank())  # each rank its own images
-            images = torch.randn(4, cfg.model.in_chans, cfg.model.image_size, cfg.model.image_size)
-            model(images).square().mean().backward()
-            reductions = getattr(model, "_vitrain_reductions", None)
-            report[f"{wrap} {overlap} pending"] = len(reductions.pending) if reductions is not None else None
-            finish_reductions(model)
-            grads[overlap] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
-        report[f"{wrap} unequal"] = [n for n in grads[False] if not torch.equal(grads[True][n], grads[False][n])]
+        for reduce in ("reduce_scatter", "all_reduce"):
+            cfg = load_config(
+                overrides=[
+                    *model_overrides(fields=TRUNK_FIELDS),
+                    "parallel.strategy=zero2",
+                    f"parallel.wrap={wrap}",
+                    f"parallel.grad_reduce={reduce}",
+                ]
+            )
+            for overlap in (True, False):
+                torch.manual_seed(5)
+                model = create_model(cfg.model)
+                parallelize(model, cfg.parallel, torch.device("cpu"), overlap=overlap)
+                torch.manual_seed(6 + torch.distributed.get_rank())  # each rank its own images
+                images = torch.randn(4, cfg.model.in_chans, cfg.model.image_size, cfg.model.image_size)
+                calls.clear()
+                model(images).square().mean().backward()
+                reductions = getattr(model, "_vitrain_reductions", None)
+                name = f"{wrap} {reduce} {overlap}"
+                report[f"{name} pending"] = len(reductions.pending) if reductions is not None else None
+                report[f"{name} all-reduces"] = len(calls)
+                finish_reductions(model)
+                grads[(reduce, overlap)] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        reference = grads[("reduce_scatter", False)]  # FSDP2's own blocking reduce-scatter
+        report[f"{wrap} unequal"] = [
+            f"{key} {n}" for key, g in grads.items() for n in reference if not torch.equal(g[n], reference[n])
+        ]
+    dist.all_reduce = all_reduce
     accumulating = tiny_config(
         out_dir, "accumulating", batch_size=4, train={"accum_steps": 2}, parallel={"strategy": "zero2"}
     )
@@ -248,14 +271,21 @@ def _overlapped_and_blocking_gradients(out_dir):
     (out_dir / f"overlap{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
 
 
-def test_zero2_reduce_scatters_run_beside_backward_and_give_the_blocking_gradients(tmp_path):
+def test_zero2_reductions_beside_backward_or_by_all_reduce_give_fsdp2s_own_gradients(tmp_path):
     run_two_ranks(_overlapped_and_blocking_gradients, tmp_path)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"overlap{rank}.json").read_text())
-        # Still running when backward returned: one per unit (fp32: the suite's 2 blocks and the root). The whole
-        # model as one unit reduces as backward ends, nothing left to overlap: blocking, as FSDP2 calls it.
-        assert report["block True pending"] == 3, report
-        assert report["model True pending"] is None and report["block False pending"] is None
+        assert report["auto"] == "auto"
+        for reduce in ("reduce_scatter", "all_reduce"):
+            # Still running when backward returned: one per unit (fp32: the suite's 2 blocks and the root). The
+            # whole model as one unit reduces as backward ends, nothing left to overlap: blocking.
+            assert report[f"block {reduce} True pending"] == 3, report
+            assert report[f"model {reduce} True pending"] is None and report[f"block {reduce} False pending"] is None
+        # An all-reduce per unit where asked for (3 units, or the whole model as one), none otherwise.
+        assert report["block all_reduce True all-reduces"] == report["block all_reduce False all-reduces"] == 3
+        assert report["model all_reduce True all-reduces"] == report["model all_reduce False all-reduces"] == 1
+        assert report["block reduce_scatter True all-reduces"] == report["model reduce_scatter False all-reduces"] == 0
+        # Bit-equal: gloo's reduce-scatter is an all-reduce of a clone of the same input.
         assert report["block unequal"] == [] and report["model unequal"] == []
-        # A deferred shard would meet FSDP2's in-place accumulation: the engine keeps the blocking reduce-scatter.
+        # A deferred shard would meet FSDP2's in-place accumulation: the engine keeps the reductions blocking.
         assert report["accumulating overlaps"] is False

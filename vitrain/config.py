@@ -336,6 +336,11 @@ class ParallelConfig:
     # rest of backward, and the next unit's all-gather beside this unit's forward (vitrain/parallel/overlap.py; on a
     # GPU FSDP2 does both on its streams). With train.accum_steps > 1 the reduce-scatters block as FSDP2's own do.
     overlap_comm: bool = True
+    # zero2/zero3: how gradients are reduced across ranks. reduce_scatter: FSDP2's own; all_reduce: an all-reduce of
+    # the whole gradient of which each rank keeps its shard (what DDP and DeepSpeed's `reduce_scatter: false` call;
+    # gloo's reduce-scatter is a clone of its input and that all-reduce); auto: all_reduce on gloo, reduce_scatter
+    # elsewhere (vitrain/parallel/overlap.py).
+    grad_reduce: Literal["auto", "reduce_scatter", "all_reduce"] = "auto"
     # zero2/zero3: build the model on the meta device and draw only this rank's shards, one tensor at a time (the
     # same weights as a whole build); the build then needs one tensor of host memory instead of the whole fp32 model.
     sharded_init: bool = False

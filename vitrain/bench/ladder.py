@@ -103,6 +103,7 @@ POOLED = ["model.pool=gap"]
 SEQ_FIRST = ["model.layout=seq_first"]
 BF16_GRADIENTS = "precision.reduce_dtype=bf16"
 BLOCKING = "parallel.overlap_comm=false"  # FSDP2's reduce-scatters and all-gathers block the compute thread (a CPU)
+REDUCE_SCATTER = "parallel.grad_reduce=reduce_scatter"  # FSDP2's own reduce-scatter, not auto's all-reduce on gloo
 NORM_HOOKS = "precision.compile_norms=false"  # amp_o2's fp32 norms through cast hooks, not one compiled kernel
 TOKEN_DROP = ["train.token_drop=0.5"]  # half the patch tokens of each image (vitrain/engine/token_drop.py)
 
@@ -179,6 +180,9 @@ def rows() -> list[Row]:
         # parallel.overlap_comm's measured effect: the same rows with FSDP2's collectives blocking, as FSDP2 calls them.
         Row("native zero2, collectives blocking", engines, compare("zero2", BLOCKING), _multi),
         Row("native zero3, collectives blocking", engines, compare("zero3", BLOCKING), _multi),
+        # parallel.grad_reduce's measured effect: auto all-reduces on gloo; these rows keep FSDP2's reduce-scatter.
+        Row("native zero2, FSDP2 reduce-scatter", engines, compare("zero2", REDUCE_SCATTER), _multi),
+        Row("native zero3, FSDP2 reduce-scatter", engines, compare("zero3", REDUCE_SCATTER), _multi),
         # precision.compile_norms's measured effect on FSDP2's fp32 norm unit (auto compiles them on a CPU that can).
         Row("native zero2, norm cast hooks", engines, compare("zero2", NORM_HOOKS), _multi),
         Row("native zero3, norm cast hooks", engines, compare("zero3", NORM_HOOKS), _multi),
@@ -200,6 +204,12 @@ def rows() -> list[Row]:
 OVERLAP_VS_BLOCKING = (
     ("native zero2", "native zero2, collectives blocking"),
     ("native zero3", "native zero3, collectives blocking"),
+)
+
+# parallel.grad_reduce's effect: each native sharded row (all-reduce on gloo under auto) against FSDP2's reduce-scatter.
+ALL_REDUCE_VS_REDUCE_SCATTER = (
+    ("native zero2", "native zero2, FSDP2 reduce-scatter"),
+    ("native zero3", "native zero3, FSDP2 reduce-scatter"),
 )
 
 # precision.compile_norms's effect: each native sharded row (norms compiled where auto can) against the cast hooks.
@@ -432,6 +442,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
     engine_pairs = _pairs(by_name, NATIVE_VS_DEEPSPEED, ("native", "deepspeed"))
     overlap_pairs = _pairs(by_name, OVERLAP_VS_BLOCKING, ("overlapped", "blocking"))
     norm_pairs = _pairs(by_name, COMPILED_VS_HOOKS, ("compiled", "hooks"))
+    reduce_pairs = _pairs(by_name, ALL_REDUCE_VS_REDUCE_SCATTER, ("grad_reduce_auto", "reduce_scatter"))
     return {
         "model": first.get("model", f"{cfg.model.preset}"),
         "device": first.get("device") or (cpu_description() if ctx.device == "cpu" else torch.cuda.get_device_name()),
@@ -450,6 +461,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         "native_vs_deepspeed": engine_pairs,
         "overlap_vs_blocking": overlap_pairs,
         "compiled_norms_vs_hooks": norm_pairs,
+        "grad_reduce_vs_reduce_scatter": reduce_pairs,
     }
 
 
@@ -550,6 +562,14 @@ PAIR_TABLES: tuple[tuple[str, str, str, Callable[[dict[str, Any]], tuple[str, st
         "against the cast hooks (images/s ratio paired round by round, median (min-max)):",
         "| compiled | vs | images/s ratio | peak GiB compiled / hooks |",
         lambda p: (f"{p['compiled']} (unit: {p['wrap']})", f"{p['hooks']} (unit: {p['wrap_other']})"),
+    ),
+    (
+        "grad_reduce_vs_reduce_scatter",
+        "parallel.grad_reduce: gradients reduced as auto reduces them (an all-reduce on gloo, whose reduce-scatter "
+        "clones its input and all-reduces the clone) against FSDP2's reduce-scatter (images/s ratio paired round by "
+        "round, median (min-max)):",
+        "| auto | vs | images/s ratio | peak GiB auto / reduce-scatter |",
+        lambda p: (f"{p['grad_reduce_auto']} (unit: {p['wrap']})", f"{p['reduce_scatter']} (unit: {p['wrap_other']})"),
     ),
 )
 

@@ -389,6 +389,7 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
             cfg.parallel.wrap,
             # FSDP2's collectives beside compute or blocking (vitrain/parallel/overlap.py): another race
             "overlap" if deferrable(cfg) else "blocking",
+            cfg.parallel.grad_reduce,
         ]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"

@@ -1,26 +1,30 @@
-"""FSDP2 on a CPU process group: gradient reduce-scatters beside backward, the next unit's all-gather beside forward.
+"""FSDP2's gradient reductions on a CPU process group: beside backward, by gloo's cheaper collective, and the next
+unit's all-gather beside forward.
 
 On a GPU FSDP2 overlaps its collectives with compute on their own streams. A CPU has no streams: FSDP2 there calls
 each unit's reduce-scatter and all-gather blocking, so every collective stalls the process's compute thread for
 the transfer and for the slower rank (docs/performance.md), while DDP's bucket all-reduce runs on the process
-group's own thread beside backward. `overlap_collectives` gives FSDP2 the same on a CPU with its own settings:
+group's own thread beside backward. `overlap_collectives` changes FSDP2's own settings, nothing else:
 
-- the reduce-scatter: FSDP2's custom reduce-scatter seam (`set_custom_reduce_scatter`) is handed the process
-  group's own `reduce_scatter_single`, issued with `async_op=True`; `OverlappedReduceScatter.wait` (the native
-  engine's backward, before anything reads a gradient) waits for every one issued. Nothing here reduces, copies or
-  splits a tensor itself: the collective is PyTorch's, only the wait moves.
+- the reduction: FSDP2's custom reduce-scatter seam (`set_custom_reduce_scatter`) is handed a `GradientReduction`,
+  which calls one of the process group's own collectives: `reduce_scatter_single`, or under parallel.grad_reduce
+  (auto on gloo) an in-place `all_reduce` of which the rank keeps its chunk. gloo serves a reduce-scatter as a
+  clone of the input and the same all-reduce, so that removes the clone and nothing else. With parallel.overlap_comm
+  it is issued with `async_op=True`; `GradientReduction.wait` (the native engine's backward, before anything reads a
+  gradient) waits for every one issued. The collective is always PyTorch's; vitrain moves the wait and, after an
+  all-reduce, copies the rank's chunk out.
 - the all-gather: each unit prefetches the next unit's parameters as it starts its forward
   (`set_modules_to_forward_prefetch`), issued asynchronously (FSDP2's unshard `async_op`), waited by FSDP2 where
   that unit's forward starts.
 
-Only a model of several units is changed: with the whole model as one unit the reduce-scatter starts as backward
-ends, and deferred there it measured slower (ViT-Ti zero2 ladder rows: 0.91x the blocking ones,
+Deferral applies only to a model of several units: with the whole model as one unit the reduction starts as
+backward ends, and deferred there it measured slower (ViT-Ti zero2 ladder rows: 0.91x the blocking ones,
 results/ladder-vit_tiny-cpu-overlap-model-deferred).
 
-A deferred reduce-scatter is valid only where FSDP2 does not read the reduced shard before backward ends: the
-gradients are reduced in the parameters' own dtype (FSDP2 casts a shard reduced in another dtype at once) and no
-micro-batch accumulates into an existing sharded gradient (FSDP2 adds the new shard at once): units reduced in
-another dtype keep FSDP2's blocking call, and the native engine turns deferral off under `train.accum_steps` > 1.
+A deferred reduction is valid only where FSDP2 does not read the reduced shard before backward ends: the gradients
+are reduced in the parameters' own dtype (FSDP2 casts a shard reduced in another dtype at once) and no micro-batch
+accumulates into an existing sharded gradient (FSDP2 adds the new shard at once): units reduced in another dtype
+keep a blocking call, and the native engine turns deferral off under `train.accum_steps` > 1.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vitrain.config import Config
+from vitrain.config import Config, ParallelConfig
 
 
 def deferrable(cfg: Config) -> bool:
@@ -44,11 +48,17 @@ def deferrable(cfg: Config) -> bool:
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class OverlappedReduceScatter:
-    """FSDP2's reduce-scatter (its `ReduceScatter` interface) as the process group's own, not waited for here."""
+class GradientReduction:
+    """FSDP2's reduce-scatter (its `ReduceScatter` interface) as one of the process group's own collectives: its
+    `reduce_scatter_single`, or (`all_reduce`) an in-place all-reduce of the whole input of which this rank keeps
+    its chunk, what DDP and DeepSpeed (`reduce_scatter: false`) call. gloo serves a reduce-scatter by cloning its
+    input and all-reducing the clone, so on gloo the all-reduce is the same transfer without the clone (the same
+    sums). `defer`: issued without waiting; `wait` (the native engine's backward, before anything reads a gradient)
+    finishes every one issued, and only then is an all-reduced chunk copied out."""
 
-    def __init__(self) -> None:
-        self.pending: list[dist.Work] = []
+    def __init__(self, all_reduce: bool = False, defer: bool = False) -> None:
+        self.all_reduce, self.defer = all_reduce, defer
+        self.pending: list[tuple[dist.Work, torch.Tensor | None, torch.Tensor | None]] = []
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -61,38 +71,69 @@ class OverlappedReduceScatter:
         op: dist.ReduceOp,
         async_op: bool = False,
     ):
-        # The work holds both tensors until it completes; FSDP2 reads `output_tensor` only after `wait`.
-        work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=True)
-        self.pending.append(work)
+        if not self.all_reduce:
+            # The work holds both tensors until it completes; FSDP2 reads `output_tensor` only after `wait`.
+            work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=self.defer)
+            if self.defer:
+                self.pending.append((work, None, None))
+            return
+        # FSDP2 lays the input out as each rank's shard in rank order (its copy-in), so this rank's chunk of the
+        # reduced whole is its reduced shard.
+        mine = input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+        work = dist.all_reduce(input_tensor, op=op, group=group, async_op=self.defer)
+        if self.defer:
+            self.pending.append((work, output_tensor, mine))
+        else:
+            output_tensor.copy_(mine)
 
     def wait(self) -> None:
-        """Every reduce-scatter issued since the last wait, finished: the sharded gradients hold their values."""
-        for work in self.pending:
+        """Every reduction issued since the last wait, finished: the sharded gradients hold their values."""
+        for work, output, mine in self.pending:
             work.wait()
+            if output is not None:
+                output.copy_(mine)
         self.pending.clear()
 
 
+def all_reduce_on(cfg: ParallelConfig) -> bool:
+    """Whether zero2/zero3 reduce gradients with an all-reduce (parallel.grad_reduce): auto where the default process
+    group is gloo (its reduce-scatter clones the input first), FSDP2's reduce-scatter elsewhere (NCCL's moves half
+    the data of an all-reduce)."""
+    if cfg.grad_reduce != "auto":
+        return cfg.grad_reduce == "all_reduce"
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
 def overlap_collectives(
-    model: nn.Module, units: Sequence[nn.Module], reduce_dtype: torch.dtype | None, fp32_units: Sequence[nn.Module]
-) -> OverlappedReduceScatter:
-    """Defer the reduce-scatters of `model` (fully sharded, FSDP2) and its FSDP units, and prefetch each of `units`
-    (in forward order) during the forward of the one before. `reduce_dtype`: the mixed-precision policy's (None:
-    none); `fp32_units`: units reduced in fp32 whatever the policy (vitrain's fp32 norms). Returns the deferred
-    reduce-scatter, whose `wait` must run after backward and before any gradient is read."""
+    model: nn.Module,
+    units: Sequence[nn.Module],
+    reduce_dtype: torch.dtype | None,
+    fp32_units: Sequence[nn.Module],
+    defer: bool = True,
+    all_reduce: bool = False,
+) -> GradientReduction | None:
+    """Hand the gradient reductions of `model` (fully sharded, FSDP2) and its FSDP units to a `GradientReduction`:
+    `defer` them, and prefetch each of `units` (in forward order) during the forward of the one before; reduce
+    them with an `all_reduce` (parallel.grad_reduce). `reduce_dtype`: the mixed-precision policy's (None: none);
+    `fp32_units`: units reduced in fp32 whatever the policy (vitrain's fp32 norms). Returns the deferred reduction,
+    whose `wait` must run after backward and before any gradient is read; None where nothing is deferred."""
     from torch.distributed.fsdp import FSDPModule
 
-    comm = OverlappedReduceScatter()
+    deferred = GradientReduction(all_reduce, defer=True)
+    blocking = GradientReduction(all_reduce, defer=False) if all_reduce else None
     fp32_ids = {id(m) for m in fp32_units}
     for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
+        if not isinstance(module, FSDPModule) or not hasattr(module, "set_custom_reduce_scatter"):
+            continue  # a torch without FSDP2's seam keeps its own blocking call
         own = {p.dtype for p in module.parameters(recurse=False)} or {p.dtype for p in module.parameters()}
         reduced_in = torch.float32 if id(module) in fp32_ids else reduce_dtype
-        # The shard is not cast after its reduction; a torch without FSDP2's seam keeps its blocking call.
-        if (reduced_in is None or own == {reduced_in}) and hasattr(module, "set_custom_reduce_scatter"):
-            module.set_custom_reduce_scatter(comm)
+        # Deferred only where the shard is not cast after its reduction (FSDP2 casts it at once).
+        if defer and (reduced_in is None or own == {reduced_in}):
+            module.set_custom_reduce_scatter(deferred)
+        elif blocking is not None:
+            module.set_custom_reduce_scatter(blocking)
     units = list(units)
-    if len(units) > 1:
+    if defer and len(units) > 1:
         for unit, following in zip(units, units[1:], strict=False):
             unit.set_modules_to_forward_prefetch([following])
         for unit in units:
@@ -100,4 +141,4 @@ def overlap_collectives(
             # its forward (or, under zero3, its backward) starts. Without it a prefetch would block as early.
             if hasattr(unit, "_set_unshard_async_op"):
                 unit._set_unshard_async_op(True)
-    return comm
+    return deferred if defer else None

@@ -18,7 +18,7 @@ from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.optimizers import optimizer_class_and_kwargs
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.materialize import is_on_meta, materialize_shards
-from vitrain.parallel.overlap import overlap_collectives
+from vitrain.parallel.overlap import all_reduce_on, overlap_collectives
 from vitrain.parallel.sync_batchnorm import sync_batchnorm
 
 if TYPE_CHECKING:
@@ -156,10 +156,16 @@ def fully_shard_model(
     fully_shard(model, mp_policy=root_policy, **shard)
     # On a GPU FSDP2 overlaps on its own streams. With one unit (the whole model) its reduce-scatter starts as
     # backward ends, with nothing left to overlap; deferred there, ViT-Ti zero2 ladder rows ran 0.91x blocking.
-    if overlap and device.type == "cpu" and len(plan.shard_units) > 1:
+    # parallel.grad_reduce: on gloo an all-reduce instead of its reduce-scatter (a clone and the same all-reduce).
+    defer, all_reduce = overlap and device.type == "cpu" and len(plan.shard_units) > 1, all_reduce_on(cfg)
+    if defer or all_reduce:
         fp32_units = [*plan.norms, *(m for group in plan.fp32_groups for m in group)] if precision is not None else []
         reduce_dtype = precision.reduce_dtype if precision is not None else None
-        model._vitrain_reductions = overlap_collectives(model, plan.shard_units, reduce_dtype, fp32_units)
+        deferred = overlap_collectives(
+            model, plan.shard_units, reduce_dtype, fp32_units, defer=defer, all_reduce=all_reduce
+        )
+        if deferred is not None:
+            model._vitrain_reductions = deferred
     if is_on_meta(model):  # parallel.sharded_init: only now, and only this rank's shards, take memory
         materialize_shards(model, torch.device("cpu") if cfg.offload == "params" else device)
     if not cfg.backward_prefetch:
