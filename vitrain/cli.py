@@ -198,7 +198,10 @@ def _parser() -> argparse.ArgumentParser:
         help="timed optimizer steps (default 5; ladder rows 3, 20 on a GPU; peers: rounds, 7)",
     )
     run.add_argument(
-        "--warmup", type=int, default=None, help="untimed steps first (default 2; ladder rows 2, 5 on a GPU; peers 3)"
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps first (default 2; ladder and scaling rows 2, 5 on a GPU; peers 3)",
     )
     run.add_argument(
         "--synthetic",
