@@ -23,8 +23,9 @@ results/ladder-vit_tiny-cpu-overlap-model-deferred).
 
 A deferred reduction is valid only where FSDP2 does not read the reduced shard before backward ends: the gradients
 are reduced in the parameters' own dtype (FSDP2 casts a shard reduced in another dtype at once) and no micro-batch
-accumulates into an existing sharded gradient (FSDP2 adds the new shard at once): units reduced in another dtype
-keep a blocking call, and the native engine turns deferral off under `train.accum_steps` > 1.
+accumulates into an existing sharded gradient (FSDP2 adds the new shard at once), and no division follows the call
+(FSDP2 divides fp16 gradients after it): units reduced in another dtype or in fp16 keep a blocking call, and the
+native engine turns deferral off under `train.accum_steps` > 1.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def overlap_collectives(
             continue  # a torch without FSDP2's seam keeps its own blocking call
         own = {p.dtype for p in module.parameters(recurse=False)} or {p.dtype for p in module.parameters()}
         reduced_in = torch.float32 if id(module) in fp32_ids else reduce_dtype
-        # Deferred only where the shard is not cast after its reduction (FSDP2 casts it at once).
-        if defer and (reduced_in is None or own == {reduced_in}):
+        # Deferred only where the shard is not cast after its reduction (FSDP2 casts it at once), and is reduced in
+        # fp32 or bf16: in fp16 FSDP2 divides the output right after the call, which a deferred one has not written.
+        if defer and (reduced_in is None or own == {reduced_in}) and own <= {torch.float32, torch.bfloat16}:
             module.set_custom_reduce_scatter(deferred)
         elif blocking is not None:
             module.set_custom_reduce_scatter(blocking)
