@@ -369,6 +369,7 @@ def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
 
 
 def test_autotune_races_once_before_the_rounds_and_its_pass_is_not_a_round(monkeypatch):
+    monkeypatch.setenv("VITRAIN_AUTOTUNE", "1")
     calls = []
 
     def fake_run_row(row, config, overrides, nproc, steps, warmup, peaks_arg, threads):
@@ -376,12 +377,20 @@ def test_autotune_races_once_before_the_rounds_and_its_pass_is_not_a_round(monke
         row.rounds.append({"images_per_s": 1.0})
 
     monkeypatch.setattr(ladder, "run_row", fake_run_row)
-    native = ladder.Row("native zero2", "g", lambda ctx: [])
-    deepspeed = ladder.Row("DeepSpeed stage 2", "g", lambda ctx: [])
-    ladder.tune_first(native, "c.yaml", ["parallel.strategy=zero2"], 2, "", 1)
-    ladder.tune_first(deepspeed, "c.yaml", ["parallel.strategy=zero2", "train.engine=deepspeed"], 2, "", 1)
-    assert calls == [("native zero2", 1, 0)]  # one untimed step, where autotune may race; DeepSpeed has no race
-    assert native.rounds == [] and deepspeed.rounds == []  # the pass's figures are dropped
+    fixed = ["model.attention=sdpa", "precision.mode=amp_o2"]
+    rows = {
+        "native zero2": ["parallel.strategy=zero2", *fixed],  # parallel.wrap=auto: autotune races the unit
+        "DeepSpeed stage 2": ["parallel.strategy=zero2", "train.engine=deepspeed", *fixed],
+        "native DDP, all fixed": ["parallel.strategy=ddp", *fixed],
+    }
+    made = {name: ladder.Row(name, "g", lambda ctx: []) for name in rows}
+    for name, overrides in rows.items():
+        ladder.tune_first(made[name], None, overrides, 2, "", 1, "cpu")
+    assert calls == [("native zero2", 1, 0)]  # one untimed step where autotune races; nothing to race elsewhere
+    assert all(row.rounds == [] for row in made.values())  # the pass's figures are dropped
+    monkeypatch.setenv("VITRAIN_AUTOTUNE", "0")  # autotune off: nothing races anywhere
+    ladder.tune_first(made["native zero2"], None, rows["native zero2"], 2, "", 1, "cpu")
+    assert len(calls) == 1
 
 
 def test_bench_optim_defaults_to_the_kernels_each_optimizer_has():

@@ -300,7 +300,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         else:
             runnable.append(row)
     for row in runnable:
-        tune_first(row, config, common + row.overrides(ctx), nproc, peaks_arg, threads)
+        tune_first(row, config, common + row.overrides(ctx), nproc, peaks_arg, threads, ctx.device)
     for round_ in range(repeats):
         for row in runnable:
             run_row(row, config, common + row.overrides(ctx), nproc, steps, warmup, peaks_arg, threads)
@@ -330,14 +330,18 @@ def asked_for(table_rows: list[Row], spec: str | None) -> list[Row]:
     return [r for r in table_rows if any(w == r.name or (w not in names and w in r.name) for w in wanted)]
 
 
-def tune_first(row: Row, config, overrides, nproc, peaks_arg, threads) -> None:
-    """Autotune's race for a native row, run once before the rounds in the row's own processes (one untimed step,
-    its figures dropped): every round then reads the decision it cached, as every run after a config's first does.
-    A round that raced would carry the race into its peak memory: its candidates are freed, but the heap they
-    fragmented stays (ViT-S/16 zero2, batch 16 per rank: 1.75 GiB against 1.49 in the same run with the decision
-    cached, docs/performance.md). DeepSpeed rows have nothing to race."""
-    if "train.engine=deepspeed" in overrides:
-        return
+def tune_first(row: Row, config, overrides, nproc, peaks_arg, threads, device: str) -> None:
+    """Autotune's race for a row whose config has one (autotune's own `candidates`), run once before the rounds in
+    the row's own processes (one untimed step, its figures dropped): every round then reads the decision it cached,
+    as every run after a config's first does. A round that raced would carry the race into its peak memory: its
+    candidates are freed, but the heap they fragmented stays (ViT-S/16 zero2, batch 16 per rank: 1.75 GiB against
+    1.49 in the same run with the decision cached, docs/performance.md)."""
+    from vitrain.config import load_config
+    from vitrain.engine.autotune import candidates, enabled
+
+    cfg = load_config(config, overrides)
+    if not enabled() or not candidates(cfg, torch.device(device), pipelined=cfg.parallel.pipeline_stages > 1):
+        return  # nothing to race: a DeepSpeed row, a pipeline, every value fixed
     tuning = Row(row.name, row.group, row.overrides)
     run_row(tuning, config, overrides, nproc, 1, 0, peaks_arg, threads)
     how = "done" if tuning.rounds else f"failed: {tuning.failures[-1]}"  # the rounds then fail and say why

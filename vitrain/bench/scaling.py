@@ -100,7 +100,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         file=sys.stderr,
     )
     for row, row_overrides, processes, threads, peaks_arg in plan:
-        tune_first(row, config, row_overrides, processes, peaks_arg, max(threads, 1))
+        tune_first(row, config, row_overrides, processes, peaks_arg, max(threads, 1), device)
     for round_ in range(repeats):
         for row, row_overrides, processes, threads, peaks_arg in plan:
             run_row(row, config, row_overrides, processes, steps, warmup, peaks_arg, max(threads, 1))
