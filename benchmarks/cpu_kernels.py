@@ -2,13 +2,15 @@
 
     python benchmarks/cpu_kernels.py --out results/cpu-kernels
 
-Four measurements, each with its contenders taking turns round by round (median and min-max, ratios paired by
+Five measurements, each with its contenders taking turns round by round (median and min-max, ratios paired by
 round), on this process's threads (2 by default) with freed host memory kept in the heap as training runs it:
 1. each linear layer's forward + backward in bf16: aten's addmm (bias written into the whole output first, then the
    GEMM accumulates onto it) against oneDNN's linear with the bias in the GEMM's epilogue (train.fused_linear);
-2. manual attention's forward + backward: autograd over the plain ops against the one autograd function;
-3. amp_o2's fp32 LayerNorm on bf16 activations: the cast hooks against precision.compile_norms's compiled kernel;
-4. the whole training step (`vitrain bench run`, amp_o2 bf16 + manual attention) with a switch (--step-switch,
+2. the patch embedding's forward + backward in bf16: oneDNN's convolution against one GEMM over the patches
+   (train.fused_linear);
+3. manual attention's forward + backward: autograd over the plain ops against the one autograd function;
+4. amp_o2's fp32 LayerNorm on bf16 activations: the cast hooks against precision.compile_norms's compiled kernel;
+5. the whole training step (`vitrain bench run`, amp_o2 bf16 + manual attention) with a switch (--step-switch,
    train.fused_linear by default) true against false, one process per run.
 """
 
@@ -90,18 +92,39 @@ def linear_layers(rounds: int) -> dict:
 def attention(rounds: int) -> dict:
     qkv = torch.randn(BATCH, TOKENS, 3 * WIDTH, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(BATCH, TOKENS, WIDTH, dtype=torch.bfloat16)
-    plain_graph = kernels._plain_graph
+    plain_graph = kernels.plain_graph
 
     def run(function: bool) -> None:
-        kernels._plain_graph = plain_graph if function else (lambda: True)
+        kernels.plain_graph = plain_graph if function else (lambda: True)
         try:
             qkv.grad = None
             kernels.manual_attention(qkv, HEADS, False).backward(grad)
         finally:
-            kernels._plain_graph = plain_graph
+            kernels.plain_graph = plain_graph
 
     times = _race({"plain ops": lambda: run(False), "function": lambda: run(True)}, rounds)
     return {"attention bf16": _pair(times, "plain ops", "function")}
+
+
+def patch_embedding(rounds: int) -> dict:
+    """The 16 x 16 patch embedding (3 -> 384 channels) forward + backward in bf16, the image taking no gradient:
+    oneDNN's convolution against the conv as one GEMM over the patches (PatchGemmConv2d, train.fused_linear)."""
+    from torch import nn
+
+    if not kernels._onednn_linear(torch.bfloat16):
+        return {}
+    image = torch.randn(BATCH, 3, 224, 224, dtype=torch.bfloat16)
+    conv = nn.Conv2d(3, WIDTH, 16, stride=16).to(torch.bfloat16)
+    patches = kernels.PatchGemmConv2d(3, WIDTH, 16, stride=16).to(torch.bfloat16)
+    patches.load_state_dict(conv.state_dict())
+    grad = torch.randn(BATCH, WIDTH, 14, 14, dtype=torch.bfloat16)
+
+    def run(layer: nn.Module) -> None:
+        layer.weight.grad = layer.bias.grad = None
+        layer(image).backward(grad)
+
+    times = _race({"conv": lambda: run(conv), "gemm": lambda: run(patches)}, rounds)
+    return {"patch embedding (3 -> 384, 16 x 16)": _pair(times, "conv", "gemm")}
 
 
 def norms(rounds: int) -> dict:
@@ -157,7 +180,8 @@ def main() -> None:
     reuse_freed_host_memory()
     torch.manual_seed(0)
     result = {"cpu": cpu_description(), "threads": args.threads, "torch": torch.__version__}
-    result["layers"] = linear_layers(args.rounds) | attention(args.rounds) | norms(args.rounds)
+    layers = linear_layers(args.rounds) | patch_embedding(args.rounds) | attention(args.rounds) | norms(args.rounds)
+    result["layers"] = layers
     if args.step_rounds:
         result["step"] = whole_step(args.step_rounds, STEPS, args.step_switch)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -180,6 +204,8 @@ def main() -> None:
             change = "plain ops -> one function"
         elif "LayerNorm" in name:
             change = "hooks (upcast, norm, downcast) -> one compiled kernel"
+        elif "patch" in name:
+            change = "oneDNN's convolution -> one GEMM over the patches"
         else:
             change = "addmm -> bias in oneDNN's GEMM"
         what = f"{name} forward + backward, {change}"

@@ -199,7 +199,8 @@ def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):
 
 
 def test_a_module_handed_to_the_library_leaves_with_its_own_layer_classes(tmp_path):
-    """Engines swap CPU linear layers to the fused-bias class (vitrain/models/kernels.py) for training only."""
+    """Engines swap CPU linear layers (and a patch embedding's conv) to the CPU kernels' classes (vitrain/models/kernels.py)
+    for training only."""
     import vitrain
 
     net = UserNet(1, 10)
@@ -211,7 +212,7 @@ def test_a_module_handed_to_the_library_leaves_with_its_own_layer_classes(tmp_pa
     flat = FlatNet(vitrain.load_config("digits", ["model.num_classes=10"]).model)
     with pytest.raises(ConfigError, match="recomputes repeated blocks"):
         vitrain.train("digits", [*overrides, "parallel.activation_checkpointing=block"], model=flat)
-    assert type(flat.head) is nn.Linear
+    assert type(flat.head) is nn.Linear and type(flat.conv) is nn.Conv2d
 
 
 class FlatNet(nn.Module):

@@ -13,7 +13,15 @@ from torch import nn
 from tests.conftest import TINY_MODEL, graph_names
 from vitrain.config import Config
 from vitrain.models import kernels
-from vitrain.models.kernels import BiasInGemmLinear, cpu_kernels, fuse_linear_bias, manual_attention
+from vitrain.models.kernels import (
+    BiasInGemmLinear,
+    PatchGemmConv2d,
+    cpu_kernels,
+    fuse_linear_bias,
+    manual_attention,
+    tiles_input,
+    unfuse_linear_bias,
+)
 from vitrain.models.vit import VisionTransformer
 
 
@@ -123,17 +131,52 @@ def test_bias_in_gemm_linear_computes_as_nn_linear():
         assert copy.deepcopy(fused).double()(x.double()).dtype == torch.float64
 
 
+def test_patch_gemm_conv_computes_as_nn_conv2d():
+    """A conv that tiles its input, as one GEMM over the patches: nn.Conv2d's values and gradients (bf16: within its
+    rounding; fp32 keeps the conv), an input whose sides are not whole patches included (the conv leaves out the
+    pixels past the last whole patch)."""
+    torch.manual_seed(4)
+    plain = nn.Conv2d(3, 16, kernel_size=(4, 2), stride=(4, 2))
+    assert tiles_input(plain)
+    assert not any(tiles_input(c) for c in (nn.Conv2d(3, 8, 3), nn.Conv2d(3, 8, 4, 4, padding=1), nn.Conv2d(3, 8, 1)))
+    fused = copy.deepcopy(plain)
+    assert fuse_linear_bias(fused) == 1 and type(fused) is PatchGemmConv2d
+    x = torch.randn(2, 3, 13, 10)  # 3 x 5 whole patches, one row of pixels left out
+    bf16 = dict(rtol=1e-2, atol=2e-2)
+    for autocast, dtype, tol in (
+        (False, torch.float32, dict(rtol=0, atol=0)),
+        (True, torch.float32, bf16),
+        (False, torch.bfloat16, bf16),
+    ):
+        outs = []
+        for layer in (fused, plain):
+            layer = copy.deepcopy(layer).to(dtype)
+            xin = x.to(dtype).detach().clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = layer(xin)
+            (y.float().square() * torch.linspace(0, 1, y.numel()).view(y.shape)).sum().backward()
+            outs.append((y, xin.grad, layer.weight.grad, layer.bias.grad, graph_names(y)))
+        (*new, name), (*ref, ref_name) = outs
+        assert new[0].shape == (2, 16, 3, 5)
+        for a, e in zip(new, ref, strict=True):
+            assert a.dtype == e.dtype
+            torch.testing.assert_close(a, e, **tol)
+        runs_onednn = dtype == torch.bfloat16 or autocast
+        assert ("_BiasInGemmBackward" in name) == (runs_onednn and kernels._onednn_linear(torch.bfloat16))
+    assert unfuse_linear_bias(fused) == 1 and type(fused) is nn.Conv2d
+
+
 def test_cpu_kernels_follow_the_switch(tmp_path):
     cfg = Config()
     model_cfg = dataclasses.replace(TINY_MODEL, attention="manual")
     linears = lambda m: [type(x) for x in m.modules() if isinstance(x, nn.Linear)]  # noqa: E731
     on = VisionTransformer(model_cfg)
     cpu_kernels(on, cfg, torch.device("cpu"))
-    assert set(linears(on)) == {BiasInGemmLinear}
+    assert set(linears(on)) == {BiasInGemmLinear} and type(on.patch_embed.proj) is PatchGemmConv2d
     for changed in (dict(fused_linear=False), dict(compile=True)):
         off = VisionTransformer(model_cfg)
         cpu_kernels(off, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changed)), torch.device("cpu"))
-        assert set(linears(off)) == {nn.Linear}
+        assert set(linears(off)) == {nn.Linear} and type(off.patch_embed.proj) is nn.Conv2d
     # A whole model's training step: the same loss and gradients as the plain layers (fp32: to rounding).
     plain = VisionTransformer(model_cfg)
     plain.load_state_dict(on.state_dict())

@@ -239,7 +239,8 @@ class TrainConfig:
     # pages instead of faulting in zeroed ones (1.08x on a ViT-S/16 step, docs/performance.md)
     reuse_host_memory: bool = True
     # CPU: linear layers add their bias inside oneDNN's GEMM instead of aten's addmm, which writes the bias into the
-    # whole output first (vitrain/models/kernels.py; not under train.compile, which fuses by itself)
+    # whole output first, and in bf16 a patch embedding's conv (kernel = stride) computes as one such GEMM over the
+    # patches (vitrain/models/kernels.py; not under train.compile, which fuses by itself)
     fused_linear: bool = True
     compile: bool = False  # torch.compile the model (the first step's time is logged as compile_s)
     eval_every_epochs: int = 1  # evaluate (and checkpoint) every this many epochs, and at the end

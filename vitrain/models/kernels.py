@@ -1,8 +1,9 @@
-"""CPU kernels for the models' layers: linear layers whose bias is added inside oneDNN's GEMM, and manual attention
-as one autograd function that splits the heads once and writes their gradients into one buffer.
+"""CPU kernels for the models' layers: linear layers whose bias is added inside oneDNN's GEMM, a patch embedding's
+conv as one such GEMM over the patches, and manual attention as one autograd function that splits the heads once and
+writes their gradients into one buffer.
 
-Both compute what the plain layers compute (the linear runs bf16 only, where aten's addmm is oneDNN's GEMM as well;
-attention in fp32 to rounding) and fall back to the plain layers wherever they do not apply: another device, another
+All compute what the plain layers compute (the linear and the patch GEMM run bf16 only, where aten's addmm is oneDNN's
+GEMM as well; attention in fp32 to rounding) and fall back to the plain layers wherever they do not apply: another device, another
 dtype, torch.compile, export and tracing.
 Measured on a 2-core Zen 4 (docs/performance.md: "One process: the ViT-S/16 step against the GEMM peak").
 """
@@ -82,6 +83,54 @@ class BiasInGemmLinear(nn.Linear):
         return _BiasInGemm.apply(x, weight, bias)
 
 
+def tiles_input(conv: nn.Conv2d) -> bool:
+    """Whether `conv` cuts its input into non-overlapping patches and projects each (a ViT's patch embedding): kernel
+    equal to stride and larger than one pixel, no padding, dilation or groups. Such a conv is a linear layer over the
+    patches."""
+    return (
+        conv.kernel_size == conv.stride
+        and conv.kernel_size != (1, 1)
+        and conv.padding in ((0, 0), "valid")
+        and conv.dilation == (1, 1)
+        and conv.groups == 1
+    )
+
+
+class PatchGemmConv2d(nn.Conv2d):
+    """nn.Conv2d that tiles its input (`tiles_input`; same parameters, same state dict) computing, on a CPU in bf16, as
+    one GEMM of the image's patches (a reshape and one copy) by the kernel flattened to a matrix, the bias added in
+    oneDNN's GEMM: oneDNN's bf16 convolution with 3 input channels and a 16 x 16 kernel took 49 ms forward and
+    20 ms backward of a ViT-S/16 step at batch 64 on a Zen 5, for 7.4 GFLOP (docs/performance.md). The output
+    is the conv's (B, C, H', W') as a channels-last view. Elsewhere, nn.Conv2d's forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if x.device.type != "cpu" or x.dim() != 4 or plain_graph():
+            return super().forward(x)
+        dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+        if torch.is_autocast_enabled("cpu"):  # what autocast would do for the conv: all three in its dtype
+            dtype = torch.get_autocast_dtype("cpu")
+            if torch.float64 in dtypes:  # autocast leaves fp64 alone
+                return super().forward(x)
+        elif len(dtypes) == 1:
+            dtype = x.dtype
+        else:
+            return super().forward(x)
+        if not _onednn_linear(dtype):
+            return super().forward(x)
+        with torch.autocast("cpu", enabled=False):
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            b, c, h, w = x.shape
+            ph, pw = self.kernel_size
+            gh, gw = h // ph, w // pw  # the conv's grid: pixels past the last whole patch are left out
+            patches = x[:, :, : gh * ph, : gw * pw].reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5)
+            patches = patches.reshape(b * gh * gw, c * ph * pw)
+            flat = weight.reshape(weight.shape[0], -1)  # (out, c * ph * pw): the kernel's (c, ph, pw) order
+            y = _BiasInGemm.apply(patches, flat, bias) if bias is not None else F.linear(patches, flat)
+        return y.view(b, gh, gw, -1).permute(0, 3, 1, 2)
+
+
 def cpu_kernels(model: nn.Module, cfg: Config, device: torch.device) -> None:
     """What an engine does to a CPU model's layers before precision and parallelism (train.fused_linear)."""
     if device.type == "cpu" and cfg.train.fused_linear and not cfg.train.compile:
@@ -90,24 +139,33 @@ def cpu_kernels(model: nn.Module, cfg: Config, device: torch.device) -> None:
 
 
 def fuse_linear_bias(model: nn.Module) -> int:
-    """Every plain nn.Linear of `model` (on the CPU, before sharding) computes as a BiasInGemmLinear; returns how many.
-    The class is swapped in place, so parameters, hooks and state-dict names stay the module's own."""
+    """Every plain nn.Linear of `model` (on the CPU, before sharding) computes as a BiasInGemmLinear, and every plain
+    nn.Conv2d that tiles its input (a patch embedding) as a PatchGemmConv2d; returns how many. The class is swapped
+    in place, so parameters, hooks and state-dict names stay the module's own."""
     swapped = 0
     for module in model.modules():
-        if type(module) is nn.Linear and module.bias is not None and module.weight.device.type in ("cpu", "meta"):
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.device.type not in ("cpu", "meta"):
+            continue
+        if type(module) is nn.Linear and module.bias is not None:
             module.__class__ = BiasInGemmLinear
-            module._swapped_by_vitrain = True  # unfuse_linear_bias gives back these only
-            swapped += 1
+        elif type(module) is nn.Conv2d and tiles_input(module):
+            module.__class__ = PatchGemmConv2d
+        else:
+            continue
+        module._swapped_by_vitrain = True  # unfuse_linear_bias gives back these only
+        swapped += 1
     return swapped
 
 
 def unfuse_linear_bias(model: nn.Module) -> int:
-    """The layers fuse_linear_bias swapped are plain nn.Linear again (a model handed to the library leaves training
-    with the classes it came with); returns how many."""
+    """The layers fuse_linear_bias swapped are plain nn.Linear and nn.Conv2d again (a model handed to the library
+    leaves training with the classes it came with); returns how many."""
     swapped = 0
     for module in model.modules():
-        if type(module) is BiasInGemmLinear and module.__dict__.pop("_swapped_by_vitrain", False):
-            module.__class__ = nn.Linear
+        plain = {BiasInGemmLinear: nn.Linear, PatchGemmConv2d: nn.Conv2d}.get(type(module))
+        if plain is not None and module.__dict__.pop("_swapped_by_vitrain", False):
+            module.__class__ = plain
             swapped += 1
     return swapped
 
