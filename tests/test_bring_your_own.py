@@ -199,8 +199,8 @@ def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):
 
 
 def test_a_module_handed_to_the_library_leaves_with_its_own_layer_classes(tmp_path):
-    """Engines swap CPU linear layers (and a patch embedding's conv) to the CPU kernels' classes (vitrain/models/kernels.py)
-    for training only."""
+    """Engines swap CPU linear layers (and a patch embedding's conv) to the CPU kernels' classes
+    (vitrain/models/kernels.py) for training only."""
     import vitrain
 
     net = UserNet(1, 10)

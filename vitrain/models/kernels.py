@@ -2,10 +2,10 @@
 conv as one such GEMM over the patches, and manual attention as one autograd function that splits the heads once and
 writes their gradients into one buffer.
 
-All compute what the plain layers compute (the linear and the patch GEMM run bf16 only, where aten's addmm is oneDNN's
-GEMM as well; attention in fp32 to rounding) and fall back to the plain layers wherever they do not apply: another device, another
-dtype, torch.compile, export and tracing.
-Measured on a 2-core Zen 4 (docs/performance.md: "One process: the ViT-S/16 step against the GEMM peak").
+All compute what the plain layers compute (the linear and the patch GEMM run bf16 only, where aten's addmm is
+oneDNN's GEMM as well; attention in fp32 to rounding) and fall back to the plain layers wherever they do not apply:
+another device, another dtype, torch.compile, export and tracing.
+Measured on a 2-core Zen 4 and a Zen 5 (docs/performance.md: "One process: the ViT-S/16 step against the GEMM peak").
 """
 
 from __future__ import annotations
