@@ -107,8 +107,9 @@ def attention(rounds: int) -> dict:
 
 
 def patch_embedding(rounds: int) -> dict:
-    """The 16 x 16 patch embedding (3 -> 384 channels) forward + backward in bf16, the image taking no gradient:
-    oneDNN's convolution against the conv as one GEMM over the patches (PatchGemmConv2d, train.fused_linear)."""
+    """The 16 x 16 patch embedding (3 -> WIDTH channels) forward + backward in bf16 as ViT's PatchEmbed uses it (the
+    output flattened to tokens), the image taking no gradient: oneDNN's convolution against the conv as one GEMM over
+    the patches (PatchGemmConv2d, train.fused_linear)."""
     from torch import nn
 
     if not kernels._onednn_linear(torch.bfloat16):
@@ -117,14 +118,14 @@ def patch_embedding(rounds: int) -> dict:
     conv = nn.Conv2d(3, WIDTH, 16, stride=16).to(torch.bfloat16)
     patches = kernels.PatchGemmConv2d(3, WIDTH, 16, stride=16).to(torch.bfloat16)
     patches.load_state_dict(conv.state_dict())
-    grad = torch.randn(BATCH, WIDTH, 14, 14, dtype=torch.bfloat16)
+    grad = torch.randn(BATCH, (224 // 16) ** 2, WIDTH, dtype=torch.bfloat16)
 
     def run(layer: nn.Module) -> None:
         layer.weight.grad = layer.bias.grad = None
-        layer(image).backward(grad)
+        layer(image).flatten(2).transpose(1, 2).backward(grad)
 
     times = _race({"conv": lambda: run(conv), "gemm": lambda: run(patches)}, rounds)
-    return {"patch embedding (3 -> 384, 16 x 16)": _pair(times, "conv", "gemm")}
+    return {f"patch embedding (3 -> {WIDTH}, 16 x 16)": _pair(times, "conv", "gemm")}
 
 
 def norms(rounds: int) -> dict:

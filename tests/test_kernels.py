@@ -157,13 +157,22 @@ def test_patch_gemm_conv_computes_as_nn_conv2d():
             (y.float().square() * torch.linspace(0, 1, y.numel()).view(y.shape)).sum().backward()
             outs.append((y, xin.grad, layer.weight.grad, layer.bias.grad, graph_names(y)))
         (*new, name), (*ref, ref_name) = outs
-        assert new[0].shape == (2, 16, 3, 5)
+        assert new[0].shape == (2, 16, 3, 5) and new[0].is_contiguous()
         for a, e in zip(new, ref, strict=True):
             assert a.dtype == e.dtype
             torch.testing.assert_close(a, e, **tol)
         runs_onednn = dtype == torch.bfloat16 or autocast
         assert ("_BiasInGemmBackward" in name) == (runs_onednn and kernels._onednn_linear(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # no image: the conv's empty output
+        assert fused(torch.randn(0, 3, 13, 10)).shape == (0, 16, 3, 5)
+    fused.stride = (2, 2)  # no longer tiling (overlapping patches): the conv itself
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        names = graph_names(fused(x.clone().requires_grad_()))
+    assert not tiles_input(fused) and "_BiasInGemmBackward" not in names and "ConvolutionBackward0" in names
     assert unfuse_linear_bias(fused) == 1 and type(fused) is nn.Conv2d
+    # a class named in precision.fp32_modules keeps its own class (precision picks it by that name)
+    model = nn.Sequential(copy.deepcopy(plain), nn.Linear(4, 4))
+    assert fuse_linear_bias(model, keep=("Conv2d",)) == 1 and [type(m) for m in model] == [nn.Conv2d, BiasInGemmLinear]
 
 
 def test_cpu_kernels_follow_the_switch(tmp_path):

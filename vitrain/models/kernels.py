@@ -99,14 +99,16 @@ def tiles_input(conv: nn.Conv2d) -> bool:
 class PatchGemmConv2d(nn.Conv2d):
     """nn.Conv2d that tiles its input (`tiles_input`; same parameters, same state dict) computing, on a CPU in bf16, as
     one GEMM of the image's patches (a reshape and one copy) by the kernel flattened to a matrix, the bias added in
-    oneDNN's GEMM: oneDNN's bf16 convolution with 3 input channels and a 16 x 16 kernel took 49 ms forward and
-    20 ms backward of a ViT-S/16 step at batch 64 on a Zen 5, for 7.4 GFLOP (docs/performance.md). The output
-    is the conv's (B, C, H', W') as a channels-last view. Elsewhere, nn.Conv2d's forward."""
+    oneDNN's GEMM: oneDNN's bf16 convolution with 3 input channels and a 16 x 16 kernel took 41 ms forward and
+    21 ms backward of a ViT-S/16 step at batch 64 on a Zen 5, for 7.4 GFLOP (docs/performance.md). The output
+    is the conv's: (B, C, H', W'), contiguous. Elsewhere, nn.Conv2d's forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if x.device.type != "cpu" or x.dim() != 4 or plain_graph():
+        if x.device.type != "cpu" or x.dim() != 4 or plain_graph() or not tiles_input(self):
             return super().forward(x)
+        if x.shape[2] < self.kernel_size[0] or x.shape[3] < self.kernel_size[1]:
+            return super().forward(x)  # no whole patch: the conv's own error
         dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
         if torch.is_autocast_enabled("cpu"):  # what autocast would do for the conv: all three in its dtype
             dtype = torch.get_autocast_dtype("cpu")
@@ -128,28 +130,30 @@ class PatchGemmConv2d(nn.Conv2d):
             patches = patches.reshape(b * gh * gw, c * ph * pw)
             flat = weight.reshape(weight.shape[0], -1)  # (out, c * ph * pw): the kernel's (c, ph, pw) order
             y = _BiasInGemm.apply(patches, flat, bias) if bias is not None else F.linear(patches, flat)
-        return y.view(b, gh, gw, -1).permute(0, 3, 1, 2)
+        return y.view(b, gh, gw, weight.shape[0]).permute(0, 3, 1, 2).contiguous()
 
 
 def cpu_kernels(model: nn.Module, cfg: Config, device: torch.device) -> None:
     """What an engine does to a CPU model's layers before precision and parallelism (train.fused_linear)."""
     if device.type == "cpu" and cfg.train.fused_linear and not cfg.train.compile:
-        if "Linear" not in cfg.precision.fp32_modules:  # that name picks nn.Linear by its class name
-            fuse_linear_bias(model)
+        fuse_linear_bias(model, keep=cfg.precision.fp32_modules)
 
 
-def fuse_linear_bias(model: nn.Module) -> int:
+def fuse_linear_bias(model: nn.Module, keep: tuple[str, ...] = ()) -> int:
     """Every plain nn.Linear of `model` (on the CPU, before sharding) computes as a BiasInGemmLinear, and every plain
     nn.Conv2d that tiles its input (a patch embedding) as a PatchGemmConv2d; returns how many. The class is swapped
-    in place, so parameters, hooks and state-dict names stay the module's own."""
+    in place, so parameters, hooks and state-dict names stay the module's own. `keep`: class names left as they are
+    (precision.fp32_modules picks layers by class name, e.g. Linear or Conv2d)."""
     swapped = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.device.type not in ("cpu", "meta"):
+        kind = type(module)
+        if kind not in (nn.Linear, nn.Conv2d) or kind.__name__ in keep:
             continue
-        if type(module) is nn.Linear and module.bias is not None:
+        if module.weight.device.type not in ("cpu", "meta"):
+            continue
+        if kind is nn.Linear and module.bias is not None:
             module.__class__ = BiasInGemmLinear
-        elif type(module) is nn.Conv2d and tiles_input(module):
+        elif kind is nn.Conv2d and tiles_input(module):
             module.__class__ = PatchGemmConv2d
         else:
             continue
