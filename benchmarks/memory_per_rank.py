@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO)]  # tests/distributed_helpers.py imports tests.conftest
 
 
 def _rss_bytes(field: str) -> int:
@@ -48,9 +48,12 @@ def _rank_job(rank: int, port: int, args: argparse.Namespace, strategy: str, out
     cfg = load_config(
         base={
             "name": f"mem-{strategy}",
-            "model": {"preset": args.preset, "num_classes": 1000},
+            "model": {"preset": args.preset, "num_classes": 1000, "attention": "sdpa"},
             "data": {"source": "synthetic", "synthetic_samples": 40},
-            "train": {"batch_size": args.batch, "threads": 1, "epochs": 1},
+            # freed host memory must leave the resident set (the mmap threshold below), which the heap that
+            # train.reuse_host_memory keeps for reuse would not; fp32 and sdpa: what the estimate models
+            "train": {"batch_size": args.batch, "threads": 1, "epochs": 1, "reuse_host_memory": False},
+            "precision": {"mode": "fp32"},
             "parallel": {
                 "strategy": strategy,
                 "activation_checkpointing": "block" if args.ac else "none",

@@ -271,15 +271,38 @@ def _overlapped_and_blocking_gradients(out_dir):
     (out_dir / f"overlap{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
 
 
+def test_deferred_reductions_leave_at_most_in_flight_pending():
+    """Issuing a deferred reduction beyond `in_flight` pending ones finishes the oldest (its unit's gradient buffer is
+    then freed), in the order issued; `wait` finishes the rest."""
+    from vitrain.parallel.overlap import GradientReduction
+
+    class Work:
+        waited = False
+
+        def wait(self) -> None:
+            self.waited = True
+
+    reduction = GradientReduction(all_reduce=True, defer=True, in_flight=2)
+    works, outputs = [Work() for _ in range(4)], [torch.zeros(2) for _ in range(4)]
+    for i, (work, output) in enumerate(zip(works, outputs, strict=True)):
+        reduction._issued(work, output, torch.full((2,), float(i + 1)))
+    assert [w.waited for w in works] == [True, True, False, False]
+    assert [o[0].item() for o in outputs] == [1.0, 2.0, 0.0, 0.0]  # the finished ones' chunks copied out
+    reduction.wait()
+    assert all(w.waited for w in works) and [o[0].item() for o in outputs] == [1.0, 2.0, 3.0, 4.0]
+    assert reduction.pending == []
+
+
 def test_zero2_reductions_beside_backward_or_by_all_reduce_give_fsdp2s_own_gradients(tmp_path):
     run_two_ranks(_overlapped_and_blocking_gradients, tmp_path)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"overlap{rank}.json").read_text())
         assert report["auto"] == "auto"
         for reduce in ("reduce_scatter", "all_reduce"):
-            # Still running when backward returned: one per unit (fp32: the suite's 2 blocks and the root). The
-            # whole model as one unit reduces as backward ends, nothing left to overlap: blocking.
-            assert report[f"block {reduce} True pending"] == 3, report
+            # Still running when backward returned: the last IN_FLIGHT (2) of the 3 units' (fp32: the suite's 2
+            # blocks and the root); issuing the third finished the first. The whole model as one unit reduces as
+            # backward ends, nothing left to overlap: blocking.
+            assert report[f"block {reduce} True pending"] == 2, report
             assert report[f"model {reduce} True pending"] is None and report[f"block {reduce} False pending"] is None
         # An all-reduce per unit where asked for (3 units, or the whole model as one), none otherwise.
         assert report["block all_reduce True all-reduces"] == report["block all_reduce False all-reduces"] == 3

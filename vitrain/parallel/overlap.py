@@ -10,8 +10,9 @@ group's own thread beside backward. `overlap_collectives` changes FSDP2's own se
   which calls one of the process group's own collectives: `reduce_scatter_single`, or under parallel.grad_reduce
   (auto on gloo) an in-place `all_reduce` of which the rank keeps its chunk. gloo serves a reduce-scatter as a
   clone of the input and the same all-reduce, so that removes the clone and nothing else. With parallel.overlap_comm
-  it is issued with `async_op=True`; `GradientReduction.wait` (the native engine's backward, before anything reads a
-  gradient) waits for every one issued. The collective is always PyTorch's; vitrain moves the wait and, after an
+  it is issued with `async_op=True`, at most `IN_FLIGHT` left pending (issuing another finishes the oldest, which
+  frees its unit's gradient buffer); `GradientReduction.wait` (the native engine's backward, before anything reads
+  a gradient) waits for the rest. The collective is always PyTorch's; vitrain moves the wait and, after an
   all-reduce, copies the rank's chunk out.
 - the all-gather: each unit prefetches the next unit's parameters as it starts its forward
   (`set_modules_to_forward_prefetch`), issued asynchronously (FSDP2's unshard `async_op`), waited by FSDP2 where
@@ -44,6 +45,12 @@ def deferrable(cfg: Config) -> bool:
     return cfg.parallel.overlap_comm and cfg.train.accum_steps == 1
 
 
+# Deferred reductions left pending at a time: each holds its unit's whole gradient buffer until it is finished, so
+# with no bound zero3's sharded gradients cost a whole model's again until backward ends (ViT-B/16 zero3 at 2 ranks,
+# sublayer units, fp32: 1,040 MiB per rank against 759 with this bound and 755 blocking; the ViT-Ti zero3 step
+# within noise of no bound: docs/performance.md).
+IN_FLIGHT = 2
+
 # torch 2.13 renamed `reduce_scatter_tensor` (kept as a deprecated alias) to `reduce_scatter_single`; 2.11 has only
 # the old name (seen on a GPU machine's torch 2.11: every deferred zero2/zero3 step failed there).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -57,8 +64,8 @@ class GradientReduction:
     sums). `defer`: issued without waiting; `wait` (the native engine's backward, before anything reads a gradient)
     finishes every one issued, and only then is an all-reduced chunk copied out."""
 
-    def __init__(self, all_reduce: bool = False, defer: bool = False) -> None:
-        self.all_reduce, self.defer = all_reduce, defer
+    def __init__(self, all_reduce: bool = False, defer: bool = False, in_flight: int = IN_FLIGHT) -> None:
+        self.all_reduce, self.defer, self.in_flight = all_reduce, defer, in_flight
         self.pending: list[tuple[dist.Work, torch.Tensor | None, torch.Tensor | None]] = []
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -76,23 +83,34 @@ class GradientReduction:
             # The work holds both tensors until it completes; FSDP2 reads `output_tensor` only after `wait`.
             work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=self.defer)
             if self.defer:
-                self.pending.append((work, None, None))
+                self._issued(work, None, None)
             return
         # FSDP2 lays the input out as each rank's shard in rank order (its copy-in), so this rank's chunk of the
         # reduced whole is its reduced shard.
         mine = input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
         work = dist.all_reduce(input_tensor, op=op, group=group, async_op=self.defer)
         if self.defer:
-            self.pending.append((work, output_tensor, mine))
+            self._issued(work, output_tensor, mine)
         else:
             output_tensor.copy_(mine)
 
+    def _issued(self, work: dist.Work, output: torch.Tensor | None, mine: torch.Tensor | None) -> None:
+        """Keep `work` pending; beyond `in_flight` pending ones, finish the oldest, so that its unit's whole gradient
+        buffer (the collective's input, held until it is finished) is freed while backward goes on."""
+        self.pending.append((work, output, mine))
+        while len(self.pending) > self.in_flight:
+            self._finish(*self.pending.pop(0))
+
+    @staticmethod
+    def _finish(work: dist.Work, output: torch.Tensor | None, mine: torch.Tensor | None) -> None:
+        work.wait()
+        if output is not None:
+            output.copy_(mine)
+
     def wait(self) -> None:
         """Every reduction issued since the last wait, finished: the sharded gradients hold their values."""
-        for work, output, mine in self.pending:
-            work.wait()
-            if output is not None:
-                output.copy_(mine)
+        for pending in self.pending:
+            self._finish(*pending)
         self.pending.clear()
 
 
