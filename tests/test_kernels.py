@@ -97,16 +97,11 @@ def test_bias_in_gemm_function_has_addmms_values_and_gradients():
     torch.testing.assert_close(frozen[2].grad, got[3], rtol=1e-5, atol=1e-5)
 
 
-def test_bias_in_gemm_linear_computes_as_nn_linear():
-    torch.manual_seed(3)
-    plain = nn.Linear(24, 40)
-    fused = copy.deepcopy(plain)
-    assert fuse_linear_bias(fused) == 1 and type(fused) is BiasInGemmLinear
-    assert list(fused.state_dict()) == ["weight", "bias"]
-    x = torch.randn(3, 7, 24)
-    # fp32 keeps aten's kernels (bit-equal); bf16, autocast (amp_o1) or bf16 weights (amp_o2), runs oneDNN's GEMM
-    # with the bias in it where this CPU has it: bf16 values within bf16's rounding of nn.Linear's.
-    bf16 = dict(rtol=1e-2, atol=1e-2)
+def _computes_as_the_plain_layer(fused: nn.Module, plain: nn.Module, x: torch.Tensor, loss, bf16: dict) -> list:
+    """`fused` (a CPU kernel's class) against `plain` on `x`: the output and the input, weight and bias gradients of
+    `loss`. fp32 keeps aten's kernels (bit-equal); bf16 autocast (amp_o1) or bf16 weights (amp_o2) run oneDNN's GEMM
+    with the bias in it where this CPU has it, within `bf16`'s tolerance. Returns `fused`'s outputs."""
+    outputs = []
     for autocast, dtype, tol in (
         (False, torch.float32, dict(rtol=0, atol=0)),
         (True, torch.float32, bf16),
@@ -118,7 +113,7 @@ def test_bias_in_gemm_linear_computes_as_nn_linear():
             xin = x.to(dtype).detach().clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 y = layer(xin)
-            y.float().square().sum().backward()
+            loss(y).backward()
             outs.append((y, xin.grad, layer.weight.grad, layer.bias.grad, graph_names(y)))
         (*new, name), (*ref, ref_name) = outs
         for a, e in zip(new, ref, strict=True):
@@ -127,6 +122,18 @@ def test_bias_in_gemm_linear_computes_as_nn_linear():
         runs_onednn = dtype == torch.bfloat16 or autocast
         assert ("_BiasInGemmBackward" in name) == (runs_onednn and kernels._onednn_linear(torch.bfloat16))
         assert "_BiasInGemmBackward" not in ref_name
+        outputs.append(new[0])
+    return outputs
+
+
+def test_bias_in_gemm_linear_computes_as_nn_linear():
+    torch.manual_seed(3)
+    plain = nn.Linear(24, 40)
+    fused = copy.deepcopy(plain)
+    assert fuse_linear_bias(fused) == 1 and type(fused) is BiasInGemmLinear
+    assert list(fused.state_dict()) == ["weight", "bias"]
+    x = torch.randn(3, 7, 24)
+    _computes_as_the_plain_layer(fused, plain, x, lambda y: y.float().square().sum(), dict(rtol=1e-2, atol=1e-2))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast computes fp64 in fp64, and so does the layer
         assert copy.deepcopy(fused).double()(x.double()).dtype == torch.float64
 
@@ -142,27 +149,9 @@ def test_patch_gemm_conv_computes_as_nn_conv2d():
     fused = copy.deepcopy(plain)
     assert fuse_linear_bias(fused) == 1 and type(fused) is PatchGemmConv2d
     x = torch.randn(2, 3, 13, 10)  # 3 x 5 whole patches, one row of pixels left out
-    bf16 = dict(rtol=1e-2, atol=2e-2)
-    for autocast, dtype, tol in (
-        (False, torch.float32, dict(rtol=0, atol=0)),
-        (True, torch.float32, bf16),
-        (False, torch.bfloat16, bf16),
-    ):
-        outs = []
-        for layer in (fused, plain):
-            layer = copy.deepcopy(layer).to(dtype)
-            xin = x.to(dtype).detach().clone().requires_grad_()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                y = layer(xin)
-            (y.float().square() * torch.linspace(0, 1, y.numel()).view(y.shape)).sum().backward()
-            outs.append((y, xin.grad, layer.weight.grad, layer.bias.grad, graph_names(y)))
-        (*new, name), (*ref, ref_name) = outs
-        assert new[0].shape == (2, 16, 3, 5) and new[0].is_contiguous()
-        for a, e in zip(new, ref, strict=True):
-            assert a.dtype == e.dtype
-            torch.testing.assert_close(a, e, **tol)
-        runs_onednn = dtype == torch.bfloat16 or autocast
-        assert ("_BiasInGemmBackward" in name) == (runs_onednn and kernels._onednn_linear(torch.bfloat16))
+    loss = lambda y: (y.float().square() * torch.linspace(0, 1, y.numel()).view(y.shape)).sum()  # noqa: E731
+    outputs = _computes_as_the_plain_layer(fused, plain, x, loss, dict(rtol=1e-2, atol=2e-2))
+    assert all(y.shape == (2, 16, 3, 5) and y.is_contiguous() for y in outputs)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # no image: the conv's empty output
         assert fused(torch.randn(0, 3, 13, 10)).shape == (0, 16, 3, 5)
     fused.stride = (2, 2)  # no longer tiling (overlapping patches): the conv itself

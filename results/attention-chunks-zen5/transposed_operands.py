@@ -4,11 +4,15 @@ product untransposed and against materializing the transpose first; ViT-S/16 sha
     python results/attention-chunks-zen5/transposed_operands.py
 """
 
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from vitrain.device import reuse_freed_host_memory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from cpu_kernels import _ms  # noqa: E402 (the CPU kernels' timer: the median of calls after one untimed)
 
 reuse_freed_host_memory()
 torch.set_num_threads(2)
@@ -17,24 +21,14 @@ q = torch.randn(BH, N, d).bfloat16()
 ds = torch.randn(BH, N, N).bfloat16()
 
 
-def t(f, n=9):
-    f()
-    ts = []
-    for _ in range(n):
-        s = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - s)
-    return sorted(ts)[n // 2] * 1e3
-
-
 o = torch.empty(BH, N, d, dtype=torch.bfloat16)
 oT = torch.empty(BH, d, N, dtype=torch.bfloat16)
 ref = torch.bmm(ds.transpose(1, 2), q)
 alt = torch.bmm(q.transpose(1, 2), ds).transpose(1, 2)
 print("same:", torch.equal(ref, alt), (ref.float() - alt.float()).abs().max().item())
 for _r in range(3):
-    a = t(lambda: torch.bmm(ds.transpose(1, 2), q, out=o))
-    b = t(lambda: torch.bmm(q.transpose(1, 2), ds, out=oT))
-    c = t(lambda: torch.bmm(ds.transpose(1, 2).contiguous(), q, out=o))
-    e = t(lambda: torch.bmm(ds, q, out=o))
+    a = _ms(lambda: torch.bmm(ds.transpose(1, 2), q, out=o), 9)
+    b = _ms(lambda: torch.bmm(q.transpose(1, 2), ds, out=oT), 9)
+    c = _ms(lambda: torch.bmm(ds.transpose(1, 2).contiguous(), q, out=o), 9)
+    e = _ms(lambda: torch.bmm(ds, q, out=o), 9)
     print(f"dsT@q {a:.2f} | qT@ds {b:.2f} | contig(dsT)@q {c:.2f} | ds@q {e:.2f}")

@@ -64,23 +64,35 @@ class _BiasInGemm(torch.autograd.Function):
         return dx, dw, db
 
 
+def _onednn_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype a CPU kernel's oneDNN GEMM computes a layer in: under autocast, autocast's (what it would cast all
+    three to; it leaves fp64 alone), else the one dtype of the three; None where the plain layer computes instead
+    (mixed dtypes, fp64 under autocast, a dtype this CPU's oneDNN build does not run)."""
+    dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+        if torch.float64 in dtypes:
+            return None
+    elif len(dtypes) == 1:
+        (dtype,) = dtypes
+    else:
+        return None
+    return dtype if _onednn_linear(dtype) else None
+
+
 class BiasInGemmLinear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose CPU forward in bf16 adds the bias inside oneDNN's GEMM
     (ViT-S/16's layers at batch 64: results/cpu-kernels). Elsewhere, nn.Linear's forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if bias is None or x.device.type != "cpu" or plain_graph():
+        dtype = None if bias is None or x.device.type != "cpu" or plain_graph() else _onednn_dtype(x, weight, bias)
+        if dtype is None:
             return F.linear(x, weight, bias)
-        if torch.is_autocast_enabled("cpu"):  # what autocast would do for F.linear: all three in its dtype
-            dtype = torch.get_autocast_dtype("cpu")
-            if not _onednn_linear(dtype) or torch.float64 in (x.dtype, weight.dtype):  # autocast leaves fp64 alone
-                return F.linear(x, weight, bias)
-            with torch.autocast("cpu", enabled=False):
-                return _BiasInGemm.apply(x.to(dtype), weight.to(dtype), bias.to(dtype))
-        if not (x.dtype == weight.dtype == bias.dtype) or not _onednn_linear(x.dtype):
-            return F.linear(x, weight, bias)
-        return _BiasInGemm.apply(x, weight, bias)
+        if not torch.is_autocast_enabled("cpu"):
+            return _BiasInGemm.apply(x, weight, bias)
+        with torch.autocast("cpu", enabled=False):  # autocast's cast, done here: all three in its dtype
+            return _BiasInGemm.apply(x.to(dtype), weight.to(dtype), bias.to(dtype))
 
 
 def tiles_input(conv: nn.Conv2d) -> bool:
@@ -109,16 +121,8 @@ class PatchGemmConv2d(nn.Conv2d):
             return super().forward(x)
         if x.shape[2] < self.kernel_size[0] or x.shape[3] < self.kernel_size[1]:
             return super().forward(x)  # no whole patch: the conv's own error
-        dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
-        if torch.is_autocast_enabled("cpu"):  # what autocast would do for the conv: all three in its dtype
-            dtype = torch.get_autocast_dtype("cpu")
-            if torch.float64 in dtypes:  # autocast leaves fp64 alone
-                return super().forward(x)
-        elif len(dtypes) == 1:
-            dtype = x.dtype
-        else:
-            return super().forward(x)
-        if not _onednn_linear(dtype):
+        dtype = _onednn_dtype(x, weight, bias)
+        if dtype is None:
             return super().forward(x)
         with torch.autocast("cpu", enabled=False):
             x, weight = x.to(dtype), weight.to(dtype)
@@ -131,6 +135,9 @@ class PatchGemmConv2d(nn.Conv2d):
             flat = weight.reshape(weight.shape[0], -1)  # (out, c * ph * pw): the kernel's (c, ph, pw) order
             y = _BiasInGemm.apply(patches, flat, bias) if bias is not None else F.linear(patches, flat)
         return y.view(b, gh, gw, weight.shape[0]).permute(0, 3, 1, 2).contiguous()
+
+
+_PLAIN_CLASS = {BiasInGemmLinear: nn.Linear, PatchGemmConv2d: nn.Conv2d}  # each kernel's class: the layer it stands for
 
 
 def cpu_kernels(model: nn.Module, cfg: Config, device: torch.device) -> None:
@@ -167,7 +174,7 @@ def unfuse_linear_bias(model: nn.Module) -> int:
     leaves training with the classes it came with); returns how many."""
     swapped = 0
     for module in model.modules():
-        plain = {BiasInGemmLinear: nn.Linear, PatchGemmConv2d: nn.Conv2d}.get(type(module))
+        plain = _PLAIN_CLASS.get(type(module))
         if plain is not None and module.__dict__.pop("_swapped_by_vitrain", False):
             module.__class__ = plain
             swapped += 1
