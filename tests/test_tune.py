@@ -18,10 +18,16 @@ from vitrain.tasks.classification import ClassificationTask
 CPU = torch.device("cpu")
 
 
+CPU_PROBE = tune._bf16_emulated
+
+
 @pytest.fixture
 def autotune_on(monkeypatch, tmp_path):
     monkeypatch.setenv(tune.TUNE_ENV, "1")
     monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path / "cache"))
+    # bf16 candidates race on every CPU kind here, an AVX2 one included (the probe that skips them there has its own
+    # test below).
+    monkeypatch.setattr(tune, "_bf16_emulated", lambda device: None)
 
 
 def auto_cfg(tmp_path, *extra):
@@ -37,7 +43,8 @@ def run_autotune(cfg):
 
 def fake_steps(monkeypatch, seconds):
     """Candidates whose steps take the given seconds: (mode, attention) -> s, (wrap,) -> s or (attention, wrap) -> s
-    under zero2/zero3, or a list of seconds for its steps in turn (the last one repeated); records what ran."""
+    under zero2/zero3, or a list of seconds for its steps in turn (the last one repeated), None for a step that went
+    inf/NaN; records what ran."""
     ran = []
 
     def candidate(race, values):
@@ -54,6 +61,8 @@ def fake_steps(monkeypatch, seconds):
 
         def step():
             last[0] = next(steps, last[0])
+            if last[0] is None:  # a step whose loss or gradients went inf/NaN
+                raise tune._NonFinite
             return last[0]
 
         return step
@@ -194,6 +203,61 @@ def test_candidates_that_would_not_fit_together_run_one_at_a_time(tmp_path, auto
     decision = run_autotune(cfg)
     assert decision.values == {"precision.mode": "amp_o2", "model.attention": "manual"}
     assert "one candidate at a time" in decision.reason and len(ran) == 6
+
+
+@pytest.mark.parametrize("bf16_gflops, raced", [(10.0, False), (100.0, True)])
+def test_bf16_candidates_are_not_raced_where_a_bf16_matmul_is_over_3x_slower_than_fp32(
+    tmp_path, autotune_on, monkeypatch, bf16_gflops, raced
+):
+    # An AVX2 CPU (Zen 3) emulates bf16: its race measured bf16 steps ~17x slower than fp32, each minutes long on a
+    # large model. 2x slower matmuls are still raced (the step's elementwise work halves in bf16).
+    monkeypatch.setattr(tune, "_bf16_emulated", CPU_PROBE)
+    peaks = {"fp32": 200e9, "bf16": bf16_gflops * 1e9}
+    probed = []
+    monkeypatch.setattr(tune, "gemm_flops", lambda dtype, device, size, repeats: probed.append(size) or peaks[dtype])
+    seconds = {(m, a): 0.013 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
+    ran = fake_steps(monkeypatch, {**seconds, ("amp_o1", "manual"): 0.010, ("fp32", "manual"): 0.011})
+    decision = run_autotune(auto_cfg(tmp_path))
+    assert probed == [tune.PROBE_SIZE] * 2
+    if raced:
+        assert sorted(ran) == sorted(seconds) and decision.notes == {}
+        assert decision.values == {"precision.mode": "amp_o1", "model.attention": "manual"}
+        return
+    assert sorted(ran) == [("fp32", "manual"), ("fp32", "sdpa")]
+    assert decision.values == {"precision.mode": "fp32", "model.attention": "manual"}
+    why = "not raced: a 512^3 bf16 matmul ran at 10.0 GFLOP/s against fp32's 200.0 here, 20x slower (bf16 emulated)"
+    assert decision.notes == {f"{m} bf16 + {a}": why for m in ("amp_o1", "amp_o2") for a in ("sdpa", "manual")}
+    assert why in decision.reason
+
+
+def test_nothing_is_probed_where_precision_is_not_raced(tmp_path, autotune_on, monkeypatch):
+    monkeypatch.setattr(tune, "_bf16_emulated", CPU_PROBE)
+    monkeypatch.setattr(tune, "gemm_flops", lambda *a, **k: pytest.fail("precision is fixed: nothing to probe"))
+    fake_steps(monkeypatch, {(None, "sdpa"): 0.012, (None, "manual"): 0.010})
+    assert run_autotune(auto_cfg(tmp_path, "precision.mode=amp_o2")).values == {"model.attention": "manual"}
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_a_candidate_whose_steps_go_nonfinite_is_dropped_however_fast(tmp_path, autotune_on, monkeypatch, interleave):
+    # amp_o2 is the fastest but its third step (a timed one) goes inf/NaN; amp_o1 goes inf/NaN at its first step.
+    seconds = {("fp32", None): 0.012, ("amp_o1", None): [None], ("amp_o2", None): [0.005, 0.005, None]}
+    ran = fake_steps(monkeypatch, seconds)
+    cfg = auto_cfg(tmp_path, "model.attention=sdpa")
+    if not interleave:  # each fits, the three together do not: one candidate at a time
+        one = tune._memory_check(cfg, None)[1]("amp_o2")
+        monkeypatch.setattr(tune, "available_bytes", lambda device: 2 * one)
+    decision = run_autotune(cfg)
+    assert sorted(ran) == sorted(seconds)
+    assert decision.values == {"precision.mode": "fp32"}
+    dropped = "dropped: its loss or gradients went inf/NaN (not safe for this model here)"
+    assert {decision.notes[f"{m} bf16"] for m in ("amp_o1", "amp_o2")} == {dropped}
+    assert f"amp_o1 bf16: {dropped}" in decision.reason
+
+
+def test_a_real_race_where_every_candidate_diverges_stops_with_one_line(tmp_path, autotune_on):
+    # At this lr every candidate's step goes inf/NaN on the first batch: no precision or kernel is safe to pick.
+    with pytest.raises(tune.TrainingDiverged, match=r"^autotune: every candidate's .* at optim.lr=1e\+30: lower"):
+        run_autotune(auto_cfg(tmp_path, "optim.lr=1e30", "model.attention=sdpa"))
 
 
 def test_autotune_off_leaves_auto_to_its_rules(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@
 What is tuned, and among what:
 - `precision.mode=auto` (native engine, strategy single/ddp/zero1, no pipeline stages): fp32, bf16 amp_o1 and bf16
   amp_o2, where the device computes bf16. Pure and fp16 are never candidates: they are picked only when asked for.
+  On a CPU whose bf16 matmul measures over 3x slower than its fp32 one (bf16 emulated, as on an AVX2 Zen 3) the
+  bf16 candidates are not run, and say why.
   Under zero2/zero3 and pipelines auto keeps its rules in vitrain/precision.py.
 - `model.attention=auto`: sdpa and manual (the same weights and function; different kernels): where each device
   holds the whole model (single/ddp/zero1) on one device, and under the native engine's zero2/zero3 under the run's
@@ -27,16 +29,18 @@ task's loss may be collective, as the face head's is) and each step counts at it
 the same choices; rank 0 reads and writes the cache. Two warm-up steps, then up to `steps` timed ones, the
 candidates taking turns; one whose better of its first two timed steps is 1.5x slower than the best's is dropped (a
 single step can meet a passing load: one is not enough to judge; where steps take seconds, one whose warm-up step
-takes 2x the best one's already), and one that the memory estimate says cannot fit
-on the device is not run. The best step of each counts; the fastest wins. Every combination of the keys' values is
-a candidate: they interact. The decision, its figures and its reason are cached per device, torch, threads and
-shape (`$VITRAIN_CACHE_DIR`, default ~/.cache/vitrain/autotune), so a second run does not pay.
+takes 2x the best one's already), one whose step goes inf/NaN is dropped however fast (where all do, the run
+stops: TrainingDiverged), and one that the memory estimate says cannot fit on the device is not run. The best
+step of each counts; the fastest wins. Every combination of the keys' values is a candidate: they interact. The
+decision, its figures and its reason are cached per device, torch, threads and shape (`$VITRAIN_CACHE_DIR`,
+default ~/.cache/vitrain/autotune), so a second run does not pay.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import gc
 import hashlib
 import itertools
@@ -51,16 +55,24 @@ from typing import Any
 import torch
 
 from vitrain.config import Config, PrecisionConfig, to_dict
-from vitrain.device import available_bytes, cpu_description, synchronize
+from vitrain.device import available_bytes, cpu_description, gemm_flops, synchronize
 from vitrain.engine.native import NativeEngine
 from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
+from vitrain.errors import ConfigError
 from vitrain.files import atomic_write
 from vitrain.models.memory import estimate
 from vitrain.models.plan import auto_wrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
 from vitrain.parallel.overlap import deferrable
-from vitrain.precision import LOW_DTYPES, SHARDED, CompiledFp32LayerNorm, Resolved, compiles_norms
+from vitrain.precision import (
+    LOW_DTYPES,
+    SHARDED,
+    CompiledFp32LayerNorm,
+    Resolved,
+    TrainingDiverged,
+    compiles_norms,
+)
 from vitrain.tasks import teacher_of
 
 TUNE_ENV = "VITRAIN_AUTOTUNE"  # 0: auto values follow the fixed rules (precision by capability, sdpa attention)
@@ -70,7 +82,13 @@ WRAPS = ("model", "block", "sublayer")
 PRUNE_RATIO = 1.5
 RULE_MARGIN = 1.03  # an FSDP unit timed within 3% of the fastest: the rule's unit is kept (_rule_within_noise)
 WARMUP_DROP_RATIO = 2.0
+BF16_SLOWER_LIMIT = 3.0  # a bf16 matmul over 3x slower than an fp32 one: no bf16 candidate is raced (_bf16_emulated)
+PROBE_SIZE = 512  # the matmul that compares the two dtypes: milliseconds where bf16 is fast, under a second where not
 SLOW_STEP_S = 5.0  # a warm-up step longer than this: one timed step per candidate instead of `steps`
+
+
+class _NonFinite(Exception):
+    """A candidate's step went inf/NaN in its loss or gradients: not safe for this model here, whatever its speed."""
 
 
 @dataclass
@@ -142,6 +160,9 @@ def autotune(
         return cached
     available = broadcast_object(available_bytes(device))  # rank 0's: every rank decides alike
     fits, need = _memory_check(cfg, available)
+    emulated = None
+    if "precision.mode" in options:
+        emulated = broadcast_object(_bf16_emulated(device) if dist.is_main else None)
     seconds: dict[str, float] = {}
     notes: dict[str, str] = {}
     rounds: list[str] = []
@@ -154,8 +175,12 @@ def autotune(
         mode = values.get("precision.mode")
         if mode is not None and (reason := fits(mode)):
             notes[label] = reason
+        elif mode in ("amp_o1", "amp_o2") and emulated:
+            notes[label] = emulated
         else:
             labels[label] = values
+    if not labels:  # the memory estimate left no candidate to run
+        raise ConfigError(f"autotune: no candidate can run here: {'; '.join(f'{k}: {v}' for k, v in notes.items())}")
     # Taking turns keeps every candidate in memory at once: where they would not all fit (or on a GPU, where a
     # run fills the memory and timings are steadier), one at a time instead. The processes of a node share it.
     together = sum(need(values.get("precision.mode")) for values in labels.values())
@@ -220,16 +245,36 @@ class _Race:
             # amp_o2 raced with the norms the run would compile (precision.compile_norms), their compile (seconds,
             # once per process: later candidates and the run's own step reuse it; the candidates share the norms'
             # shapes) in an untimed step before the first one's warm-up steps.
-            step(self.batch)
+            _finite(step, self.batch)
             self.norms_compiled = True
 
         def run() -> float:
             start = time.perf_counter()
-            step(self.batch)
+            _finite(step, self.batch)
             synchronize(self.device)
             return max_over_ranks(time.perf_counter() - start, self.device)
 
         return run
+
+
+def _finite(step: TrainStep, batch: list) -> None:
+    """One step of a candidate; _NonFinite where its loss or gradients went inf/NaN (the engine skipped the step, or
+    stopped at precision.max_nonfinite_skips; either way on every rank alike)."""
+    try:
+        skipped = step(batch).skipped
+    except TrainingDiverged as diverged:
+        raise _NonFinite(str(diverged)) from None
+    if skipped:
+        raise _NonFinite
+
+
+def _unless_nonfinite(label: str, attempt: Callable[[], Any], notes: dict[str, str]) -> Any:
+    """attempt()'s result, or None (and why, in `notes`) where the candidate's step went inf/NaN."""
+    try:
+        return attempt()
+    except _NonFinite:
+        notes[label] = "dropped: its loss or gradients went inf/NaN (not safe for this model here)"
+        return None
 
 
 def _rule_within_noise(values: dict[str, str], seconds: dict[str, float], cfg: Config) -> tuple[dict[str, str], str]:
@@ -261,24 +306,35 @@ def _race(
     SLOW_STEP_S), one, after which a candidate over WARMUP_DROP_RATIO x the best is dropped. Then `steps` timed
     rounds (one where slow), dropping after the second round any candidate whose better step is over PRUNE_RATIO x
     the best's (one round is not enough: a passing load can land on a single step of the fastest).
-    Without `interleave`, each candidate's steps run before the next one is built, and none is dropped.
+    Without `interleave`, each candidate's steps run before the next one is built, and none is dropped for its speed.
+    Under either, a candidate whose step goes inf/NaN is dropped at that step.
     """
     if not interleave:
-        return _one_at_a_time(race, labels, steps, seconds, rounds)
-    runs = {label: race.candidate(labels[label]) for label in labels}
-    first = {label: run() for label, run in runs.items()}
+        return _one_at_a_time(race, labels, steps, seconds, notes, rounds)
+    runs: dict[str, Callable[[], float]] = {}
+    first: dict[str, float] = {}
+    for label, values in labels.items():
+        run = _unless_nonfinite(label, functools.partial(race.candidate, values), notes)
+        if run is not None and (step_s := _unless_nonfinite(label, run, notes)) is not None:
+            runs[label], first[label] = run, step_s
+    _some_finite(runs, race.cfg)
     slow = max(first.values()) > SLOW_STEP_S
     for label in list(runs):  # slow steps: a first step twice the best one's is not worth timing further
         if slow and first[label] > WARMUP_DROP_RATIO * min(first.values()):
             notes[label] = f"dropped after its warm-up step: over {WARMUP_DROP_RATIO}x the best"
             del runs[label]
     if not slow:
-        for run in runs.values():
-            run()
+        for label, run in list(runs.items()):
+            if _unless_nonfinite(label, run, notes) is None:
+                del runs[label]
     times: dict[str, list[float]] = {label: [] for label in runs}
     for round_ in range(1 if slow else steps):
-        for label, run in runs.items():
-            times[label].append(run())
+        for label, run in list(runs.items()):
+            if (step_s := _unless_nonfinite(label, run, notes)) is None:
+                del runs[label], times[label]
+            else:
+                times[label].append(step_s)
+        _some_finite(runs, race.cfg)
         if round_ == 1:
             best = min(min(t) for t in times.values())
             for label in list(runs):
@@ -306,19 +362,25 @@ def _one_at_a_time(
     labels: dict[str, dict[str, str]],
     steps: int,
     seconds: dict[str, float],
+    notes: dict[str, str],
     rounds: list[str],
 ) -> dict[str, str]:
     measured = {}
     for label, values in labels.items():
-        run = race.candidate(values)
-        slow = run() > SLOW_STEP_S
-        if not slow:
-            run()
-        measured[label] = min(run() for _ in range(1 if slow else steps))
-        del run
+
+        def timed(values: dict[str, str] = values) -> float:
+            run = race.candidate(values)
+            slow = run() > SLOW_STEP_S
+            if not slow:
+                run()
+            return min(run() for _ in range(1 if slow else steps))
+
+        if (best := _unless_nonfinite(label, timed, notes)) is not None:
+            measured[label] = best
         gc.collect()
         if race.device.type == "cuda":
             torch.cuda.empty_cache()
+    _some_finite(measured, race.cfg)
     seconds.update(measured)
     batch = race.cfg.train.batch_size
     why = "a GPU times each alone" if race.device.type == "cuda" else "they would not all fit at once"
@@ -327,6 +389,15 @@ def _one_at_a_time(
         + ", ".join(f"{label} {batch / t:.1f} img/s" for label, t in measured.items())
     )
     return labels[min(measured, key=measured.get)]
+
+
+def _some_finite(left: dict[str, Any], cfg: Config) -> None:
+    """TrainingDiverged where every candidate's step went inf/NaN: no precision or kernel is safe at this lr."""
+    if not left:
+        raise TrainingDiverged(
+            f"autotune: every candidate's loss or gradients went inf/NaN in its steps on the run's first batch at "
+            f"optim.lr={cfg.optim.lr:g}: lower optim.lr (or set precision.mode and model.attention to skip the race)"
+        )
 
 
 def _norms_compiled(cfg: Config, device: torch.device) -> bool:
@@ -341,6 +412,24 @@ def _label(values: dict[str, str]) -> str:
     mode, attention, wrap = (values.get(k) for k in ("precision.mode", "model.attention", "parallel.wrap"))
     parts = (mode and f"{mode}{'' if mode == 'fp32' else ' bf16'}", attention, wrap and f"wrap={wrap}")
     return " + ".join(part for part in parts if part)
+
+
+def _bf16_emulated(device: torch.device) -> str | None:
+    """Why no bf16 candidate is raced on this CPU, or None where they are. A CPU without bf16 instructions (an AVX2
+    Zen 3) computes bf16 matmuls in software, its race measured them ~17x slower than fp32: each bf16 candidate
+    would spend minutes of a large model's steps only to lose. A bf16 step over BF16_SLOWER_LIMIT x slower in its
+    matmuls cannot win a GEMM-bound step back on its halved elementwise traffic. Measured (one PROBE_SIZE^3 matmul
+    in each dtype), not read from CPU flags: some CPUs without AMX run bf16 faster than fp32, others slower."""
+    if device.type != "cpu":
+        return None
+    fp32 = gemm_flops("fp32", device, size=PROBE_SIZE, repeats=3)
+    bf16 = gemm_flops("bf16", device, size=PROBE_SIZE, repeats=3)
+    if bf16 * BF16_SLOWER_LIMIT >= fp32:
+        return None
+    return (
+        f"not raced: a {PROBE_SIZE}^3 bf16 matmul ran at {bf16 / 1e9:.1f} GFLOP/s against fp32's {fp32 / 1e9:.1f} "
+        f"here, {fp32 / bf16:.0f}x slower (bf16 emulated)"
+    )
 
 
 def _memory_check(cfg: Config, available: int | None) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
