@@ -28,15 +28,26 @@ def test_torchvision_imports_beside_the_cpu_wheel():
     assert "torchvision::nms" in torch._C._dispatch_get_all_op_names()
 
 
-def test_peers_train_the_same_model_and_are_compared_to_vitrain(tmp_path):
+@pytest.mark.parametrize("emulated", ["", "a 512^3 bf16 matmul ran at 2.8 GFLOP/s ... (bf16 emulated)"])
+def test_peers_train_the_same_model_and_are_compared_to_vitrain(tmp_path, monkeypatch, emulated):
     for name in ("timm", "transformers"):
         if importlib.util.find_spec(name) is None:
             pytest.skip(f"{name} is not installed (pip install 'vitrain[peers]')")
+    timed = []
+    real_best_of = peers._best_of
+    monkeypatch.setattr(peers, "_best_of", lambda options, warmup: timed.extend(options) or real_best_of(options, 0))
+    monkeypatch.setattr(peers, "bf16_emulated", lambda device: emulated or None)
     overrides = [*peers.DEFAULT_BASE, "model.preset=vit_tiny_patch16", "model.image_size=32", "model.depth=2"]
     overrides += ["train.batch_size=4", "data.synthetic_samples=8", f"log.out_dir={tmp_path}", "precision.mode=fp32"]
     result = peers.compare(load_config(None, overrides), steps=3, warmup=1)
     rows = {row["name"].split()[0]: row for row in result["rows"]}
     assert set(rows) == {"vitrain", "timm", "transformers"} and result["missing"] == {}
+    # Where bf16 is emulated (a CPU without bf16 instructions) no peer times a bf16 option: minutes to lose.
+    bf16_options = [label for label in timed if label.startswith("bf16")]
+    assert len(timed) == (3 if emulated else 6) and len(bf16_options) == (0 if emulated else 3)
+    assert (
+        f"- bf16: no peer's bf16 option was timed, nor vitrain's: {emulated}." in peers.to_markdown(result)
+    ) == bool(emulated)
     assert rows["vitrain"]["vitrain_speedup"] == 1.0
     for row in rows.values():
         assert len(row["step_s"]) == 3 and row["images_per_s_spread"]["n"] == 3

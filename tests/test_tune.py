@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
+from vitrain import device
 from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.engine import autotune as tune
@@ -18,7 +19,7 @@ from vitrain.tasks.classification import ClassificationTask
 CPU = torch.device("cpu")
 
 
-CPU_PROBE = tune._bf16_emulated
+CPU_PROBE = tune.bf16_emulated
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def autotune_on(monkeypatch, tmp_path):
     monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path / "cache"))
     # bf16 candidates race on every CPU kind here, an AVX2 one included (the probe that skips them there has its own
     # test below).
-    monkeypatch.setattr(tune, "_bf16_emulated", lambda device: None)
+    monkeypatch.setattr(tune, "bf16_emulated", lambda device: None)
 
 
 def auto_cfg(tmp_path, *extra):
@@ -211,14 +212,14 @@ def test_bf16_candidates_are_not_raced_where_a_bf16_matmul_is_over_3x_slower_tha
 ):
     # An AVX2 CPU (Zen 3) emulates bf16: its race measured bf16 steps ~17x slower than fp32, each minutes long on a
     # large model. 2x slower matmuls are still raced (the step's elementwise work halves in bf16).
-    monkeypatch.setattr(tune, "_bf16_emulated", CPU_PROBE)
+    monkeypatch.setattr(tune, "bf16_emulated", CPU_PROBE)
     peaks = {"fp32": 200e9, "bf16": bf16_gflops * 1e9}
     probed = []
-    monkeypatch.setattr(tune, "gemm_flops", lambda dtype, device, size, repeats: probed.append(size) or peaks[dtype])
+    monkeypatch.setattr(device, "gemm_flops", lambda dtype, on, size, repeats: probed.append(size) or peaks[dtype])
     seconds = {(m, a): 0.013 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
     ran = fake_steps(monkeypatch, {**seconds, ("amp_o1", "manual"): 0.010, ("fp32", "manual"): 0.011})
     decision = run_autotune(auto_cfg(tmp_path))
-    assert probed == [tune.PROBE_SIZE] * 2
+    assert probed == [device.PROBE_SIZE] * 2
     if raced:
         assert sorted(ran) == sorted(seconds) and decision.notes == {}
         assert decision.values == {"precision.mode": "amp_o1", "model.attention": "manual"}
@@ -231,8 +232,8 @@ def test_bf16_candidates_are_not_raced_where_a_bf16_matmul_is_over_3x_slower_tha
 
 
 def test_nothing_is_probed_where_precision_is_not_raced(tmp_path, autotune_on, monkeypatch):
-    monkeypatch.setattr(tune, "_bf16_emulated", CPU_PROBE)
-    monkeypatch.setattr(tune, "gemm_flops", lambda *a, **k: pytest.fail("precision is fixed: nothing to probe"))
+    monkeypatch.setattr(tune, "bf16_emulated", CPU_PROBE)
+    monkeypatch.setattr(device, "gemm_flops", lambda *a, **k: pytest.fail("precision is fixed: nothing to probe"))
     fake_steps(monkeypatch, {(None, "sdpa"): 0.012, (None, "manual"): 0.010})
     assert run_autotune(auto_cfg(tmp_path, "precision.mode=amp_o2")).values == {"model.attention": "manual"}
 

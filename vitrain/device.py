@@ -108,6 +108,29 @@ def gemm_flops(dtype: str, device: torch.device, size: int = 2048, repeats: int 
     return 2 * size**3 / best
 
 
+BF16_SLOWER_LIMIT = 3.0  # a bf16 matmul over 3x slower than an fp32 one: bf16 is emulated here (bf16_emulated)
+PROBE_SIZE = 512  # the matmul that compares the two dtypes: milliseconds where bf16 is fast, under a second where not
+
+
+def bf16_emulated(device: torch.device) -> str | None:
+    """Why bf16 is not worth running on this CPU, or None where it may be. A CPU without bf16 instructions (an AVX2
+    Zen 3) computes bf16 matmuls in software: autotune's race measured its bf16 steps ~17x slower than fp32's. A
+    step whose matmuls are over BF16_SLOWER_LIMIT x slower cannot win a GEMM-bound step back on its halved
+    elementwise traffic. Measured (one PROBE_SIZE^3 matmul in each dtype), not read from CPU flags: some CPUs
+    without AMX run bf16 faster than fp32, others slower. Autotune and the peers' benchmark skip bf16 where it says
+    so."""
+    if device.type != "cpu":
+        return None
+    fp32 = gemm_flops("fp32", device, size=PROBE_SIZE, repeats=3)
+    bf16 = gemm_flops("bf16", device, size=PROBE_SIZE, repeats=3)
+    if bf16 * BF16_SLOWER_LIMIT >= fp32:
+        return None
+    return (
+        f"a {PROBE_SIZE}^3 bf16 matmul ran at {bf16 / 1e9:.1f} GFLOP/s against fp32's {fp32 / 1e9:.1f} "
+        f"here, {fp32 / bf16:.0f}x slower (bf16 emulated)"
+    )
+
+
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one device in `dtype`, where the figure comes from)."""
     if device.type == "cuda":

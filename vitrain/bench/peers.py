@@ -10,6 +10,8 @@ Every contender trains the same architecture (class token, 1000 classes) on the 
   fused kernels, in fp32 or under bf16 autocast, whichever is faster here (as `train.py --amp` would be used);
 - transformers: `ViTForImageClassification` with `attn_implementation="sdpa"`, torch's fused AdamW, fp32 or bf16
   autocast, whichever is faster here.
+Where bf16 is emulated (a CPU whose bf16 matmul measures over 3x slower than fp32's: vitrain/device.py
+bf16_emulated), no bf16 option is timed, for any contender, and the table says so.
 Each peer's choice is timed first; then all take `--warmup` steps (default 3: autotune's and the allocator's first
 steps settle) and `--steps` rounds (default 7), one step each per round in turns. A row gives the median images/s
 and its spread (min-max over the rounds); a ratio to vitrain is taken round by round (pairing cancels drift between
@@ -41,7 +43,7 @@ from vitrain.bench import write_results
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED, dtype_key
 from vitrain.config import Config
-from vitrain.device import cpu_description, peak_flops, synchronize
+from vitrain.device import bf16_emulated, cpu_description, peak_flops, synchronize
 from vitrain.errors import ConfigError
 from vitrain.models import external
 from vitrain.optim import optimizer_kernel
@@ -125,7 +127,7 @@ def _best_of(options: dict[str, Callable[[], Callable[[], float]]], warmup: int)
     return label, options[label]()
 
 
-def timm_contender(cfg: Config, images, labels, device, warmup: int) -> Contender:
+def timm_contender(cfg: Config, images, labels, device, warmup: int, bf16: tuple[bool, ...]) -> Contender:
     timm = import_timm()
     m = cfg.model
     from timm.optim import create_optimizer_v2
@@ -153,15 +155,15 @@ def timm_contender(cfg: Config, images, labels, device, warmup: int) -> Contende
         return make
 
     options = {
-        f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW {kernel}": build(bf16, kernel)
-        for bf16 in (False, True)
+        f"{'bf16 autocast' if low else 'fp32'}, AdamW {kernel}": build(low, kernel)
+        for low in bf16
         for kernel in ("foreach", "fused")
     }
     label, step = _best_of(options, warmup)
     return Contender(f"timm {timm.__version__}", f"{label}, fused attention (F.sdpa)", step, dtype_key(label))
 
 
-def transformers_contender(cfg: Config, images, labels, device, warmup: int) -> Contender:
+def transformers_contender(cfg: Config, images, labels, device, warmup: int, bf16: tuple[bool, ...]) -> Contender:
     transformers = import_transformers()
     m = cfg.model
 
@@ -193,7 +195,7 @@ def transformers_contender(cfg: Config, images, labels, device, warmup: int) -> 
 
         return make
 
-    options = {f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW fused": build(bf16) for bf16 in (False, True)}
+    options = {f"{'bf16 autocast' if low else 'fp32'}, AdamW fused": build(low) for low in bf16}
     label, step = _best_of(options, warmup)
     return Contender(f"transformers {transformers.__version__}", f"{label}, sdpa attention", step, dtype_key(label))
 
@@ -261,10 +263,16 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     print("peers: vitrain (its autotune decides its auto values)", file=sys.stderr)
     vitrain, trainer = vitrain_contender(cfg, images, labels)
     contenders.append(vitrain)
+    # Where bf16 is emulated (a CPU without bf16 instructions) a peer's bf16 steps would take minutes only to lose,
+    # as autotune's candidates would (vitrain/device.py bf16_emulated): fp32 only, and the table says why.
+    emulated = bf16_emulated(device)
+    if emulated:
+        print(f"peers: no bf16 option timed: {emulated}", file=sys.stderr)
+    bf16 = (False,) if emulated else (False, True)
     for peer, build in (("timm", timm_contender), ("transformers", transformers_contender)):
         print(f"peers: {peer}: timing its options", file=sys.stderr)
         try:
-            contenders.append(build(cfg, images, labels, device, warmup))
+            contenders.append(build(cfg, images, labels, device, warmup, bf16))
         except PeerMissing as exc:
             missing[peer] = str(exc)
     for contender in contenders:  # warm-up of the final set, in the order they will take turns
@@ -327,6 +335,7 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "peaks_gflops_per_s_rounds": {dtype: [round(p / 1e9, 3) for p in v] for dtype, v in round_peaks.items()},
         "rows": rows,
         "missing": missing,
+        "bf16_skipped": emulated or "",
         "wall_s": time.perf_counter() - started,
     }
 
@@ -349,6 +358,11 @@ def to_markdown(result: dict[str, Any]) -> str:
         "median (min-max); `~` marks a ratio whose spread reaches across 1.0x.",
         f"- Peak GFLOP/s for MFU: {peaks} ({'; '.join(sources) or 'measured here'}{each_round}).",
         f"- Command: `{result.get('command', '')}` ({result['wall_s']:.0f} s)",
+        *(
+            [f"- bf16: no peer's bf16 option was timed, nor vitrain's: {why}."]
+            if (why := result.get("bf16_skipped"))
+            else []
+        ),
         "",
         "| contender | runs as | images/s | vitrain x | model GFLOP/s | MFU (its dtype) |",
         "|---|---|---:|---:|---:|---:|",

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from vitrain.config import Config, PrecisionConfig, to_dict
-from vitrain.device import available_bytes, cpu_description, gemm_flops, synchronize
+from vitrain.device import available_bytes, bf16_emulated, cpu_description, synchronize
 from vitrain.engine.native import NativeEngine
 from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
@@ -82,8 +82,6 @@ WRAPS = ("model", "block", "sublayer")
 PRUNE_RATIO = 1.5
 RULE_MARGIN = 1.03  # an FSDP unit timed within 3% of the fastest: the rule's unit is kept (_rule_within_noise)
 WARMUP_DROP_RATIO = 2.0
-BF16_SLOWER_LIMIT = 3.0  # a bf16 matmul over 3x slower than an fp32 one: no bf16 candidate is raced (_bf16_emulated)
-PROBE_SIZE = 512  # the matmul that compares the two dtypes: milliseconds where bf16 is fast, under a second where not
 SLOW_STEP_S = 5.0  # a warm-up step longer than this: one timed step per candidate instead of `steps`
 
 
@@ -162,7 +160,7 @@ def autotune(
     fits, need = _memory_check(cfg, available)
     emulated = None
     if "precision.mode" in options:
-        emulated = broadcast_object(_bf16_emulated(device) if dist.is_main else None)
+        emulated = broadcast_object(bf16_emulated(device) if dist.is_main else None)
     seconds: dict[str, float] = {}
     notes: dict[str, str] = {}
     rounds: list[str] = []
@@ -176,7 +174,7 @@ def autotune(
         if mode is not None and (reason := fits(mode)):
             notes[label] = reason
         elif mode in ("amp_o1", "amp_o2") and emulated:
-            notes[label] = emulated
+            notes[label] = f"not raced: {emulated}"
         else:
             labels[label] = values
     if not labels:  # the memory estimate left no candidate to run
@@ -412,24 +410,6 @@ def _label(values: dict[str, str]) -> str:
     mode, attention, wrap = (values.get(k) for k in ("precision.mode", "model.attention", "parallel.wrap"))
     parts = (mode and f"{mode}{'' if mode == 'fp32' else ' bf16'}", attention, wrap and f"wrap={wrap}")
     return " + ".join(part for part in parts if part)
-
-
-def _bf16_emulated(device: torch.device) -> str | None:
-    """Why no bf16 candidate is raced on this CPU, or None where they are. A CPU without bf16 instructions (an AVX2
-    Zen 3) computes bf16 matmuls in software, its race measured them ~17x slower than fp32: each bf16 candidate
-    would spend minutes of a large model's steps only to lose. A bf16 step over BF16_SLOWER_LIMIT x slower in its
-    matmuls cannot win a GEMM-bound step back on its halved elementwise traffic. Measured (one PROBE_SIZE^3 matmul
-    in each dtype), not read from CPU flags: some CPUs without AMX run bf16 faster than fp32, others slower."""
-    if device.type != "cpu":
-        return None
-    fp32 = gemm_flops("fp32", device, size=PROBE_SIZE, repeats=3)
-    bf16 = gemm_flops("bf16", device, size=PROBE_SIZE, repeats=3)
-    if bf16 * BF16_SLOWER_LIMIT >= fp32:
-        return None
-    return (
-        f"not raced: a {PROBE_SIZE}^3 bf16 matmul ran at {bf16 / 1e9:.1f} GFLOP/s against fp32's {fp32 / 1e9:.1f} "
-        f"here, {fp32 / bf16:.0f}x slower (bf16 emulated)"
-    )
 
 
 def _memory_check(cfg: Config, available: int | None) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
