@@ -449,6 +449,16 @@ def test_cpu_description_names_the_cpu_and_says_when_the_probe_is_forced(monkeyp
     assert f"(AMX): yes (forced by VITRAIN_CPU_BF16_UNITS=1; the probe says {probed})" in cpu_description()
 
 
+def test_cpu_description_says_when_the_instruction_set_is_capped(monkeypatch):
+    # An AVX2 CPU emulated on a newer one: its figures (and autotune's cached decisions) are another machine's.
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    assert "capped" not in cpu_description()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_description().endswith("; instruction set capped: ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2")
+
+
 def test_fp16_o2_run_checkpoint_is_all_fp32_and_finite(tmp_path):
     cfg = tiny_run(tmp_path, "precision.mode=amp_o2", "precision.dtype=fp16", "train.max_steps=6")
     Trainer(cfg).fit()

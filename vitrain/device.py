@@ -65,6 +65,13 @@ def amx_probe() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
+ISA_CAPS = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)  # environment variables that cap the ISA used
+
+
 def cpu_description() -> str:
     """One line naming the CPU and its bf16 capabilities, e.g. for CI logs where results depend on auto's choice."""
     fields = {}
@@ -81,7 +88,11 @@ def cpu_description() -> str:
         probe = "yes" if amx_probe() else "no"
         units += f" (forced by {BF16_UNITS_ENV}={os.environ[BF16_UNITS_ENV]}; the probe says {probe})"
     avx = "yes" if torch.cpu._is_avx512_bf16_supported() else "no"
-    return f"CPU: {model}{vendor}; bf16 matrix units (AMX): {units}; avx512_bf16: {avx}"
+    # The flags above are the CPU's; these variables make ATen, oneDNN and MKL use less of it (the way to emulate an
+    # AVX2 CPU on a newer one): its figures and autotune's decisions are another machine's.
+    capped = ", ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
+    capped = f"; instruction set capped: {capped}" if capped else ""
+    return f"CPU: {model}{vendor}; bf16 matrix units (AMX): {units}; avx512_bf16: {avx}{capped}"
 
 
 def device_name(device: torch.device) -> str:
