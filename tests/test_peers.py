@@ -45,9 +45,7 @@ def test_peers_train_the_same_model_and_are_compared_to_vitrain(tmp_path, monkey
     # Where bf16 is emulated (a CPU without bf16 instructions) no peer times a bf16 option: minutes to lose.
     bf16_options = [label for label in timed if label.startswith("bf16")]
     assert len(timed) == (3 if emulated else 6) and len(bf16_options) == (0 if emulated else 3)
-    assert (
-        f"- bf16: no peer's bf16 option was timed, nor vitrain's: {emulated}." in peers.to_markdown(result)
-    ) == bool(emulated)
+    assert (f"- bf16: no peer's bf16 option was timed: {emulated}." in peers.to_markdown(result)) == bool(emulated)
     assert rows["vitrain"]["vitrain_speedup"] == 1.0
     for row in rows.values():
         assert len(row["step_s"]) == 3 and row["images_per_s_spread"]["n"] == 3

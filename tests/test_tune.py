@@ -231,6 +231,18 @@ def test_bf16_candidates_are_not_raced_where_a_bf16_matmul_is_over_3x_slower_tha
     assert why in decision.reason
 
 
+def test_emulated_bf16_still_races_where_it_is_the_only_precision_that_fits(tmp_path, autotune_on, monkeypatch):
+    monkeypatch.setattr(tune, "bf16_emulated", lambda device: "a 512^3 bf16 matmul ran at ... (bf16 emulated)")
+    cfg = auto_cfg(tmp_path)
+    need = tune._memory_check(cfg, None)[1]
+    assert need("amp_o2") < need("fp32")  # bf16 weights: the one that fits where fp32 does not
+    monkeypatch.setattr(tune, "available_bytes", lambda device: need("amp_o2"))
+    fake_steps(monkeypatch, {("amp_o2", "sdpa"): 0.02, ("amp_o2", "manual"): 0.01})
+    decision = run_autotune(cfg)
+    assert decision.values == {"precision.mode": "amp_o2", "model.attention": "manual"}
+    assert all(note.startswith("not run: the memory estimate") for note in decision.notes.values())
+
+
 def test_nothing_is_probed_where_precision_is_not_raced(tmp_path, autotune_on, monkeypatch):
     monkeypatch.setattr(tune, "bf16_emulated", CPU_PROBE)
     monkeypatch.setattr(device, "gemm_flops", lambda *a, **k: pytest.fail("precision is fixed: nothing to probe"))
@@ -252,7 +264,51 @@ def test_a_candidate_whose_steps_go_nonfinite_is_dropped_however_fast(tmp_path, 
     assert decision.values == {"precision.mode": "fp32"}
     dropped = "dropped: its loss or gradients went inf/NaN (not safe for this model here)"
     assert {decision.notes[f"{m} bf16"] for m in ("amp_o1", "amp_o2")} == {dropped}
-    assert f"amp_o1 bf16: {dropped}" in decision.reason
+    assert f"amp_o1 bf16: {dropped}" in decision.reason and f"amp_o2 bf16: {dropped}" in decision.reason
+    assert set(decision.images_per_s) == {"fp32"}  # an inf/NaN candidate's steps count nowhere
+
+
+def test_where_the_rest_go_nonfinite_the_fastest_finite_candidate_dropped_for_speed_wins(
+    tmp_path, autotune_on, monkeypatch
+):
+    # fp32 is dropped after two timed steps (4x behind amp_o2); amp_o2 then goes inf/NaN at its last timed step and
+    # amp_o1 at its first: fp32 ran every step finite, and is the run's precision.
+    seconds = {("fp32", None): 0.020, ("amp_o1", None): [None], ("amp_o2", None): [0.005] * 4 + [None]}
+    fake_steps(monkeypatch, seconds)
+    decision = run_autotune(auto_cfg(tmp_path, "model.attention=sdpa"))
+    assert decision.values == {"precision.mode": "fp32"}
+    assert decision.notes["fp32"] == "dropped after two timed steps: over 1.5x the best"
+    assert decision.notes["amp_o2 bf16"] == tune.NONFINITE and set(decision.images_per_s) == {"fp32"}
+
+
+def _one_rank_goes_nonfinite(out_dir, cache):
+    import os
+
+    os.environ["VITRAIN_AUTOTUNE"], os.environ["VITRAIN_CACHE_DIR"] = "1", str(cache)
+    rank = int(os.environ["RANK"])  # the group starts inside the Trainer
+    real = tune._finite
+    # Under ddp each candidate decides its skips on its own rank's batch: here rank 1's amp_o1 steps go inf/NaN
+    # and rank 0's do not. Every rank must drop it alike, or their collectives would pair up wrongly and hang.
+    tune._finite = lambda step, batch: real(step, batch) and not (rank == 1 and step.engine.precision.mode == "amp_o1")
+    cfg = load_config(None, tiny_overrides(out_dir, "precision.mode=auto", "model.attention=auto",
+                                           "parallel.strategy=ddp", "train.max_steps=1"))  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        decision = trainer.tuned
+    finally:
+        trainer.close()
+    dropped = sorted(label for label, note in decision.notes.items() if note == tune.NONFINITE)
+    (out_dir / f"nonfinite{rank}.json").write_text(json.dumps([decision.values, dropped]))
+
+
+def test_a_candidate_nonfinite_on_one_rank_only_is_dropped_on_every_rank(tmp_path):
+    from tests.distributed_helpers import run_two_ranks
+
+    run_two_ranks(_one_rank_goes_nonfinite, tmp_path, tmp_path / "cache")
+    decisions = [json.loads((tmp_path / f"nonfinite{rank}.json").read_text()) for rank in (0, 1)]
+    assert decisions[0] == decisions[1]
+    assert decisions[0][1] == ["amp_o1 bf16 + manual", "amp_o1 bf16 + sdpa"]
+    assert decisions[0][0]["precision.mode"] != "amp_o1"
 
 
 def test_a_real_race_where_every_candidate_diverges_stops_with_one_line(tmp_path, autotune_on):

@@ -359,7 +359,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"- Peak GFLOP/s for MFU: {peaks} ({'; '.join(sources) or 'measured here'}{each_round}).",
         f"- Command: `{result.get('command', '')}` ({result['wall_s']:.0f} s)",
         *(
-            [f"- bf16: no peer's bf16 option was timed, nor vitrain's: {why}."]
+            [f"- bf16: no peer's bf16 option was timed: {why}."]
             if (why := result.get("bf16_skipped"))
             else []
         ),

@@ -7,7 +7,7 @@ What is tuned, and among what:
 - `precision.mode=auto` (native engine, strategy single/ddp/zero1, no pipeline stages): fp32, bf16 amp_o1 and bf16
   amp_o2, where the device computes bf16. Pure and fp16 are never candidates: they are picked only when asked for.
   On a CPU whose bf16 matmul measures over 3x slower than its fp32 one (bf16 emulated, as on an AVX2 Zen 3) the
-  bf16 candidates are not run, and say why.
+  bf16 candidates are not run, and say why (unless fp32 would not fit in memory).
   Under zero2/zero3 and pipelines auto keeps its rules in vitrain/precision.py.
 - `model.attention=auto`: sdpa and manual (the same weights and function; different kernels): where each device
   holds the whole model (single/ddp/zero1) on one device, and under the native engine's zero2/zero3 under the run's
@@ -45,6 +45,7 @@ import gc
 import hashlib
 import itertools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -173,11 +174,11 @@ def autotune(
         mode = values.get("precision.mode")
         if mode is not None and (reason := fits(mode)):
             notes[label] = reason
-        elif mode in ("amp_o1", "amp_o2") and emulated:
+        elif mode in ("amp_o1", "amp_o2") and emulated and fits("fp32") is None:  # slow, but not the only one
             notes[label] = f"not raced: {emulated}"
         else:
             labels[label] = values
-    if not labels:  # the memory estimate left no candidate to run
+    if not labels:  # the memory estimate left no candidate to run at all
         raise ConfigError(f"autotune: no candidate can run here: {'; '.join(f'{k}: {v}' for k, v in notes.items())}")
     # Taking turns keeps every candidate in memory at once: where they would not all fit (or on a GPU, where a
     # run fills the memory and timings are steadier), one at a time instead. The processes of a node share it.
@@ -243,35 +244,42 @@ class _Race:
             # amp_o2 raced with the norms the run would compile (precision.compile_norms), their compile (seconds,
             # once per process: later candidates and the run's own step reuse it; the candidates share the norms'
             # shapes) in an untimed step before the first one's warm-up steps.
-            _finite(step, self.batch)
+            if max_over_ranks(float(not _finite(step, self.batch)), self.device):
+                raise _NonFinite
             self.norms_compiled = True
 
         def run() -> float:
             start = time.perf_counter()
-            _finite(step, self.batch)
+            finite = _finite(step, self.batch)
             synchronize(self.device)
-            return max_over_ranks(time.perf_counter() - start, self.device)
+            # Every rank learns whether any went inf/NaN in the same collective that takes the slowest rank's time:
+            # under ddp/zero1 each candidate decides its skips alone, on its rank's own first batch.
+            elapsed = max_over_ranks(time.perf_counter() - start if finite else math.inf, self.device)
+            if math.isinf(elapsed):
+                raise _NonFinite
+            return elapsed
 
         return run
 
 
-def _finite(step: TrainStep, batch: list) -> None:
-    """One step of a candidate; _NonFinite where its loss or gradients went inf/NaN (the engine skipped the step, or
-    stopped at precision.max_nonfinite_skips; either way on every rank alike)."""
+def _finite(step: TrainStep, batch: list) -> bool:
+    """One step of a candidate; False where its loss or gradients went inf/NaN on this rank (the engine skipped the
+    step, or stopped at precision.max_nonfinite_skips)."""
     try:
-        skipped = step(batch).skipped
-    except TrainingDiverged as diverged:
-        raise _NonFinite(str(diverged)) from None
-    if skipped:
-        raise _NonFinite
+        return not step(batch).skipped
+    except TrainingDiverged:
+        return False
+
+
+NONFINITE = "dropped: its loss or gradients went inf/NaN (not safe for this model here)"
 
 
 def _unless_nonfinite(label: str, attempt: Callable[[], Any], notes: dict[str, str]) -> Any:
-    """attempt()'s result, or None (and why, in `notes`) where the candidate's step went inf/NaN."""
+    """attempt()'s result, or None (and why, in `notes`) where the candidate's step went inf/NaN on some rank."""
     try:
         return attempt()
     except _NonFinite:
-        notes[label] = "dropped: its loss or gradients went inf/NaN (not safe for this model here)"
+        notes[label] = NONFINITE
         return None
 
 
@@ -315,7 +323,7 @@ def _race(
         run = _unless_nonfinite(label, functools.partial(race.candidate, values), notes)
         if run is not None and (step_s := _unless_nonfinite(label, run, notes)) is not None:
             runs[label], first[label] = run, step_s
-    _some_finite(runs, race.cfg)
+    _some_finite(first, race.cfg)
     slow = max(first.values()) > SLOW_STEP_S
     for label in list(runs):  # slow steps: a first step twice the best one's is not worth timing further
         if slow and first[label] > WARMUP_DROP_RATIO * min(first.values()):
@@ -325,6 +333,7 @@ def _race(
         for label, run in list(runs.items()):
             if _unless_nonfinite(label, run, notes) is None:
                 del runs[label]
+        _some_finite(runs, race.cfg)  # none dropped for speed yet: no finite candidate is left
     times: dict[str, list[float]] = {label: [] for label in runs}
     for round_ in range(1 if slow else steps):
         for label, run in list(runs.items()):
@@ -332,15 +341,18 @@ def _race(
                 del runs[label], times[label]
             else:
                 times[label].append(step_s)
-        _some_finite(runs, race.cfg)
+        if not runs:  # the rest went inf/NaN: the fastest finite one dropped for its speed wins below
+            break
         if round_ == 1:
             best = min(min(t) for t in times.values())
             for label in list(runs):
                 if min(times[label]) > PRUNE_RATIO * best:
                     notes[label] = f"dropped after two timed steps: over {PRUNE_RATIO}x the best"
                     del runs[label]
-    measured = {label: first[label] for label in notes if label in first}  # dropped at warm-up: that step
+    # Dropped at warm-up: that step; a candidate that went inf/NaN counts nowhere (its note says why).
+    measured = {label: first[label] for label in notes if label in first and notes[label] != NONFINITE}
     measured.update({label: min(t) for label, t in times.items()})
+    _some_finite(measured, race.cfg)
     seconds.update(measured)
     warmups = 1 if slow else 2
     timed = 1 if slow else steps
@@ -351,8 +363,9 @@ def _race(
             f"{label} {batch / t:.1f} img/s" + (" (dropped)" if label in notes else "") for label, t in measured.items()
         )
     )
-    winner = min((label for label in measured if label not in notes), key=measured.get)
-    return labels[winner]
+    # The fastest still racing; where every one of those went inf/NaN, the fastest finite one dropped for speed.
+    finishers = [label for label in measured if label not in notes] or list(measured)
+    return labels[min(finishers, key=measured.get)]
 
 
 def _one_at_a_time(
