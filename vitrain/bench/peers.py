@@ -358,11 +358,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "median (min-max); `~` marks a ratio whose spread reaches across 1.0x.",
         f"- Peak GFLOP/s for MFU: {peaks} ({'; '.join(sources) or 'measured here'}{each_round}).",
         f"- Command: `{result.get('command', '')}` ({result['wall_s']:.0f} s)",
-        *(
-            [f"- bf16: no peer's bf16 option was timed: {why}."]
-            if (why := result.get("bf16_skipped"))
-            else []
-        ),
+        *([f"- bf16: no peer's bf16 option was timed: {why}."] if (why := result.get("bf16_skipped")) else []),
         "",
         "| contender | runs as | images/s | vitrain x | model GFLOP/s | MFU (its dtype) |",
         "|---|---|---:|---:|---:|---:|",
