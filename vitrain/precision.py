@@ -119,7 +119,7 @@ def resolve(
         dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
         reason = f"precision.mode={cfg.mode} set in the config"
         if dtype == torch.bfloat16 and (emulated := _bf16_emulated_here(device.type)):
-            reason += f"; bf16 is emulated on this CPU ({emulated}): precision.mode=auto or fp32 runs faster here"
+            reason += f"; {emulated}: precision.mode=auto or fp32 runs faster here"
         return Resolved(cfg.mode, dtype, reason)
     if decided is not None:  # autotune timed the candidates (vitrain/engine/autotune.py)
         return decided
