@@ -243,6 +243,14 @@ def test_emulated_bf16_still_races_where_it_is_the_only_precision_that_fits(tmp_
     assert all(note.startswith("not run: the memory estimate") for note in decision.notes.values())
 
 
+def test_where_no_candidate_fits_autotune_stops_with_one_line_naming_each(tmp_path, autotune_on, monkeypatch):
+    monkeypatch.setattr(tune, "available_bytes", lambda device: 1)
+    with pytest.raises(
+        tune.ConfigError, match=r"^autotune: no candidate can run here: fp32 \+ sdpa: not run: the memory"
+    ):
+        run_autotune(auto_cfg(tmp_path))
+
+
 def test_nothing_is_probed_where_precision_is_not_raced(tmp_path, autotune_on, monkeypatch):
     monkeypatch.setattr(tune, "bf16_emulated", CPU_PROBE)
     monkeypatch.setattr(device, "gemm_flops", lambda *a, **k: pytest.fail("precision is fixed: nothing to probe"))
