@@ -3,27 +3,18 @@
 (as training runs it). Run from the repository root: python results/backward-gemms-zen5/shapes.py"""
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from cpu_kernels import _ms  # noqa: E402 (the CPU kernels' timer: the median of calls after one untimed)
+
 from vitrain.device import cpu_description, reuse_freed_host_memory  # noqa: E402
 
 BF16 = torch.bfloat16
 ROWS = 64 * 197  # batch 64, 197 tokens
-
-
-def median_s(fn, repeats=10):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def chunked(g, x, rows):
@@ -54,7 +45,7 @@ def one_layer(k, n, peak):
         "  oneDNN's backward-weights primitive, bias included": lambda: backward_weights_primitive(g, x, w),
     }
     for name, fn in ways.items():
-        print(f"  {name:55s} {flops / median_s(fn) / peak:.2f}")
+        print(f"  {name:55s} {flops / (_ms(fn, 10) / 1e3) / peak:.2f}")
 
 
 def main():
@@ -62,8 +53,11 @@ def main():
     reuse_freed_host_memory()
     print(cpu_description(), f"torch {torch.__version__}, 2 threads")
     a, b = torch.randn(2048, 2048, dtype=BF16), torch.randn(2048, 2048, dtype=BF16)
-    peak = max(2 * 2048**3 / median_s(lambda: a @ b) for _ in range(3))
-    print(f"bf16 peak {peak / 1e9:.0f} GFLOP/s; each figure: that GEMM's FLOP/s over the peak (median of 10)")
+    peak = max(2 * 2048**3 / (_ms(lambda: a @ b, 10) / 1e3) for _ in range(3))
+    print(
+        f"bf16 peak {peak / 1e9:.0f} GFLOP/s; each figure: that GEMM's FLOP/s over the peak "
+        "(median of 10 after one untimed call)"
+    )
     for k, n in [(384, 1152), (384, 384), (384, 1536), (1536, 384)]:
         print(f"in {k} -> out {n}:")
         one_layer(k, n, peak)
