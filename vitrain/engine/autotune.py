@@ -333,7 +333,6 @@ def _race(
         for label, run in list(runs.items()):
             if _unless_nonfinite(label, run, notes) is None:
                 del runs[label]
-        _some_finite(runs, race.cfg)  # none dropped for speed yet: no finite candidate is left
     times: dict[str, list[float]] = {label: [] for label in runs}
     for round_ in range(1 if slow else steps):
         for label, run in list(runs.items()):
