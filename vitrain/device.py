@@ -65,11 +65,8 @@ def amx_probe() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-ISA_CAPS = (
-    "ATEN_CPU_CAPABILITY",
-    "ONEDNN_MAX_CPU_ISA",
-    "MKL_ENABLE_INSTRUCTIONS",
-)  # environment variables that cap the ISA used
+# Environment variables that cap the instruction set ATen, oneDNN and MKL use (cpu_description names them).
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def cpu_description() -> str:
