@@ -198,11 +198,15 @@ def _sigterm() -> None:
 
 def _term_after_step(kind: str, target_step: int, extra: int = 0) -> None:
     """SIGTERM after step `target_step` (term: `extra` ms later); term_twice: again as the stop save begins;
-    term_kill: SIGKILL at the `extra`-th durable operation of the stop save. The fault log gets the steps done."""
+    term_kill: SIGKILL at the `extra`-th durable operation of the stop save. The fault log gets the steps done just
+    before and just after the signal."""
 
     def fire() -> None:
-        _fired(f"term {steps.done}")
+        # Steps done just before and just after the signal is sent: on the timer thread (term's MS) the main thread
+        # may finish a step, and pass the step boundary where the ranks agree, between the two.
+        before = steps.done
         _sigterm()
+        _fired(f"term {before} {steps.done}")
 
     def after(n: int) -> None:
         if n == target_step:
