@@ -252,6 +252,37 @@ def test_a_second_signal_during_the_stop_save_changes_nothing(tmp_path):
     assert ckpt.is_complete(ckpt.latest(tmp_path / "twice"))
 
 
+AFTER_STOP = """
+import os, signal, sys, time
+from vitrain.engine.cluster import StopSignals, Stopped
+stop, said = sys.argv[1] == "stop", sys.argv[2] == "said"
+try:
+    with StopSignals(("SIGUSR1",)) as signals:
+        if stop:  # what the trainer's stop path does once its checkpoint is written
+            signals.stopped = Stopped("SIGUSR1", 3, None)
+            raise signals.stopped
+except Stopped as stopped:
+    if said:  # the CLI printed it
+        print(f"vitrain: {stopped}", file=sys.stderr)
+        stopped.said = True
+os.kill(os.getpid(), signal.SIGUSR1)  # a launcher's signal while the process tears down
+time.sleep(10)
+print("still running")
+"""
+
+
+@pytest.mark.parametrize("stop, said", [("stop", "unsaid"), ("stop", "said"), ("no-stop", "unsaid")])
+def test_a_stop_signal_after_the_stop_ends_the_process_with_the_stops_code_and_one_line(stop, said):
+    # torchrun signals the ranks still tearing down as soon as one exits: after a stop that must not end them by the
+    # signal's default action (no stop line, the signal's status); without a stop the previous handler is back.
+    done = subprocess.run([sys.executable, "-c", AFTER_STOP, stop, said], capture_output=True, text=True, timeout=60)
+    if stop == "no-stop":
+        assert done.returncode == -signal.SIGUSR1 and "stopped by" not in done.stderr, done.stderr[-2000:]
+        return
+    assert done.returncode == cluster.EXIT_STOPPED and "still running" not in done.stdout, done.stderr[-2000:]
+    assert done.stderr.count("vitrain: stopped by SIGUSR1 at step 3 (nothing new to save)") == 1, done.stderr
+
+
 @pytest.mark.slow
 def test_sigkill_during_the_stop_save_keeps_the_previous_checkpoint_as_the_resume_point(tmp_path):
     args = [*SYNTHETIC, "train.epochs=2", "train.checkpoint_every_steps=2", f"log.out_dir={tmp_path}", "name=k"]

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except Stopped as stopped:  # a stop signal: the checkpoint is written; the same command continues the run
         print(f"vitrain: {stopped}", file=sys.stderr)
+        stopped.said = True
         return EXIT_STOPPED
     except VitrainError as exc:
         print(f"vitrain: error: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ class Stopped(Exception):
 
     def __init__(self, signal_name: str, step: int, checkpoint: Path | None, requeue_line: str | None = None):
         self.signal_name, self.step, self.checkpoint, self.requeue_line = signal_name, step, checkpoint, requeue_line
+        self.said = False  # its line is on stderr (the CLI prints it; StopSignals does where the process ends first)
         where = f"checkpoint {checkpoint}" if checkpoint else "nothing new to save"
         super().__init__(f"stopped by {signal_name} at step {step} ({where}); run the same command again to continue")
 
@@ -64,6 +65,13 @@ class StopSignals:
     The handler does no work itself: the stop path (a checkpoint, then exit) runs in the training loop, not in a
     signal handler. A second signal while stopping is said on stderr and changes nothing; a SIGKILL during the save
     leaves the previous checkpoint as the resume point (saves are atomic).
+
+    Once the stop path has raised `stopped`, the process is on its way out, and a launcher signals the ranks still
+    tearing down as soon as the first one exits (torchrun sends SIGTERM). The signal's default action would end them
+    there, without their stop line and with the signal's status instead of EXIT_STOPPED. So leaving the context
+    after a stop does not restore the previous handlers: a stop signal from then on says the stop's line (unless it
+    was said) and ends the process with EXIT_STOPPED at once, its checkpoint being written. A library caller whose
+    `fit` raised `Stopped` keeps that behaviour for the rest of the process.
     """
 
     def __init__(self, names: tuple[str, ...], group: Any = None):
@@ -71,6 +79,7 @@ class StopSignals:
         self.group = group  # a gloo group of all ranks (None: one process)
         self.received: signal.Signals | None = None
         self.stopping = False
+        self.stopped: Stopped | None = None  # what the stop path raised: the process is ending (see above)
         self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -81,8 +90,18 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            ending = self.stopped is not None and sig in self.signals
+            signal.signal(sig, self._exit_stopped if ending else previous)
         self._previous.clear()
+
+    def _exit_stopped(self, signum: int, frame: FrameType | None) -> None:
+        """A stop signal after the stop: the stop's line where it has not been said, then EXIT_STOPPED now."""
+        if self.stopped is not None and not self.stopped.said:
+            say(f"vitrain: {self.stopped}")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # inside a write's retry a flush is refused: what is written stays
+                stream.flush()
+        os._exit(EXIT_STOPPED)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

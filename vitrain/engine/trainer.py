@@ -346,6 +346,7 @@ class Trainer:
             log.info(requeued)
         stopped = cluster.Stopped(signal_name, self.step, path, requeued)
         log.info(f"{stopped}; exit {cluster.EXIT_STOPPED}", echo=False)  # the CLI prints it
+        self.signals.stopped = stopped  # from here a stop signal ends the process with EXIT_STOPPED (StopSignals)
         raise stopped
 
     def _let_pending_save_end(self) -> None:
