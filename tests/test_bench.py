@@ -19,6 +19,7 @@ from vitrain.cli import main
 from vitrain.config import OptimConfig, load_config
 from vitrain.device import (
     gemm_flops,
+    gemm_flops_taking_turns,
     glibc_function,
     peak_memory_bytes,
     reset_peak_memory,
@@ -160,6 +161,20 @@ def test_the_trainer_keeps_freed_host_memory_unless_told_not_to(tmp_path, monkey
 
 def test_gemm_peak_is_a_positive_rate():
     assert gemm_flops("fp32", torch.device("cpu"), size=256, repeats=2) > 1e8
+
+
+def test_the_bf16_probe_times_the_two_dtypes_taking_turns(monkeypatch):
+    # One call of each dtype per round: a busy spell of the machine slows a round, not one dtype's every call.
+    import vitrain.device as device
+
+    order, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: order.append(str(a.dtype)) or mm(a, b))
+    flops = gemm_flops_taking_turns(("fp32", "bf16"), torch.device("cpu"), size=64, repeats=3)
+    assert order == ["torch.float32", "torch.bfloat16"] * 4 and min(flops.values()) > 0  # a warm-up round, then 3
+    monkeypatch.setattr(device, "gemm_flops_taking_turns", lambda *a, **k: {"fp32": 200e9, "bf16": 70e9})
+    assert device.bf16_emulated(torch.device("cpu")) is None  # 2.9x slower: within the limit
+    monkeypatch.setattr(device, "gemm_flops_taking_turns", lambda *a, **k: {"fp32": 200e9, "bf16": 10e9})
+    assert "20x slower (bf16 emulated)" in device.bf16_emulated(torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------------------ ladder

@@ -215,11 +215,13 @@ def test_bf16_candidates_are_not_raced_where_a_bf16_matmul_is_over_3x_slower_tha
     monkeypatch.setattr(tune, "bf16_emulated", CPU_PROBE)
     peaks = {"fp32": 200e9, "bf16": bf16_gflops * 1e9}
     probed = []
-    monkeypatch.setattr(device, "gemm_flops", lambda dtype, on, size, repeats: probed.append(size) or peaks[dtype])
+    monkeypatch.setattr(
+        device, "gemm_flops_taking_turns", lambda dtypes, on, size, repeats: probed.append(size) or peaks
+    )
     seconds = {(m, a): 0.013 for m in ("fp32", "amp_o1", "amp_o2") for a in ("sdpa", "manual")}
     ran = fake_steps(monkeypatch, {**seconds, ("amp_o1", "manual"): 0.010, ("fp32", "manual"): 0.011})
     decision = run_autotune(auto_cfg(tmp_path))
-    assert probed == [device.PROBE_SIZE] * 2
+    assert probed == [device.PROBE_SIZE]
     if raced:
         assert sorted(ran) == sorted(seconds) and decision.notes == {}
         assert decision.values == {"precision.mode": "amp_o1", "model.attention": "manual"}
@@ -253,7 +255,7 @@ def test_where_no_candidate_fits_autotune_stops_with_one_line_naming_each(tmp_pa
 
 def test_nothing_is_probed_where_precision_is_not_raced(tmp_path, autotune_on, monkeypatch):
     monkeypatch.setattr(tune, "bf16_emulated", CPU_PROBE)
-    monkeypatch.setattr(device, "gemm_flops", lambda *a, **k: pytest.fail("precision is fixed: nothing to probe"))
+    monkeypatch.setattr(device, "gemm_flops_taking_turns", lambda *a, **k: pytest.fail("precision is fixed: no probe"))
     fake_steps(monkeypatch, {(None, "sdpa"): 0.012, (None, "manual"): 0.010})
     assert run_autotune(auto_cfg(tmp_path, "precision.mode=amp_o2")).values == {"model.attention": "manual"}
 
@@ -306,7 +308,7 @@ def _one_rank_goes_nonfinite(out_dir, cache):
     finally:
         trainer.close()
     dropped = sorted(label for label, note in decision.notes.items() if note == tune.NONFINITE)
-    (out_dir / f"nonfinite{rank}.json").write_text(json.dumps([decision.values, dropped]))
+    (out_dir / f"nonfinite{rank}.json").write_text(json.dumps([decision.values, dropped, decision.reason]))
 
 
 def test_a_candidate_nonfinite_on_one_rank_only_is_dropped_on_every_rank(tmp_path):
@@ -315,7 +317,7 @@ def test_a_candidate_nonfinite_on_one_rank_only_is_dropped_on_every_rank(tmp_pat
     run_two_ranks(_one_rank_goes_nonfinite, tmp_path, tmp_path / "cache")
     decisions = [json.loads((tmp_path / f"nonfinite{rank}.json").read_text()) for rank in (0, 1)]
     assert decisions[0] == decisions[1]
-    assert decisions[0][1] == ["amp_o1 bf16"]
+    assert decisions[0][1] == ["amp_o1 bf16"], decisions[0][2]  # the race as autotune tells it
     assert decisions[0][0]["precision.mode"] != "amp_o1"
 
 

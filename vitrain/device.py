@@ -102,18 +102,27 @@ def device_name(device: torch.device) -> str:
 def gemm_flops(dtype: str, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a size x size x size matmul in `dtype` (best of `repeats` after a warm-up), with this
     process's threads: the practical peak that a model's FLOP/s is compared with on a CPU."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return gemm_flops_taking_turns((dtype,), device, size, repeats)[dtype]
+
+
+def gemm_flops_taking_turns(dtypes: tuple[str, ...], device: torch.device, size: int, repeats: int) -> dict[str, float]:
+    """gemm_flops for each of `dtypes`, one call of each per round (best of `repeats` rounds after a warm-up one):
+    a busy moment of the machine then slows one round's calls alike, not every call of one dtype."""
     draw = torch.Generator(device).manual_seed(0)
-    a = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
-    b = torch.randn(size, size, device=device, generator=draw).to(torch_dtype)
-    best = float("inf")
+    operands = {}
+    for dtype in dtypes:
+        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        a, b = (torch.randn(size, size, device=device, generator=draw).to(torch_dtype) for _ in range(2))
+        operands[dtype] = a, b
+    best = dict.fromkeys(dtypes, float("inf"))
     for i in range(repeats + 1):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        if i:  # the first call is the warm-up
-            best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+        for dtype, (a, b) in operands.items():
+            start = time.perf_counter()
+            torch.mm(a, b)
+            synchronize(device)
+            if i:  # the first round is the warm-up
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return {dtype: 2 * size**3 / seconds for dtype, seconds in best.items()}
 
 
 BF16_SLOWER_LIMIT = 3.0  # a bf16 matmul over 3x slower than an fp32 one: bf16 is emulated here (bf16_emulated)
@@ -124,13 +133,15 @@ def bf16_emulated(device: torch.device) -> str | None:
     """Why bf16 is not worth running on this CPU, or None where it may be. A CPU without bf16 instructions (an AVX2
     Zen 3) computes bf16 matmuls in software: autotune's race measured its bf16 steps ~17x slower than fp32's. A
     step whose matmuls are over BF16_SLOWER_LIMIT x slower cannot win a GEMM-bound step back on its halved
-    elementwise traffic. Measured (one PROBE_SIZE^3 matmul in each dtype), not read from CPU flags: some CPUs
-    without AMX run bf16 faster than fp32, others slower. Autotune and the peers' benchmark skip bf16 where it says
-    so."""
+    elementwise traffic. Measured (PROBE_SIZE^3 matmuls, the two dtypes taking turns), not read from CPU flags:
+    some CPUs without AMX run bf16 faster than fp32, others slower. Autotune and the peers' benchmark skip bf16
+    where it says so."""
     if device.type != "cpu":
         return None
-    fp32 = gemm_flops("fp32", device, size=PROBE_SIZE, repeats=3)
-    bf16 = gemm_flops("bf16", device, size=PROBE_SIZE, repeats=3)
+    # Taking turns, best of 5: on a machine busy with other processes (a test suite's workers), calls of one dtype
+    # slowed by the others' time slices read bf16 as emulated where it is not.
+    flops = gemm_flops_taking_turns(("fp32", "bf16"), device, PROBE_SIZE, repeats=5)
+    fp32, bf16 = flops["fp32"], flops["bf16"]
     if bf16 * BF16_SLOWER_LIMIT >= fp32:
         return None
     return (
