@@ -95,8 +95,9 @@ class StopSignals:
         self._previous.clear()
 
     def _exit_stopped(self, signum: int, frame: FrameType | None) -> None:
-        """A stop signal after the stop: the stop's line where it has not been said, then EXIT_STOPPED now."""
-        if self.stopped is not None and not self.stopped.said:
+        """A stop signal after the stop (installed by __exit__ only once `stopped` is set): the stop's line where it
+        has not been said, then EXIT_STOPPED now."""
+        if not self.stopped.said:
             say(f"vitrain: {self.stopped}")
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # inside a write's retry a flush is refused: what is written stays
