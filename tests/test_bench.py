@@ -177,6 +177,23 @@ def test_the_bf16_probe_times_the_two_dtypes_taking_turns(monkeypatch):
     assert "20x slower (bf16 emulated)" in device.bf16_emulated(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("emulated", [None, "a 512^3 bf16 matmul ran ... (bf16 emulated)"])
+def test_the_cpu_peaks_time_bf16_at_the_probes_size_where_it_is_emulated(monkeypatch, emulated):
+    # In software a 2048^3 bf16 product takes seconds a call: a ladder capped at AVX2 spent minutes on it.
+    import vitrain.device as device
+
+    sizes = []
+    monkeypatch.setattr(device, "bf16_emulated", lambda on: emulated)
+    monkeypatch.setattr(
+        device, "gemm_flops", lambda dtype, on, size=2048, repeats=5: sizes.append((dtype, size)) or 1e9
+    )
+    peaks, why = device.cpu_gemm_peaks(torch.device("cpu"))
+    bf16_size = device.PROBE_SIZE if emulated else 2048
+    assert why == emulated and peaks == {"fp32": 1e9, "bf16": 1e9} and sizes == [("fp32", 2048), ("bf16", bf16_size)]
+    sizes.clear()
+    assert device.peak_flops(torch.device("cpu"), "bf16")[0] == 1e9 and sizes == [("bf16", bf16_size)]
+
+
 # ------------------------------------------------------------------------------------------ ladder
 
 
@@ -370,6 +387,9 @@ def test_ladder_rows_are_picked_by_whole_name_or_by_part():
 
 def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(ladder, "default_nproc", lambda device: 1)
+    # Peaks handed to the rows, bf16 taken as fast: the baseline row computes in bf16 on every CPU kind (its tiny
+    # model's steps stay short where bf16 runs in software).
+    monkeypatch.setattr(ladder, "cpu_gemm_peaks", lambda device: ({"fp32": 100e9, "bf16": 300e9}, None))
     args = argparse.Namespace(steps=1, warmup=1, out=str(tmp_path / "out"), nproc=1, rows="fp32 reference,baseline")
     overrides = tiny_overrides(tmp_path, "train.batch_size=8", "data.mean=[0.5]", "data.std=[0.5]")
     assert ladder.main(None, overrides, args) == 0
@@ -381,6 +401,24 @@ def test_ladder_runs_rows_in_their_own_processes(tmp_path, monkeypatch):
     assert rows["zero3 + AMP O2"]["status"] == "skipped: needs 2 or more processes (--nproc 1)"
     assert rows["+ pooled classifier"]["status"].startswith("skipped: not asked for")
     assert (tmp_path / "out" / "ladder.md").exists() and (tmp_path / "out" / "ladder.png").exists()
+
+
+def test_where_this_cpu_emulates_bf16_the_rows_that_compute_in_bf16_are_skipped_with_the_reason():
+    why = "a 512^3 bf16 matmul ran at 2.5 GFLOP/s against fp32's 183.0 here, 72x slower (bf16 emulated)"
+    ctx = ladder.Context("cpu", nproc=2, batch=16, deepspeed=True, fast_low_precision=False, bf16_emulated=why)
+    skipped = {row.name for row in ladder.rows() if ladder._emulated(row, ctx)}
+    ran = {row.name for row in ladder.rows()} - skipped
+    # The sources' fp32 reference, autotune's row (it races no bf16 here) and the comparison groups (fp32 here) run.
+    assert ran == {"fp32 reference", "vitrain auto (precision, attention by measurement)"} | {
+        row.name for row in ladder.rows() if row.group == "DeepSpeed vs native (same precision)"
+    }
+    assert "baseline: DDP + AMP O1 bf16, per-tensor AdamW, class token" in skipped and "zero2 + AMP O2" in skipped
+    row = next(r for r in ladder.rows() if r.name.startswith("baseline"))
+    assert ladder._emulated(row, ctx).startswith("computes in bf16, which this CPU runs in software")
+    assert ladder._emulated(row, dataclasses.replace(ctx, dtype="fp16"))  # the row names bf16 itself
+    assert ladder._emulated(row, dataclasses.replace(ctx, bf16_emulated=None)) is None
+    o2 = ladder.Row("o2", "g", lambda ctx: ["precision.mode=amp_o2"])  # the config's low dtype
+    assert ladder._emulated(o2, ctx) and ladder._emulated(o2, dataclasses.replace(ctx, dtype="fp16")) is None
 
 
 def test_autotune_races_once_before_the_rounds_and_its_pass_is_not_a_round(monkeypatch):

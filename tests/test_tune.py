@@ -296,6 +296,9 @@ def _one_rank_goes_nonfinite(out_dir, cache):
 
     os.environ["VITRAIN_AUTOTUNE"], os.environ["VITRAIN_CACHE_DIR"] = "1", str(cache)
     rank = int(os.environ["RANK"])  # the group starts inside the Trainer
+    # amp_o1 races on every CPU kind, as in autotune_on: where the probe reads bf16 as emulated (an AVX2 CPU, or a
+    # busy spell of this one) no amp_o1 candidate would run to go inf/NaN.
+    tune.bf16_emulated = lambda device: None
     real = tune._finite
     # Under ddp each candidate decides its skips on its own rank's batch: here rank 1's amp_o1 steps go inf/NaN
     # and rank 0's do not. Every rank must drop it alike, or their collectives would pair up wrongly and hang.

@@ -163,7 +163,22 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
         measured = gemm_flops(dtype, device, size=8192)
         return measured, f"{name}: 8192^3 {dtype} matmul measured (not in the datasheet table)"
     threads = torch.get_num_threads()
+    if dtype == "bf16" and bf16_emulated(device):
+        return gemm_flops(dtype, device, size=PROBE_SIZE), (
+            f"{PROBE_SIZE}^3 bf16 matmul measured on this CPU with {threads} thread(s) (bf16 emulated here)"
+        )
     return gemm_flops(dtype, device), f"2048^3 {dtype} matmul measured on this CPU with {threads} thread(s)"
+
+
+def cpu_gemm_peaks(device: torch.device) -> tuple[dict[str, float], str | None]:
+    """({"fp32": FLOP/s, "bf16": FLOP/s} of this process's threads on a CPU, bf16_emulated's reason or None).
+
+    Each is a 2048^3 matmul's (gemm_flops), but bf16's is a PROBE_SIZE^3 one where bf16 is emulated: in software
+    the 2048^3 product takes seconds a call (a ladder's start capped at AVX2: 6 minutes), and a bf16 MFU means
+    nothing there."""
+    emulated = bf16_emulated(device)
+    bf16_size = PROBE_SIZE if emulated else 2048
+    return {"fp32": gemm_flops("fp32", device), "bf16": gemm_flops("bf16", device, size=bf16_size)}, emulated
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

@@ -37,7 +37,7 @@ import torch
 
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
-from vitrain.device import cpu_description, gemm_flops
+from vitrain.device import cpu_description, cpu_gemm_peaks
 
 # The ladder's model when no config is given: ViT-Ti/16 at 224 px on synthetic ImageNet-shaped data.
 DEFAULT_BASE = ["name=ladder", "model.preset=vit_tiny_patch16", *IMAGENET_SHAPED]
@@ -55,6 +55,8 @@ class Context:
     batch: int  # per rank
     deepspeed: bool
     fast_low_precision: bool  # a GPU, or a CPU whose bf16 GEMM outruns fp32: the comparison groups compute in bf16
+    bf16_emulated: str | None = None  # why bf16 runs in software on this CPU (vitrain/device.py), or None
+    dtype: str = "bf16"  # the config's precision.dtype: a row's low dtype where its overrides do not name one
 
 
 @dataclass
@@ -89,6 +91,20 @@ def _bf16_multi(ctx: Context) -> str | None:
     if not ctx.fast_low_precision:
         return "the comparison computes in fp32 here (bf16 is not faster on this device): no bf16 gradients"
     return _multi(ctx)
+
+
+def _emulated(row: Row, ctx: Context) -> str | None:
+    """Why a row that computes in bf16 does not run where this CPU emulates bf16: its steps would time software
+    arithmetic, tens of times slower than fp32, for nothing that carries over to a CPU with bf16 units."""
+    if not ctx.bf16_emulated:
+        return None
+    precision = dict(
+        o.split("=", 1) for o in row.overrides(ctx) if o.startswith(("precision.mode=", "precision.dtype="))
+    )
+    low = precision.get("precision.mode") in ("amp_o1", "amp_o2", "pure")
+    if low and precision.get("precision.dtype", ctx.dtype) == "bf16":
+        return "computes in bf16, which this CPU runs in software (the probe's figures above the table)"
+    return None
 
 
 def _compare_precision(ctx: Context) -> list[str]:
@@ -255,11 +271,10 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         else (16 if device == "cpu" else 128)
     )
     threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else torch.get_num_threads()
-    peaks = {}
+    peaks, emulated = {}, None
     if device == "cpu":
         torch.set_num_threads(threads)
-        for dtype in ("fp32", "bf16"):
-            peaks[dtype] = gemm_flops(dtype, torch.device("cpu"))
+        peaks, emulated = cpu_gemm_peaks(torch.device("cpu"))
     ctx = Context(
         device=device,
         nproc=nproc,
@@ -267,6 +282,8 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         deepspeed=importlib.util.find_spec("deepspeed") is not None,
         # Measured, not assumed: some CPUs without AMX (avx512_bf16) run bf16 GEMMs faster than fp32, others slower.
         fast_low_precision=device == "cuda" or peaks["bf16"] > 1.2 * peaks["fp32"],
+        bf16_emulated=emulated,
+        dtype=cfg.precision.dtype,
     )
     # Enough synthetic images for every step of the largest row (2x batch) without a second epoch's shuffle.
     samples = 2 * batch * nproc * (steps + warmup + 1)
@@ -288,10 +305,14 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         f"{warmup} warm-up + {steps} timed steps each, {repeats} round(s) -> {out}",
         file=sys.stderr,
     )
+    if emulated:
+        print(
+            f"  bf16 is emulated on this CPU ({emulated}): the rows that compute in bf16 are skipped", file=sys.stderr
+        )
     asked = asked_for(table_rows, args.rows)
     runnable = []
     for row in table_rows:
-        reason = row.needs(ctx)
+        reason = row.needs(ctx) or _emulated(row, ctx)
         if not reason and row not in asked:
             reason = f"not asked for (--rows {args.rows})"
         if reason:
@@ -459,6 +480,7 @@ def _summary(table_rows, ctx, threads, steps, warmup, peaks, total_s, cfg, argv,
         "repeats": repeats,
         "peaks_tflops_per_process": {k: v / 1e12 for k, v in peaks.items()},
         "comparison_precision": "amp_o2 bf16" if ctx.fast_low_precision else "fp32",
+        "bf16_emulated": ctx.bf16_emulated,  # None, or why the rows computing in bf16 did not run
         "wall_s": total_s,
         "command": shlex.join(["vitrain", *argv[1:]]),
         "rows": out_rows,
@@ -515,6 +537,11 @@ def to_markdown(summary: dict[str, Any]) -> str:
         "once the model, optimizer and autotune's choice are built). MFU: model FLOPs over the computing dtype's peak, "
         + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in summary["peaks_tflops_per_process"].items())
         + " GFLOP/s per process measured before the rows.",
+        *(
+            [f"- bf16 is emulated on this CPU ({summary['bf16_emulated']}): the rows that compute in bf16 are skipped."]
+            if summary.get("bf16_emulated")
+            else []
+        ),
         "",
         "| row | images/s | x baseline | step ms | fwd / bwd / opt ms | peak GiB/process | MFU | precision | "
         "optimizer |",

@@ -29,7 +29,7 @@ from vitrain.bench import write_results
 from vitrain.bench.ladder import Row, peak_gib, run_row, settle, tune_first
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
-from vitrain.device import cpu_description, gemm_flops
+from vitrain.device import cpu_description, cpu_gemm_peaks
 from vitrain.errors import ConfigError
 
 DEFAULT_BASE = ["name=scaling", "model.preset=vit_tiny_patch16", *IMAGENET_SHAPED, "model.pool=gap"]
@@ -67,7 +67,7 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
     if device == "cpu":
         for threads in sorted({t for *_, t in layouts(device, nproc, cores)}):
             torch.set_num_threads(threads)
-            peaks[threads] = {dtype: gemm_flops(dtype, torch.device("cpu")) for dtype in ("fp32", "bf16")}
+            peaks[threads] = cpu_gemm_peaks(torch.device("cpu"))[0]  # bf16 emulated: fp32 rows (below)
         fast_bf16 = peaks[cores]["bf16"] > 1.2 * peaks[cores]["fp32"]
     else:
         fast_bf16 = True
