@@ -174,7 +174,7 @@ def cpu_gemm_peaks(device: torch.device) -> tuple[dict[str, float], str | None]:
     """({"fp32": FLOP/s, "bf16": FLOP/s} of this process's threads on a CPU, bf16_emulated's reason or None).
 
     Each is a 2048^3 matmul's (gemm_flops), but bf16's is a PROBE_SIZE^3 one where bf16 is emulated: in software
-    the 2048^3 product takes seconds a call (a ladder's start capped at AVX2: 6 minutes), and a bf16 MFU means
+    the 2048^3 product takes tens of seconds a call (a ladder's start capped at AVX2: 6 minutes), and a bf16 MFU means
     nothing there."""
     emulated = bf16_emulated(device)
     bf16_size = PROBE_SIZE if emulated else 2048
