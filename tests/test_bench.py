@@ -183,7 +183,7 @@ def test_the_cpu_peaks_time_bf16_at_the_probes_size_where_it_is_emulated(monkeyp
     import vitrain.device as device
 
     sizes = []
-    monkeypatch.setattr(device, "bf16_emulated", lambda on: emulated)
+    monkeypatch.setattr(device, "bf16_emulated_here", lambda device_type: emulated)
     monkeypatch.setattr(
         device, "gemm_flops", lambda dtype, on, size=2048, repeats=5: sizes.append((dtype, size)) or 1e9
     )

@@ -36,7 +36,7 @@ def test_peers_train_the_same_model_and_are_compared_to_vitrain(tmp_path, monkey
     timed = []
     real_best_of = peers._best_of
     monkeypatch.setattr(peers, "_best_of", lambda options, warmup: timed.extend(options) or real_best_of(options, 0))
-    monkeypatch.setattr(peers, "bf16_emulated", lambda device: emulated or None)
+    monkeypatch.setattr(peers, "bf16_emulated_here", lambda device_type: emulated or None)
     overrides = [*peers.DEFAULT_BASE, "model.preset=vit_tiny_patch16", "model.image_size=32", "model.depth=2"]
     overrides += ["train.batch_size=4", "data.synthetic_samples=8", f"log.out_dir={tmp_path}", "precision.mode=fp32"]
     result = peers.compare(load_config(None, overrides), steps=3, warmup=1)

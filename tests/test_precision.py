@@ -450,12 +450,13 @@ def test_cpu_description_names_the_cpu_and_says_when_the_probe_is_forced(monkeyp
 
 
 def test_a_bf16_mode_set_on_a_cpu_that_emulates_bf16_says_auto_runs_faster(monkeypatch):
+    import vitrain.device as device
     import vitrain.precision as precision
 
     probed = []
     why = "a 512^3 bf16 matmul ran at 2.8 GFLOP/s against fp32's 225.5 here, 82x slower (bf16 emulated)"
-    monkeypatch.setattr(precision, "bf16_emulated", lambda device: probed.append(device.type) or why)
-    precision._bf16_emulated_here.cache_clear()
+    monkeypatch.setattr(device, "bf16_emulated", lambda on: probed.append(on.type) or why)
+    device.bf16_emulated_here.cache_clear()
     try:
         for mode in ("amp_o1", "amp_o2", "bf16"):
             resolved = precision.resolve(PrecisionConfig(mode=mode, dtype="bf16"), CPU)
@@ -467,7 +468,7 @@ def test_a_bf16_mode_set_on_a_cpu_that_emulates_bf16_says_auto_runs_faster(monke
         fp32 = precision.resolve(PrecisionConfig(mode="fp32"), CPU)
         assert fp32.reason == "precision.mode=fp32 set in the config"
     finally:
-        precision._bf16_emulated_here.cache_clear()
+        device.bf16_emulated_here.cache_clear()
 
 
 def test_cpu_description_says_when_the_instruction_set_is_capped(monkeypatch):

@@ -150,6 +150,13 @@ def bf16_emulated(device: torch.device) -> str | None:
     )
 
 
+@functools.cache
+def bf16_emulated_here(device_type: str) -> str | None:
+    """bf16_emulated for this process's device kind, measured once per process: every engine of a run resolving its
+    precision, a bf16 GEMM peak, the peers' table. Autotune measures at its race instead (rank 0's, broadcast)."""
+    return bf16_emulated(torch.device(device_type))
+
+
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one device in `dtype`, where the figure comes from)."""
     if device.type == "cuda":
@@ -163,7 +170,7 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
         measured = gemm_flops(dtype, device, size=8192)
         return measured, f"{name}: 8192^3 {dtype} matmul measured (not in the datasheet table)"
     threads = torch.get_num_threads()
-    if dtype == "bf16" and bf16_emulated(device):
+    if dtype == "bf16" and bf16_emulated_here(device.type):
         return gemm_flops(dtype, device, size=PROBE_SIZE), (
             f"{PROBE_SIZE}^3 bf16 matmul measured on this CPU with {threads} thread(s) (bf16 emulated here)"
         )
@@ -176,7 +183,7 @@ def cpu_gemm_peaks(device: torch.device) -> tuple[dict[str, float], str | None]:
     Each is a 2048^3 matmul's (gemm_flops), but bf16's is a PROBE_SIZE^3 one where bf16 is emulated: in software
     the 2048^3 product takes tens of seconds a call (a ladder's start capped at AVX2: 6 minutes), and a bf16 MFU means
     nothing there."""
-    emulated = bf16_emulated(device)
+    emulated = bf16_emulated_here(device.type)
     bf16_size = PROBE_SIZE if emulated else 2048
     return {"fp32": gemm_flops("fp32", device), "bf16": gemm_flops("bf16", device, size=bf16_size)}, emulated
 

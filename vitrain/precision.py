@@ -54,7 +54,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import Config, PrecisionConfig
-from vitrain.device import BF16_UNITS_ENV, bf16_emulated, cpu_has_bf16_matmul_units, resolve_device, synchronize
+from vitrain.device import (
+    BF16_UNITS_ENV,
+    bf16_emulated_here,
+    cpu_has_bf16_matmul_units,
+    resolve_device,
+    synchronize,
+)
 from vitrain.errors import ConfigError, VitrainError
 from vitrain.models.kernels import plain_graph
 from vitrain.models.plan import inside_kept, keeps_fp32
@@ -92,12 +98,6 @@ class Resolved:
         return "fp32" if self.mode == "fp32" else f"{self.mode} {str(self.dtype).removeprefix('torch.')}"
 
 
-@functools.cache
-def _bf16_emulated_here(device_type: str) -> str | None:
-    """bf16_emulated for this process's device kind, measured once (every engine of a run resolves its precision)."""
-    return bf16_emulated(torch.device(device_type))
-
-
 def resolve(
     cfg: PrecisionConfig,
     device: torch.device,
@@ -118,7 +118,7 @@ def resolve(
     if cfg.mode != "auto":
         dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
         reason = f"precision.mode={cfg.mode} set in the config"
-        if dtype == torch.bfloat16 and (emulated := _bf16_emulated_here(device.type)):
+        if dtype == torch.bfloat16 and (emulated := bf16_emulated_here(device.type)):
             reason += f"; {emulated}: precision.mode=auto or fp32 runs faster here"
         return Resolved(cfg.mode, dtype, reason)
     if decided is not None:  # autotune timed the candidates (vitrain/engine/autotune.py)

@@ -43,7 +43,7 @@ from vitrain.bench import write_results
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED, dtype_key
 from vitrain.config import Config
-from vitrain.device import bf16_emulated, cpu_description, peak_flops, synchronize
+from vitrain.device import bf16_emulated_here, cpu_description, peak_flops, synchronize
 from vitrain.errors import ConfigError
 from vitrain.models import external
 from vitrain.optim import optimizer_kernel
@@ -265,7 +265,7 @@ def compare(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     contenders.append(vitrain)
     # Where bf16 is emulated (a CPU without bf16 instructions) a peer's bf16 steps would take minutes only to lose,
     # as autotune's candidates would (vitrain/device.py bf16_emulated): fp32 only, and the table says why.
-    emulated = bf16_emulated(device)
+    emulated = bf16_emulated_here(device.type)
     if emulated:
         print(f"peers: no bf16 option timed: {emulated}", file=sys.stderr)
     bf16 = (False,) if emulated else (False, True)
