@@ -141,6 +141,36 @@ def test_validation_pads_the_last_rank_with_masked_samples_so_every_sample_count
     assert len(real) == 10 and int((real == -100).sum()) == 1
 
 
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid`, and their command lines (Linux's /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found[int(stat.parent.name)] = cmdline
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from Linux's /proc")
+def test_loader_workers_start_from_a_fork_server_not_forked_from_the_training_process(tmp_path):
+    # A worker forked from the training process once hung before running a line (CPython < 3.12, gh-112275: a
+    # thread-state lock copied held): vitrain/data/loader.py worker_context.
+    urls = write_shards(tmp_path, [8, 8])
+    batches = _stream(urls, [8, 8], workers=1).epoch(0)
+    next(batches)  # the worker runs now
+    mine = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    children = _children(os.getpid())
+    assert mine not in children.values(), children  # no copy of this process
+    servers = [pid for pid, cmdline in children.items() if "multiprocessing.forkserver" in cmdline]
+    assert servers and any(_children(pid) for pid in servers), children  # the worker is the fork server's
+    for _ in batches:
+        pass
+
+
 # ---------------------------------------------------------------------------------------------- resume
 
 

@@ -6,6 +6,7 @@ PreparedSet. A background thread reads, pins, copies and augments the next batch
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import threading
@@ -257,6 +258,25 @@ _DONE = object()
 class _Raised:
     def __init__(self, exc: BaseException):
         self.exc = exc
+
+
+# What a loader worker process imports once in the fork server (below), so that each worker starts without importing.
+WORKER_MODULES = ["__main__", "vitrain.data.stream", "vitrain.data.plain"]
+
+
+def worker_context() -> multiprocessing.context.BaseContext | None:
+    """How DataLoader worker processes start: forked from a fork server where the platform has one (Linux), else its
+    default (spawn). Forking the training process itself can leave the worker hung before it runs a line: CPython
+    before 3.12 (gh-112275) copies the interpreter's thread-state lock into the child as it was, and a thread of
+    the training process may hold it at that moment (a C++ thread entering Python, e.g. gloo's as a collective
+    ends). Seen here: a 2-rank DDP run, shards, one worker, async checkpoints, hung in its 14th 30-epoch run, the
+    worker in PyOS_AfterFork_Child. The fork server is a fresh single-threaded process that imports WORKER_MODULES
+    once (`__main__`: a script that starts training must do so under `if __name__ == "__main__":`, as on macOS)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_MODULES)
+    return context
 
 
 def in_background(items: Iterator[Any], depth: int) -> Iterator[Any]:

@@ -19,7 +19,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.config import Config, DataConfig
 from vitrain.data.augment import BatchAugment, _per_channel
-from vitrain.data.loader import PermutationPosition, Position, batch_generator, batches_per_epoch, mask_padding
+from vitrain.data.loader import (
+    PermutationPosition,
+    Position,
+    batch_generator,
+    batches_per_epoch,
+    mask_padding,
+    worker_context,
+)
 from vitrain.data.prepared import is_prepared
 from vitrain.data.sources import ImageTree, held_out_split, list_split
 from vitrain.errors import DataError
@@ -146,6 +153,7 @@ class PlainLoader(PermutationPosition):
             sampler=keys,
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
+            multiprocessing_context=worker_context() if self.workers else None,
         )
         for b, (images, labels) in enumerate(loader, start=start_batch):
             labels = mask_padding(labels, b * self.batch_size, n, self.rank, self.world_size)

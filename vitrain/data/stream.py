@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitrain.config import Config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.decode import decode_image
-from vitrain.data.loader import PAD_LABEL, Position, batch_generator, in_background, trace
+from vitrain.data.loader import PAD_LABEL, Position, batch_generator, in_background, trace, worker_context
 from vitrain.data.shards import (
     IMAGE_EXTS,
     PIPE,
@@ -275,7 +275,13 @@ class StreamLoader:
         lay = self._rank_layout(self._rows(runs), self.rank, self.layout_key)
         plan = _WorkerPlan(self.data, runs, lay, done, self.window, (self.seed, epoch, number, self.rank))
         workers = self.workers if len(lay.sizes) > done else 0  # nothing left: no processes to start
-        loader = DataLoader(plan, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None)
+        loader = DataLoader(
+            plan,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=2 if workers else None,
+            multiprocessing_context=worker_context() if workers else None,
+        )
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(loader))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
         return trace(batches, "train" if self.shuffle else "val")
