@@ -157,8 +157,8 @@ def _children(pid: int) -> dict[int, str]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from Linux's /proc")
 def test_loader_workers_start_from_a_fork_server_not_forked_from_the_training_process(tmp_path):
-    # A worker forked from the training process once hung before running a line (CPython < 3.12, gh-112275: a
-    # thread-state lock copied held): vitrain/data/loader.py worker_context.
+    # A worker forked from the training process once hung before running a line (CPython 3.11.7, gh-112275: a
+    # thread-state lock copied held): vitrain/data/loader.py worker_context, results/loader-fork-hang.
     urls = write_shards(tmp_path, [8, 8])
     batches = _stream(urls, [8, 8], workers=1).epoch(0)
     next(batches)  # the worker runs now

@@ -265,13 +265,15 @@ WORKER_MODULES = ["__main__", "vitrain.data.stream", "vitrain.data.plain"]
 
 
 def worker_context() -> multiprocessing.context.BaseContext | None:
-    """How DataLoader worker processes start: forked from a fork server where the platform has one (Linux), else its
-    default (spawn). Forking the training process itself can leave the worker hung before it runs a line: CPython
-    before 3.12 (gh-112275) copies the interpreter's thread-state lock into the child as it was, and a thread of
-    the training process may hold it at that moment (a C++ thread entering Python, e.g. gloo's as a collective
-    ends). Seen here: a 2-rank DDP run, shards, one worker, async checkpoints, hung in its 14th 30-epoch run, the
-    worker in PyOS_AfterFork_Child. The fork server is a fresh single-threaded process that imports WORKER_MODULES
-    once (`__main__`: a script that starts training must do so under `if __name__ == "__main__":`, as on macOS)."""
+    """How DataLoader worker processes start: forked from a fork server where the platform has one (not Windows),
+    else its default. Forking the training process itself can leave the worker hung before it runs a line: CPython
+    without the fix of gh-112275 (3.11.7 here; fixed in 3.12 and later 3.9-3.11 releases) copies the interpreter's
+    thread-state lock into the child as it was, and a thread of the training process may hold it at that moment (a
+    C++ thread entering Python). A fork of a process with other threads is unsafe in general (POSIX); Python 3.14
+    made the fork server its default on Linux. Seen here: a 2-rank DDP run (shards, one worker, async checkpoints)
+    hung in its 14th 30-epoch run, the worker in PyOS_AfterFork_Child (results/loader-fork-hang). The fork server
+    is a fresh single-threaded process that imports WORKER_MODULES once (`__main__`: a script that starts training
+    must do so under `if __name__ == "__main__":`, as on macOS and Windows)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     context = multiprocessing.get_context("forkserver")
