@@ -171,6 +171,27 @@ def test_loader_workers_start_from_a_fork_server_not_forked_from_the_training_pr
         pass
 
 
+KILLED_MID_EPOCH = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from tests.test_shards import _stream
+batches = _stream(sys.argv[2:], [8, 8], workers=1).epoch(0)
+next(batches)  # the worker runs
+print("worker up", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_training_process_takes_its_loader_workers_with_it(tmp_path):
+    # Workers from the fork server are the server's children, which torch's check of the parent does not cover: a
+    # SIGKILLed run left them, holding its stdout and stderr, and a caller waiting for those waited forever.
+    urls = write_shards(tmp_path, [8, 8])
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_EPOCH, str(REPO), *urls], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == -9 and "worker up" in done.stdout, done.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------------------------------- resume
 
 

@@ -6,9 +6,11 @@ PreparedSet. A background thread reads, pins, copies and augments the next batch
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import queue
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -279,6 +281,39 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(WORKER_MODULES)
     return context
+
+
+def worker_init() -> functools.partial:
+    """The loaders' DataLoader worker_init_fn: the worker ends when this (the training) process ends."""
+    return functools.partial(_end_with, os.getpid())
+
+
+def _end_with(training_pid: int, worker_id: int) -> None:
+    """In a loader worker: exit as soon as the training process has ended, however it ended (SIGKILL too). A worker
+    started from the fork server is the server's child, and the server stays up while a worker lives, so torch's
+    own check (the worker's parent gone) never fires: a killed run would leave its workers, and their copies of its
+    stdout and stderr, behind. Linux: a pidfd, readable once the process has ended (a zombie too); elsewhere a
+    poll every second."""
+
+    def watch() -> None:
+        try:
+            handle = os.pidfd_open(training_pid)
+        except (AttributeError, OSError):  # not Linux 5.3+, or already gone
+            handle = None
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(training_pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    continue
+        os._exit(0)
+
+    threading.Thread(target=watch, name="vitrain-worker-watch", daemon=True).start()
 
 
 def in_background(items: Iterator[Any], depth: int) -> Iterator[Any]:

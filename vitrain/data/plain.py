@@ -26,6 +26,7 @@ from vitrain.data.loader import (
     batches_per_epoch,
     mask_padding,
     worker_context,
+    worker_init,
 )
 from vitrain.data.prepared import is_prepared
 from vitrain.data.sources import ImageTree, held_out_split, list_split
@@ -154,6 +155,7 @@ class PlainLoader(PermutationPosition):
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
             multiprocessing_context=worker_context() if self.workers else None,
+            worker_init_fn=worker_init() if self.workers else None,
         )
         for b, (images, labels) in enumerate(loader, start=start_batch):
             labels = mask_padding(labels, b * self.batch_size, n, self.rank, self.world_size)

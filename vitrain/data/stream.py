@@ -29,7 +29,15 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitrain.config import Config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.decode import decode_image
-from vitrain.data.loader import PAD_LABEL, Position, batch_generator, in_background, trace, worker_context
+from vitrain.data.loader import (
+    PAD_LABEL,
+    Position,
+    batch_generator,
+    in_background,
+    trace,
+    worker_context,
+    worker_init,
+)
 from vitrain.data.shards import (
     IMAGE_EXTS,
     PIPE,
@@ -281,6 +289,7 @@ class StreamLoader:
             num_workers=workers,
             prefetch_factor=2 if workers else None,
             multiprocessing_context=worker_context() if workers else None,
+            worker_init_fn=worker_init() if workers else None,
         )
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(loader))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
