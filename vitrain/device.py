@@ -180,12 +180,10 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
 def cpu_gemm_peaks(device: torch.device) -> tuple[dict[str, float], str | None]:
     """({"fp32": FLOP/s, "bf16": FLOP/s} of this process's threads on a CPU, bf16_emulated's reason or None).
 
-    Each is a 2048^3 matmul's (gemm_flops), but bf16's is a PROBE_SIZE^3 one where bf16 is emulated: in software
+    Each is peak_flops': a 2048^3 matmul's, but bf16's is a PROBE_SIZE^3 one where bf16 is emulated: in software
     the 2048^3 product takes tens of seconds a call (a ladder's start capped at AVX2: 6 minutes), and a bf16 MFU means
     nothing there."""
-    emulated = bf16_emulated_here(device.type)
-    bf16_size = PROBE_SIZE if emulated else 2048
-    return {"fp32": gemm_flops("fp32", device), "bf16": gemm_flops("bf16", device, size=bf16_size)}, emulated
+    return {dtype: peak_flops(device, dtype)[0] for dtype in ("fp32", "bf16")}, bf16_emulated_here(device.type)
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

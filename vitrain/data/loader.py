@@ -283,9 +283,12 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     return context
 
 
-def worker_init() -> functools.partial:
-    """The loaders' DataLoader worker_init_fn: the worker ends when this (the training) process ends."""
-    return functools.partial(_end_with, os.getpid())
+def worker_start(workers: int) -> dict[str, Any]:
+    """The loaders' DataLoader arguments for how `workers` worker processes start (none: nothing): from the fork
+    server (worker_context), each ending when this, the training process, ends (_end_with)."""
+    if not workers:
+        return {}
+    return {"multiprocessing_context": worker_context(), "worker_init_fn": functools.partial(_end_with, os.getpid())}
 
 
 def _end_with(training_pid: int, worker_id: int) -> None:

@@ -25,8 +25,7 @@ from vitrain.data.loader import (
     batch_generator,
     batches_per_epoch,
     mask_padding,
-    worker_context,
-    worker_init,
+    worker_start,
 )
 from vitrain.data.prepared import is_prepared
 from vitrain.data.sources import ImageTree, held_out_split, list_split
@@ -154,8 +153,7 @@ class PlainLoader(PermutationPosition):
             sampler=keys,
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
-            multiprocessing_context=worker_context() if self.workers else None,
-            worker_init_fn=worker_init() if self.workers else None,
+            **worker_start(self.workers),
         )
         for b, (images, labels) in enumerate(loader, start=start_batch):
             labels = mask_padding(labels, b * self.batch_size, n, self.rank, self.world_size)

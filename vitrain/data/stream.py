@@ -35,8 +35,7 @@ from vitrain.data.loader import (
     batch_generator,
     in_background,
     trace,
-    worker_context,
-    worker_init,
+    worker_start,
 )
 from vitrain.data.shards import (
     IMAGE_EXTS,
@@ -288,8 +287,7 @@ class StreamLoader:
             batch_size=None,
             num_workers=workers,
             prefetch_factor=2 if workers else None,
-            multiprocessing_context=worker_context() if workers else None,
-            worker_init_fn=worker_init() if workers else None,
+            **worker_start(workers),
         )
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(loader))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
