@@ -24,6 +24,8 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
     "V100": {"fp16": 125e12, "fp32": 15.7e12},
 }
 BF16_UNITS_ENV = "VITRAIN_CPU_BF16_UNITS"
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the config's names of the low-precision dtypes
+DTYPES = {"fp32": torch.float32, **LOW_DTYPES}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,8 +113,7 @@ def gemm_flops_taking_turns(dtypes: tuple[str, ...], device: torch.device, size:
     draw = torch.Generator(device).manual_seed(0)
     operands = {}
     for dtype in dtypes:
-        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        a, b = (torch.randn(size, size, device=device, generator=draw).to(torch_dtype) for _ in range(2))
+        a, b = (torch.randn(size, size, device=device, generator=draw).to(DTYPES[dtype]) for _ in range(2))
         operands[dtype] = a, b
     best = dict.fromkeys(dtypes, float("inf"))
     for i in range(repeats + 1):

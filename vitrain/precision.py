@@ -56,6 +56,8 @@ from torch import nn
 from vitrain.config import Config, PrecisionConfig
 from vitrain.device import (
     BF16_UNITS_ENV,
+    DTYPES,
+    LOW_DTYPES,
     bf16_emulated_here,
     cpu_has_bf16_matmul_units,
     resolve_device,
@@ -65,8 +67,6 @@ from vitrain.errors import ConfigError, VitrainError
 from vitrain.models.kernels import plain_graph
 from vitrain.models.plan import inside_kept, keeps_fp32
 
-LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPES = {"fp32": torch.float32, **LOW_DTYPES}
 SHARDED = ("zero2", "zero3")  # FSDP2 strategies: low-precision compute through MixedPrecisionPolicy
 
 

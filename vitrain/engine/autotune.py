@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from vitrain.config import Config, PrecisionConfig, to_dict
-from vitrain.device import available_bytes, bf16_emulated, cpu_description, synchronize
+from vitrain.device import LOW_DTYPES, available_bytes, bf16_emulated, cpu_description, synchronize
 from vitrain.engine.native import NativeEngine
 from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
@@ -67,7 +67,6 @@ from vitrain.models.plan import auto_wrap
 from vitrain.parallel.distributed import DistInfo, all_or_none, broadcast_object, max_over_ranks
 from vitrain.parallel.overlap import deferrable
 from vitrain.precision import (
-    LOW_DTYPES,
     SHARDED,
     CompiledFp32LayerNorm,
     Resolved,
