@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +17,7 @@ from tests.data_helpers import TREE_MODEL, make_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
 from vitrain.data.augment import pad_crop_flip, random_resized_crop
-from vitrain.data.loader import PAD_LABEL, epoch_order
+from vitrain.data.loader import PAD_LABEL, epoch_order, wait_for_end
 from vitrain.data.prepare import prepare
 from vitrain.data.prepared import PreparedSet
 from vitrain.engine import Trainer
@@ -122,6 +125,24 @@ def test_stopping_early_ends_the_prefetch_thread():
 
 
 # ---------------------------------------------------------------------------------------------- prepared reads
+
+
+@pytest.mark.parametrize("way", ["pidfd", "poll"])
+def test_a_worker_sees_the_training_process_end_even_while_it_is_an_unreaped_zombie(monkeypatch, way):
+    # A parent reading a killed run's pipes to their end reaps it only once the workers holding them have gone:
+    # the watch must count a zombie as ended, or both wait forever. The poll is the path off Linux (and macOS's
+    # kqueue, not testable here).
+    if way == "poll":
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    elif not hasattr(os, "pidfd_open"):
+        pytest.skip("os.pidfd_open needs Linux 5.3+ and Python 3.9+")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    ended = threading.Event()
+    threading.Thread(target=lambda: (wait_for_end(child.pid, poll_s=0.05), ended.set()), daemon=True).start()
+    assert not ended.wait(0.5)  # still running
+    assert ended.wait(20)
+    assert child.returncode is None  # never reaped while watched: it ended as a zombie
+    assert child.wait() == 0
 
 
 def test_prepared_reads_match_the_in_memory_decode(prepared_tree):

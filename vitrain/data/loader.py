@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -295,28 +296,53 @@ def _end_with(training_pid: int, worker_id: int) -> None:
     """In a loader worker: exit as soon as the training process has ended, however it ended (SIGKILL too). A worker
     started from the fork server is the server's child, and the server stays up while a worker lives, so torch's
     own check (the worker's parent gone) never fires: a killed run would leave its workers, and their copies of its
-    stdout and stderr, behind. Linux: a pidfd, readable once the process has ended (a zombie too); elsewhere a
-    poll every second."""
+    stdout and stderr, behind."""
 
     def watch() -> None:
-        try:
-            handle = os.pidfd_open(training_pid)
-        except (AttributeError, OSError):  # not Linux 5.3+, or already gone
-            handle = None
-        if handle is not None:
-            select.select([handle], [], [])
-        else:
-            while True:
-                time.sleep(1.0)
-                try:
-                    os.kill(training_pid, 0)
-                except ProcessLookupError:
-                    break
-                except PermissionError:
-                    continue
+        wait_for_end(training_pid)
         os._exit(0)
 
     threading.Thread(target=watch, name="vitrain-worker-watch", daemon=True).start()
+
+
+def wait_for_end(pid: int, poll_s: float = 1.0) -> None:
+    """Return once process `pid` has ended, counting a zombie (ended, not yet reaped) as ended: a parent that reads
+    a killed child's pipes to their end reaps it only after the workers holding them are gone. Linux: a pidfd;
+    macOS and the BSDs: kqueue's exit event; elsewhere (or an old kernel) a poll every `poll_s`."""
+    try:
+        handle = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux 5.3+, or already gone
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])
+        os.close(handle)
+        return
+    if hasattr(select, "kqueue"):
+        queue_ = select.kqueue()
+        event = select.kevent(pid, select.KQ_FILTER_PROC, select.KQ_EV_ADD, select.KQ_NOTE_EXIT)
+        try:
+            queue_.control([event], 1, None)
+        except OSError:  # no such process: already gone
+            pass
+        queue_.close()
+        return
+    while _running(pid):
+        time.sleep(poll_s)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process: it exists and (where /proc says) is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # ended just now, or no /proc to ask (macOS): os.kill found it
+        return not Path("/proc").is_dir()
+    return stat[stat.rindex(")") + 2] != "Z"  # the state follows the command name, which may hold spaces
 
 
 def in_background(items: Iterator[Any], depth: int) -> Iterator[Any]:
