@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +15,8 @@ import pytest
 
 import vitrain
 from tests.conftest import REPO
-from vitrain.config import CONFIG_DIR, load_config, recipe_names, resolve_config_path, to_yaml
+from vitrain.cli import main
+from vitrain.config import CONFIG_DIR, config_keys, load_config, recipe_names, resolve_config_path, to_yaml
 from vitrain.errors import ConfigError
 
 
@@ -168,3 +171,49 @@ def test_round_trip_through_yaml(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(to_yaml(cfg))
     assert load_config(path) == cfg
+
+
+# ---------------------------------------------------------------------------------------------- bad values (fix/config)
+
+# Each float key with how many values it takes (a list key: its default's length, at least one).
+FLOAT_KEYS = {
+    k.key: max(1, len(json.loads(k.default))) if k.type.startswith("list") else 0
+    for k in config_keys()
+    if k.type in ("float", "float | null", "list of float")
+}
+
+
+def test_the_float_keys_are_found():
+    assert {"optim.lr", "optim.head_weight_decay", "data.mean", "train.time_limit_s", "run.watchdog_min_s"} <= set(
+        FLOAT_KEYS
+    )
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_key_refuses_nan_and_inf_naming_key_and_value(key, value):
+    given = f"[{','.join([value] * FLOAT_KEYS[key])}]" if FLOAT_KEYS[key] else value
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}={value} must be a finite number"):
+        load_config(overrides=[f"{key}={given}"], check=False)
+
+
+def test_a_number_too_large_for_a_float_is_refused_as_infinite():
+    with pytest.raises(ConfigError, match=r"^optim\.lr=1e400 must be a finite number \(it reads as inf\)"):
+        load_config(overrides=["optim.lr=1e400"])
+
+
+@pytest.mark.parametrize("text, shown", [(".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf")])
+def test_a_yaml_file_with_nan_or_inf_is_refused_naming_the_key(tmp_path, text, shown):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"optim:\n  lr: {text}\n")
+    with pytest.raises(ConfigError, match=rf"^optim\.lr={shown} must be a finite number"):
+        load_config(path)
+
+
+def test_a_nan_override_stops_train_before_the_run_folder_exists(tmp_path, capsys):
+    argv = ["train", "digits", "schedule.warmup_epochs=nan", f"log.out_dir={tmp_path / 'runs'}", "name=x"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "vitrain: error: schedule.warmup_epochs=nan must be a finite number; nan and inf are not allowed"
+    ]
+    assert not (tmp_path / "runs").exists()

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import re
 import types
 import typing
@@ -791,9 +792,13 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be a number")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name}={value!r} must be a number, e.g. {name}=3e-4") from None
+        if not math.isfinite(number):  # no float field gives nan or inf a meaning (their "off" is 0)
+            reads_as = "" if str(value).lower().lstrip(".+") == str(number).lstrip("+") else f" (it reads as {number})"
+            raise ConfigError(f"{name}={value} must be a finite number{reads_as}; nan and inf are not allowed")
+        return number
     if hint is str:
         if isinstance(value, dict | list):
             raise ConfigError(f"{name}={value!r} must be a single value, not a {type(value).__name__}")
