@@ -217,3 +217,62 @@ def test_a_nan_override_stops_train_before_the_run_folder_exists(tmp_path, capsy
         "vitrain: error: schedule.warmup_epochs=nan must be a finite number; nan and inf are not allowed"
     ]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_config_path_that_is_a_directory_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "cfg").mkdir()
+    assert main(["config", "show", str(tmp_path / "cfg")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"vitrain: error: config file {tmp_path / 'cfg'} is a directory, not a YAML file; give a .yaml file or a "
+        "recipe name"
+    ]
+
+
+def test_estimate_with_a_directory_as_its_config_is_one_line(tmp_path, capsys):
+    assert main(["estimate", "vit_tiny_patch16", "--config", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"vitrain: error: config file {tmp_path} is a directory, not a YAML file; give a .yaml file or a recipe name"
+    ]
+
+
+def test_a_binary_config_file_is_refused_as_not_yaml(tmp_path):
+    path = tmp_path / "random.yaml"
+    path.write_bytes(bytes(range(128, 256)) * 2)
+    with pytest.raises(ConfigError, match=r"random\.yaml is not a YAML file \(not UTF-8 text\)"):
+        load_config(path)
+
+
+def test_a_config_file_with_control_characters_is_refused_as_not_yaml(tmp_path):
+    path = tmp_path / "control.yaml"
+    path.write_bytes(b"optim:\n  lr: 1\x00\x01\n")
+    with pytest.raises(ConfigError, match=r"control\.yaml is not a YAML file \(special characters are not allowed\)"):
+        load_config(path)
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_key_and_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("optim:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(
+        ConfigError, match=r"twice\.yaml line 3 is not valid YAML: key lr is given twice \(lines 2 and 3\); keep one"
+    ):
+        load_config(path)
+
+
+def test_a_section_given_twice_in_a_config_file_is_refused(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("optim:\n  lr: 0.1\ntrain:\n  epochs: 2\noptim:\n  eps: 1.0e-6\n")
+    with pytest.raises(ConfigError, match=r"key optim is given twice \(lines 1 and 5\)"):
+        load_config(path)
+
+
+def test_a_yaml_merge_key_may_still_be_overridden_beside_it(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("model:\n  <<: {depth: 3, width: 64, heads: 2}\n  depth: 4\n")
+    cfg = load_config(path).model
+    assert (cfg.depth, cfg.width, cfg.heads) == (4, 64, 2)
+
+
+def test_an_empty_config_file_means_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing set yet\n")
+    assert load_config(path) == load_config()

@@ -650,16 +650,46 @@ def recipe_description(path: Path) -> str:
     return ""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping, where PyYAML would keep the last one silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key {key} is given twice (lines {seen[key]} and {line}); keep one",
+                    problem_mark=key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
+    """The one place a config file is read: a file that is missing, a directory, not text or not YAML is one line."""
     if not path.exists():
         raise ConfigError(f"config file {path} not found")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file; give a .yaml file or a recipe name")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not a YAML file (not UTF-8 text); give a YAML recipe") from None
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read ({error.strerror}); give a readable YAML file") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: a SafeLoader that also refuses repeated keys
+    except yaml.reader.ReaderError as error:  # control characters: a binary file that happens to be UTF-8
+        raise ConfigError(f"config file {path} is not a YAML file ({error.reason}); give a YAML recipe") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    if data is None:
+    if data is None:  # an empty recipe: the defaults
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
