@@ -276,3 +276,36 @@ def test_an_empty_config_file_means_the_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing set yet\n")
     assert load_config(path) == load_config()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.threads=-1", "train.threads=-1 must be >= 0 (0: torch's default)"),
+        ("train.max_steps=-1", "train.max_steps=-1 must be >= 0 (0: no limit)"),
+        ("train.checkpoint_every_steps=-1", "train.checkpoint_every_steps=-1 must be >= 0 (0: at the end of each"),
+        ("train.seed=-1", "train.seed=-1 must be >= 0"),
+        ("data.crop_padding=-1", "data.crop_padding=-1 must be >= 0"),
+        ("data.decode_workers=-1", "data.decode_workers=-1 must be >= 0"),
+        ("data.shuffle_buffer=-1", "data.shuffle_buffer=-1 must be >= 0"),
+        ("data.synthetic_samples=0", "data.synthetic_samples=0 must be positive"),
+    ],
+)
+def test_a_negative_count_or_interval_is_refused_naming_it(override, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("key", ["train.threads", "train.max_steps", "train.checkpoint_every_steps", "train.seed"])
+def test_zero_keeps_its_documented_meaning(key):
+    assert load_config(overrides=[f"{key}=0"]).train == load_config().train
+
+
+def test_face_needs_two_verification_identities():
+    with pytest.raises(ConfigError, match=r"^task\.verify_identities=1 must be >= 2"):
+        load_config(CONFIG_DIR / "face.yaml", ["task.verify_identities=1"])
+
+
+def test_bench_optim_refuses_negative_threads_in_one_line(capsys):
+    assert main(["bench", "optim", "--threads", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["vitrain: error: --threads -1 must be >= 0 (0: torch's default)"]

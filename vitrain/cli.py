@@ -683,6 +683,8 @@ def _bench_optim(args: argparse.Namespace) -> int:
     from vitrain.config import OptimConfig
     from vitrain.errors import ConfigError
 
+    if args.threads < 0:
+        raise ConfigError(f"--threads {args.threads} must be >= 0 (0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.impls is None:

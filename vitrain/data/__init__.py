@@ -58,9 +58,12 @@ def check(cfg: Config) -> None:
         )
     if not 0.0 < d.rrc_ratio[0] <= d.rrc_ratio[1]:
         raise ConfigError(f"data.rrc_ratio={list(d.rrc_ratio)} must be aspect ratios with 0 < low <= high")
-    for name in ("mixup_alpha", "cutmix_alpha", "prefetch", "loader_workers", "skip_bad"):
+    for name in ("mixup_alpha", "cutmix_alpha", "prefetch", "loader_workers", "skip_bad", "crop_padding",
+                 "decode_workers", "shuffle_buffer"):  # fmt: skip
         if getattr(d, name) < 0:
             raise ConfigError(f"data.{name}={getattr(d, name)} must be >= 0")
+    if d.synthetic_samples <= 0:
+        raise ConfigError(f"data.synthetic_samples={d.synthetic_samples} must be positive, e.g. 1024")
     if not 0.0 <= d.cutmix_prob <= 1.0:
         raise ConfigError(f"data.cutmix_prob={d.cutmix_prob} is a probability and must be in [0, 1]")
     _check_strong(cfg)

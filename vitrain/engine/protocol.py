@@ -147,6 +147,12 @@ def check_train(cfg: Config) -> None:
     for name in ("epochs", "batch_size", "accum_steps", "eval_every_epochs", "keep_checkpoints"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
+    for name, zero in (("threads", "torch's default"), ("max_steps", "no limit"),
+                       ("checkpoint_every_steps", "at the end of each epoch only")):  # fmt: skip
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0 (0: {zero})")
+    if t.seed < 0:
+        raise ConfigError(f"train.seed={t.seed} must be >= 0 (the data order's generators take no negative seed)")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={t.label_smoothing} must be in [0, 1)")
     if t.time_limit_s < 0:

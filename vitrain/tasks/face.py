@@ -115,6 +115,10 @@ class FaceTask:
             raise ConfigError(
                 f"task.combined_m={list(k.combined_m)} needs m1 > 0, m2 >= 0, m3 >= 0, e.g. [1.0, 0.3, 0.2]"
             )
+        if k.verify_identities < 2:
+            raise ConfigError(
+                f"task.verify_identities={k.verify_identities} must be >= 2 (a mismatched pair needs two identities)"
+            )
         if k.generated_pairs < 10:
             raise ConfigError(f"task.generated_pairs={k.generated_pairs} must be >= 10 (10 folds of matched pairs)")
         if not k.pairs:
