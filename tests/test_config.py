@@ -15,6 +15,7 @@ import pytest
 
 import vitrain
 from tests.conftest import REPO
+from vitrain import registry
 from vitrain.cli import main
 from vitrain.config import CONFIG_DIR, config_keys, load_config, recipe_names, resolve_config_path, to_yaml
 from vitrain.errors import ConfigError
@@ -309,3 +310,60 @@ def test_face_needs_two_verification_identities():
 def test_bench_optim_refuses_negative_threads_in_one_line(capsys):
     assert main(["bench", "optim", "--threads", "-1"]) == 2
     assert capsys.readouterr().err.splitlines() == ["vitrain: error: --threads -1 must be >= 0 (0: torch's default)"]
+
+
+def test_an_engine_path_to_a_function_is_refused_saying_an_engine_class_is_expected():
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.engine=os:system is a function, not an engine class with the methods of the Engine protocol "
+        r"\(vitrain\.engine\.protocol\)$",
+    ):
+        load_config(overrides=["train.engine=os:system"])
+
+
+def test_an_engine_class_without_the_protocols_methods_is_refused_naming_them():
+    with pytest.raises(ConfigError, match=r"^train\.engine=collections:OrderedDict is a class without autocast, "):
+        load_config(overrides=["train.engine=collections:OrderedDict"])
+
+
+def test_a_task_path_to_a_function_is_refused_saying_a_task_class_is_expected():
+    with pytest.raises(ConfigError, match=r"^task\.name=os:system is a function, not a task class with the methods"):
+        load_config(overrides=["task.name=os:system"])
+
+
+def test_a_model_path_to_a_value_that_cannot_be_called_is_refused():
+    with pytest.raises(ConfigError, match=r"^model\.name=os:sep is a str, not a model factory"):
+        load_config(overrides=["model.name=os:sep"])
+
+
+def test_a_data_source_path_to_a_module_is_refused():
+    with pytest.raises(ConfigError, match=r"^data\.source=os:path is a module, not a data source"):
+        load_config(overrides=["data.source=os:path"])
+
+
+def test_a_registered_component_of_the_wrong_kind_is_refused_when_named():
+    registry.register("engine", "not-an-engine", print)
+    try:
+        with pytest.raises(ConfigError, match=r"^train\.engine=not-an-engine is a function, not an engine class"):
+            load_config(overrides=["train.engine=not-an-engine"])
+    finally:
+        del registry._REGISTERED["engine"]["not-an-engine"]
+
+
+def test_components_of_the_right_kind_by_import_path_are_accepted():
+    cfg = load_config(
+        overrides=[
+            "train.engine=vitrain.engine.native:NativeEngine",
+            "task.name=tests.test_bring_your_own:ErrorRateTask",
+            "model.name=tests.test_bring_your_own:user_net",
+            "data.source=vitrain.data.sources:digits_source",
+        ]
+    )
+    assert cfg.train.engine == "vitrain.engine.native:NativeEngine"
+
+
+def test_a_wrong_engine_kind_stops_train_in_one_line_before_the_run_folder_exists(tmp_path, capsys):
+    argv = ["train", "digits", "train.engine=os:system", f"log.out_dir={tmp_path / 'runs'}", "name=x"]
+    assert main(argv) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()

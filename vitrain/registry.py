@@ -64,6 +64,15 @@ CHECK_ORDER = (
     "data",
 )
 _REGISTERED: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+# What a resolved name must be: engines and tasks are classes with their protocol's methods (the protocol by import
+# path, so that this module imports none), models and data sources are callables (a data source may be a
+# (train, val) pair). Optional protocol methods are not asked for.
+_PROTOCOLS = {"engine": "vitrain.engine.protocol:Engine", "task": "vitrain.tasks:Task"}
+_OPTIONAL = {"engine": ("frozen",)}  # train.distill's; an engine without it trains without a teacher
+_CALLABLE = {
+    "model": "a model factory: a function or class called with the model config, returning a torch.nn.Module",
+    "data": "a data source: a function of the config returning (train, val) datasets",
+}
 _CONFIG_KEY = {"model": "model.name", "task": "task.name", "engine": "train.engine", "data": "data.source"}
 # Python entry-point groups a package publishes its components in (pyproject's [project.entry-points."..."]).
 ENTRY_POINT_GROUPS = {
@@ -113,20 +122,49 @@ def lookup(kind: str, name: str) -> Any:
     _check_kind(kind)
     key = _CONFIG_KEY[kind]
     if name in _REGISTERED[kind]:
-        return _REGISTERED[kind][name]
+        return _checked_kind(kind, name, _REGISTERED[kind][name])
     if name in _BUILTIN[kind]:
         return _import(_BUILTIN[kind][name], f"{key}={name}")
     for point in entry_points(group=ENTRY_POINT_GROUPS[kind]):
         if point.name == name:
-            return point.load()
+            return _checked_kind(kind, name, point.load())
     family, colon, argument = name.partition(":")
     if colon and family in _FAMILIES.get(kind, {}):
         factory = _import(_FAMILIES[kind][family], f"{key}={name}")
-        return factory(argument)
+        return _checked_kind(kind, name, factory(argument))
     if colon:
-        return _import(name, f"{key}={name}")
+        return _checked_kind(kind, name, _import(name, f"{key}={name}"))
     known = ", ".join(names(kind) + [f"{family}:NAME" for family in _FAMILIES.get(kind, {})])
     raise ConfigError(f"{key}={name} is not known; use one of: {known}, or an import path such as mypkg.module:attr")
+
+
+def _checked_kind(kind: str, name: str, component: Any) -> Any:
+    """`component` if it is the kind of thing `kind` names, else a ConfigError saying what was expected."""
+    where = f"{_CONFIG_KEY[kind]}={name}"
+    if kind in _CALLABLE:
+        pair = kind == "data" and isinstance(component, tuple | list) and len(component) == 2
+        if not (callable(component) or pair):
+            raise ConfigError(f"{where} is {_what(component)}, not {_CALLABLE[kind]}")
+        return component
+    protocol = _import(_PROTOCOLS[kind], "registry")
+    article = "an" if kind[0] in "aeiou" else "a"
+    expected = f"{article} {kind} class with the methods of the {protocol.__name__} protocol ({protocol.__module__})"
+    if not inspect.isclass(component):
+        raise ConfigError(f"{where} is {_what(component)}, not {expected}")
+    methods = [
+        n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    ]
+    missing = [n for n in methods if n not in _OPTIONAL.get(kind, ()) and not hasattr(component, n)]
+    if missing:
+        raise ConfigError(f"{where} is a class without {', '.join(missing)}; give {expected}")
+    return component
+
+
+def _what(component: Any) -> str:
+    """What a resolved name turned out to be, for an error: a function, a module, a str, ..."""
+    if inspect.isroutine(component):
+        return "a function"
+    return "a module" if inspect.ismodule(component) else f"a {type(component).__name__}"
 
 
 def _import(path: str, where: str) -> Any:
