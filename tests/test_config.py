@@ -367,3 +367,17 @@ def test_a_wrong_engine_kind_stops_train_in_one_line_before_the_run_folder_exist
     assert main(argv) == 2
     assert len(capsys.readouterr().err.splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.eps=-1e-8", "optim.eps=-1e-08 must be >= 0"),
+        ("optim.trust_coefficient=-0.001", "optim.trust_coefficient=-0.001 must be >= 0"),
+        ("schedule.gamma=-0.1", "schedule.gamma=-0.1 must be >= 0 (it multiplies the lr)"),
+        ("schedule.cycle_decay=-0.5", "schedule.cycle_decay=-0.5 must be >= 0 (it multiplies the lr)"),
+    ],
+)
+def test_a_negative_optimizer_or_schedule_factor_is_refused_naming_it(override, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        load_config(overrides=[override])

@@ -43,6 +43,12 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"optim.head_lr_scale={o.head_lr_scale} must be positive")
     if not 0.0 < o.layer_decay <= 1.0:
         raise ConfigError(f"optim.layer_decay={o.layer_decay} must be in (0, 1]; 1 turns layer-wise decay off")
+    for name in ("eps", "trust_coefficient"):  # torch's optimizers refuse a negative one with a traceback
+        if getattr(o, name) < 0:
+            raise ConfigError(f"optim.{name}={getattr(o, name)} must be >= 0")
+    for name in ("gamma", "cycle_decay"):  # factors on the lr: a negative one makes it negative
+        if getattr(s, name) < 0:
+            raise ConfigError(f"schedule.{name}={getattr(s, name)} must be >= 0 (it multiplies the lr)")
     if not 0.0 <= o.momentum < 1.0:
         raise ConfigError(f"optim.momentum={o.momentum} must be in [0, 1)")
     if o.name in ("lamb", "lars") and o.impl in ("fused", "flat"):
