@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tests.distributed_helpers import tiny_config
 from vitrain import checkpoint as ckpt
 from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError
+from vitrain.weights import read_weights
 
 
 class Payload:
@@ -124,3 +126,26 @@ def test_a_tampered_shard_makes_the_checkpoint_incomplete(tmp_path, step_dir):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="is incomplete"):
         ckpt.read_meta(step_dir)
+
+
+# ---------------------------------------------------------------------------------------------- the audit's minor two
+
+
+def test_a_shard_of_random_bytes_is_named_without_torchs_advice_to_load_it_unsafely(tmp_path, step_dir):
+    shard = next(step_dir.glob("*.distcp"))
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    reseal(step_dir)
+    line = refused_line("eval", step_dir, tmp_path)
+    assert f"checkpoint file {shard} is not a checkpoint vitrain can load safely" in line
+    assert "weights_only" not in line and len(line) < 300
+
+
+def test_an_old_protocol_pickle_as_init_from_gives_its_error_and_no_torch_warning(tmp_path):
+    proof, weights = tmp_path / "ran", tmp_path / "evil.pt"
+    with open(weights, "wb") as handle:
+        pickle.dump(Payload(proof), handle, protocol=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="model.init_from=.*evil.pt cannot be read"):
+            read_weights(weights)
+    assert not caught and not proof.exists()
