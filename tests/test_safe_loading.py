@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import tarfile
+import uuid
+import warnings
 
 import pytest
 import torch
@@ -13,8 +16,13 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import run_cli
 from tests.distributed_helpers import tiny_config
 from vitrain import checkpoint as ckpt
+from vitrain.cli import main
+from vitrain.config import config_from_dict
 from vitrain.engine import Trainer
-from vitrain.errors import CheckpointError
+from vitrain.engine.protocol import load_model_weights
+from vitrain.errors import CheckpointError, ConfigError
+from vitrain.models import create_model
+from vitrain.weights import read_weights
 
 
 class Payload:
@@ -124,3 +132,168 @@ def test_a_tampered_shard_makes_the_checkpoint_incomplete(tmp_path, step_dir):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="is incomplete"):
         ckpt.read_meta(step_dir)
+
+
+# ---------------------------------------------------------------------------------------------- the audit's minor two
+
+
+def test_a_shard_of_random_bytes_is_named_without_torchs_advice_to_load_it_unsafely(tmp_path, step_dir):
+    shard = next(step_dir.glob("*.distcp"))
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    reseal(step_dir)
+    line = refused_line("eval", step_dir, tmp_path)
+    assert f"checkpoint file {shard} is not a checkpoint vitrain can load safely" in line
+    assert "weights_only" not in line and len(line) < 300
+
+
+def test_an_old_protocol_pickle_as_init_from_gives_its_error_and_no_torch_warning(tmp_path):
+    proof, weights = tmp_path / "ran", tmp_path / "evil.pt"
+    with open(weights, "wb") as handle:
+        pickle.dump(Payload(proof), handle, protocol=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="model.init_from=.*evil.pt cannot be read"):
+            read_weights(weights)
+    assert not caught and not proof.exists()
+
+
+# ---------------------------------------------------------------------------------------------- untrusted configs
+# A config vitrain reads from a checkpoint or run folder (meta.json, config.yaml) may name no module to import and no
+# pipe: command to run (vitrain/trust.py) unless the command line gives the same value.
+
+PAYLOAD = """import pathlib
+pathlib.Path(__file__).with_name("imported").touch()
+from vitrain.errors import DataError
+def Source(cfg):
+    raise DataError("the trusted payload source ran")
+"""
+
+
+@pytest.fixture
+def payload(tmp_path, monkeypatch):
+    """An importable module that leaves tmp_path/imported when imported; its import path (module:Source)."""
+    name = f"payload_{uuid.uuid4().hex[:12]}"
+    (tmp_path / f"{name}.py").write_text(PAYLOAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name}:Source"
+
+
+def hand_over(step_dir, **changes):
+    """Edit meta.json (dotted config keys, or `engine`) and recompute COMPLETE's checksums, as an attacker would."""
+    meta_file = step_dir / ckpt.META_FILE
+    meta = json.loads(meta_file.read_text())
+    for key, value in changes.items():
+        section, _, field = key.replace("__", ".").rpartition(".")
+        node = meta if not section else meta["config"]
+        for part in section.split(".") if section else ():
+            node = node[part]
+        node[field] = value
+    meta_file.write_text(json.dumps(meta))
+    files = {p.name: p.stat().st_size for p in step_dir.iterdir() if p.name != ckpt.COMPLETE_FILE}
+    sums = ckpt.file_checksums(step_dir, sorted(files))
+    (step_dir / ckpt.COMPLETE_FILE).write_text(json.dumps({"step": 1, "files": files, ckpt.CHECKSUM: sums}))
+    assert main(["checkpoint", "verify", str(step_dir)]) == 0  # integrity holds: the checksums say nothing of trust
+
+
+def cli_line(capsys, *args: str) -> tuple[int, str]:
+    """Run the CLI in this process (the payload's folder is importable here); its exit code and stderr's one line."""
+    capsys.readouterr()
+    code = main(list(args))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) <= 1, err
+    return code, err[0] if err else ""
+
+
+COMMANDS = {
+    "eval": lambda step, tmp: ["eval", str(step)],
+    "export": lambda step, tmp: ["export", str(step), str(tmp / "out")],
+    "resume": lambda step, tmp: ["train", "log.progress=false", "--resume", str(step)],
+}
+
+
+@pytest.mark.parametrize(
+    "command, key",
+    [("eval", "data.source"), ("eval", "model.name"), ("eval", "task.name"), ("eval", "train.engine"),
+     ("eval", "engine"), ("export", "model.name"), ("export", "engine"), ("resume", "data.source")],
+)  # fmt: skip
+def test_a_handed_checkpoint_naming_an_import_path_is_refused_and_imports_nothing(
+    tmp_path, step_dir, payload, capsys, command, key
+):
+    hand_over(step_dir, **{key.replace(".", "__"): payload})
+    code, line = cli_line(capsys, *COMMANDS[command](step_dir, tmp_path))
+    assert code == 2
+    given = "train.engine" if key == "engine" else key
+    assert line == (
+        f"vitrain: error: {step_dir / ckpt.META_FILE} names {key}={payload}, an import path; vitrain imports no code "
+        f"a checkpoint or run folder names: give {given}={payload} on the command line if you trust it"
+    )
+    assert not (tmp_path / "imported").exists() and not (tmp_path / "out").exists()
+
+
+def test_an_import_path_the_command_line_gives_too_is_trusted(tmp_path, step_dir, payload, capsys):
+    hand_over(step_dir, data__source=payload)
+    code, line = cli_line(capsys, "eval", str(step_dir), f"data.source={payload}")
+    assert (code, line) == (2, "vitrain: error: the trusted payload source ran")
+    assert (tmp_path / "imported").exists()
+
+
+def test_a_run_config_naming_an_import_path_is_refused_on_resume(tmp_path, step_dir, payload, capsys):
+    saved = ckpt.run_dir_of(step_dir) / "config.yaml"
+    saved.write_text(saved.read_text().replace("source: synthetic", f"source: {payload}"))
+    before = sorted(p.name for p in saved.parent.iterdir())
+    code, line = cli_line(capsys, *COMMANDS["resume"](step_dir, tmp_path))
+    assert code == 2 and line.startswith(f"vitrain: error: {saved} names data.source={payload}, an import path")
+    assert not (tmp_path / "imported").exists() and sorted(p.name for p in saved.parent.iterdir()) == before
+
+
+def shard_list(tmp_path, proof) -> str:
+    """A shard list as the auditor shipped it in a run folder: a real (empty) shard, then a pipe: command."""
+    with tarfile.open(tmp_path / "a.tar", "w"):
+        pass
+    (tmp_path / "shards.txt").write_text(f"a.tar\npipe:touch {proof}; cat {tmp_path / 'a.tar'}\n")
+    return str(tmp_path / "shards.txt")
+
+
+@pytest.mark.parametrize("form", ["list file", "pipe root"])
+def test_a_handed_checkpoint_naming_a_pipe_command_is_refused_and_runs_nothing(tmp_path, step_dir, capsys, form):
+    proof = tmp_path / "ran"
+    root = shard_list(tmp_path, proof)
+    index = {}
+    if form == "pipe root":  # with an index that counts it, so that the command would run
+        root, index = f"pipe:touch {proof}; cat {tmp_path}/a.tar", {"data__shard_index": str(tmp_path / "index.json")}
+        counts = {"format": "vitrain-shards/1", "counts": {root: 4}, "classes": list("0123")}
+        (tmp_path / "index.json").write_text(json.dumps(counts))
+    hand_over(step_dir, data__source="shards", data__root=root, data__val_fraction=0.5, **index)
+    code, line = cli_line(capsys, "eval", str(step_dir))
+    assert code == 2 and f"{step_dir / ckpt.META_FILE} names data.root={root}, a sh" in line
+    assert f"vitrain runs no command a checkpoint or run folder names: give data.root={root} on the command" in line
+    assert not proof.exists()
+
+
+def test_a_run_config_naming_a_pipe_root_is_refused_on_resume(tmp_path, step_dir, capsys):
+    proof = tmp_path / "ran"
+    saved = ckpt.run_dir_of(step_dir) / "config.yaml"
+    text = saved.read_text().replace("source: synthetic", "source: shards")
+    saved.write_text(text.replace("root: ''", f"root: '{shard_list(tmp_path, proof)}'"))
+    code, line = cli_line(capsys, *COMMANDS["resume"](step_dir, tmp_path))
+    assert code == 2 and line.startswith(f"vitrain: error: {saved} names data.root=") and "line 2 is a shell" in line
+    assert not proof.exists()
+
+
+def test_a_pipe_root_the_command_line_gives_too_gets_past_the_trust_check(tmp_path, step_dir, capsys):
+    root = f"pipe:cat {tmp_path}/a.tar"
+    hand_over(step_dir, data__source="shards", data__root=root)
+    code, line = cli_line(capsys, "eval", str(step_dir), f"data.root={root}")
+    assert code == 2 and "pipe: shards need their sample counts up front" in line  # the shard reader's own check
+
+
+def test_the_library_refuses_what_a_checkpoint_names_too(tmp_path, step_dir, payload):
+    hand_over(step_dir, data__source=payload, engine=payload)
+    meta = ckpt.read_meta(step_dir)
+    with pytest.raises(ConfigError, match=f"names data.source={payload}, an import path"):
+        config_from_dict(meta["config"], step_dir / ckpt.META_FILE)
+    cfg = config_from_dict(meta["config"], step_dir / ckpt.META_FILE, {"data.source": payload})  # the user's value
+    assert cfg.data.source == payload and (tmp_path / "imported").exists()
+    model = create_model(cfg.model)
+    with pytest.raises(ConfigError, match=f"names engine={payload}, an import path"):
+        load_model_weights(step_dir, model)

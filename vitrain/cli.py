@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a step directory (runs/NAME/checkpoints/step_00000100) or a run directory")
     export.add_argument("out", help="output directory")
     export.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="OVERRIDE",
+        help="config values the checkpoint's own must match to be used, e.g. model.name=mypkg.models:my_vit (an "
+        "import path a checkpoint names is imported only when given here)",
+    )
+    export.add_argument(
         "--format",
         choices=["vitrain", "timm", "onnx"],
         default="vitrain",
@@ -330,7 +337,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitrain import checkpoint as ckpt
-    from vitrain.config import load_config
+    from vitrain.config import load_config, trusted_values
     from vitrain.data import build_loaders
     from vitrain.device import resolve_device
     from vitrain.engine.protocol import load_model_weights
@@ -340,10 +347,12 @@ def _eval(args: argparse.Namespace) -> int:
 
     path = ckpt.resolve(Path(args.checkpoint))
     meta = ckpt.read_meta(path)
-    cfg = load_config(overrides=args.overrides, base=meta["config"])
+    # The checkpoint's config names no code or command the command line does not (vitrain/trust.py).
+    cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE)
     device = resolve_device(cfg.train.device)
     model = build_task(cfg).build_model()
-    load_model_weights(path, model)  # whichever engine wrote it: DCP shards or DeepSpeed's partitions
+    # whichever engine wrote it: DCP shards or DeepSpeed's partitions (one the config did not pass is refused)
+    load_model_weights(path, model, trusted_values(cfg))
     model = model.to(device)
     if cfg.task.name == "face":
         from vitrain.tasks.face import verify
@@ -382,15 +391,17 @@ def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitrain import checkpoint as ckpt
-    from vitrain.config import config_from_dict
+    from vitrain.config import load_config, trusted_values
     from vitrain.engine.protocol import load_model_weights
     from vitrain.tasks import build_task
     from vitrain.weights import export
 
     path = ckpt.resolve(Path(args.checkpoint))
-    cfg = config_from_dict(ckpt.read_meta(path)["config"])
+    # The checkpoint's config names no code the command line does not (vitrain/trust.py); its data is not read.
+    meta = ckpt.read_meta(path)
+    cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE, data=False)
     model = build_task(cfg).build_model()  # a face model exports its embedding backbone (the neck included)
-    load_model_weights(path, model)  # native (DCP) or DeepSpeed checkpoints
+    load_model_weights(path, model, trusted_values(cfg))  # native (DCP) or DeepSpeed checkpoints
     if args.format != "onnx":
         print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite))
         return 0

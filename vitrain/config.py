@@ -11,13 +11,14 @@ import math
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from vitrain import registry
+from vitrain import registry, trust
 from vitrain.errors import ConfigError
 
 # Recipes ship inside the package (package data), so a regular install finds them from any working directory.
@@ -474,9 +475,16 @@ def load_config(
     overrides: list[str] | None = None,
     base: dict[str, Any] | None = None,
     check: bool = True,
+    *,
+    untrusted: str | Path | None = None,
+    trusted: Mapping[str, Any] | None = None,
+    data: bool = True,
 ) -> Config:
     """Resolve a config: defaults <- model preset <- YAML file (or `base` dict) <- `section.key=value` overrides;
     validated unless `check` is off (a resume reads only where the run is from it, and checks the run's own).
+
+    `untrusted`: `base` was read from this file of a checkpoint or run folder, so the result may name no module to
+    import and (`data`) no pipe: command that neither the overrides nor `trusted` (dotted keys) give (vitrain/trust.py).
 
     A preset named by an override replaces the architecture the file gives (`vitrain bench model.preset=
     vit_base_patch16` on the digits recipe is ViT-B/16 at 224 px, not its width on 16 px digits); the overrides'
@@ -494,6 +502,9 @@ def load_config(
             (raw.get("model") or {}).pop(key, None)
     for item in parsed:
         _merge(raw, item)
+    if untrusted is not None:
+        typed = {key: value for item in parsed for key, value in flatten(item).items()}
+        trust.check_config(raw, untrusted, {**(trusted or {}), **typed}, data)
     _apply_preset(raw)
     cfg = _build(Config, raw, prefix="")
     if check:
@@ -501,8 +512,16 @@ def load_config(
     return cfg
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Rebuild a config saved by `to_dict` (for example inside a checkpoint)."""
+def config_from_dict(
+    raw: dict[str, Any],
+    where: str | Path = "a saved config",
+    trusted: Mapping[str, Any] | None = None,
+    data: bool = True,
+    fix: str = trust.COMMAND_LINE,
+) -> Config:
+    """Rebuild a config saved by `to_dict` (for example inside a checkpoint), read from `where`: untrusted, so it may
+    name no module to import and (`data`) no pipe: command that `trusted` (dotted keys) does not give (trust.py)."""
+    trust.check_config(raw, where, trusted, data, fix)
     cfg = _build(Config, dict(raw), prefix="")
     validate(cfg)
     return cfg
@@ -517,6 +536,11 @@ def to_dict(cfg: Config) -> dict[str, Any]:
         return v
 
     return plain(dataclasses.asdict(cfg))
+
+
+def trusted_values(cfg: Config) -> dict[str, Any]:
+    """A config the user gave (or one that passed vitrain/trust.py's check) as the values it trusts, by dotted key."""
+    return flatten(to_dict(cfg))
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -117,6 +117,16 @@ def names(kind: str) -> list[str]:
     return sorted({*_BUILTIN[kind], *_REGISTERED[kind], *points})
 
 
+def imports_code(kind: str, name: str) -> bool:
+    """Whether `lookup(kind, name)` would import the module `name` gives (an import path that is not a registered,
+    built-in, entry-point or family name): what a config from a checkpoint may not do (vitrain/trust.py)."""
+    _check_kind(kind)
+    family, colon, _ = name.partition(":")
+    if not colon or name in _REGISTERED[kind] or name in _BUILTIN[kind] or family in _FAMILIES.get(kind, {}):
+        return False
+    return all(point.name != name for point in entry_points(group=ENTRY_POINT_GROUPS[kind]))
+
+
 def lookup(kind: str, name: str) -> Any:
     """The component `name` stands for, or a ConfigError naming the config key, the value and the fix."""
     _check_kind(kind)

@@ -116,7 +116,9 @@ def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, t
 
             state: Any = load_file(str(path))
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch's note on an old pickle protocol: the error below says enough
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         what = type(exc).__name__
         raise CheckpointError(f"{config_key}={path} cannot be read ({what}); is it a weights file?") from None

@@ -18,7 +18,7 @@ other, and the DeepSpeed one is imported only when named. vitrain/engine/step.py
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from vitrain import checkpoint as ckpt
-from vitrain import registry
+from vitrain import registry, trust
 from vitrain.config import Config
 from vitrain.device import PhaseTimer
 from vitrain.errors import ConfigError
@@ -133,11 +133,14 @@ def build_engine(
     return engine_class(cfg, model, dist, head=head, pipeline=pipeline, precision=precision)
 
 
-def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
+def load_model_weights(path: Path, model: nn.Module, trusted: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A checkpoint's fp32 weights into a single-device `model` (one process), whichever engine wrote it; returns
-    the checkpoint's meta."""
+    the checkpoint's meta. An engine it names by import path is imported only where `trusted` (dotted keys: the
+    user's values, e.g. config.trusted_values(cfg)) gives it as train.engine, or it is registered (vitrain/trust.py)."""
     meta = ckpt.read_meta(path)  # one process: rank 0, so the checksums are verified; a damaged file is named
-    registry.lookup("engine", meta.get("engine", "native")).load_weights(path, meta, model)
+    engine = meta.get("engine", "native")
+    trust.check_component("engine", "train.engine", engine, Path(path) / ckpt.META_FILE, trusted, named="engine")
+    registry.lookup("engine", engine).load_weights(path, meta, model)
     return meta
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from vitrain import checkpoint as ckpt
-from vitrain.config import Config, config_from_dict, flatten, load_config, to_dict, to_yaml
+from vitrain.config import Config, config_from_dict, flatten, load_config, to_dict, to_yaml, trusted_values
 from vitrain.data.loader import Position
 from vitrain.engine.cluster import requeued, slurm_job
 from vitrain.errors import CheckpointError
@@ -214,7 +214,8 @@ def mark_run(run_dir: Path, is_new: bool, resumed_from: Path | None) -> None:
 
 def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
     """A checkpoint continues only a run of the same model: its weights must fit this config's model."""
-    saved = config_from_dict(meta["config"])
+    # The checkpoint's config names no code or command that this run's (the user's, or one checked) does not.
+    saved = config_from_dict(meta["config"], Path(path) / ckpt.META_FILE, trusted_values(cfg))
     # init_from only chose the starting weights; the checkpoint's weights replace them either way. The attention
     # kernel computes the same function of the same weights (auto may pick another one on another machine).
     same = {"init_from": "", "inflate_from": "", "inflate": "average", "attention": "auto"}
@@ -341,7 +342,8 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
             f"--resume: {saved_file} is not readable YAML ({error}); restore it from a copy"
         ) from None
     saved = load_config(base=saved_raw, check=False)  # what the run had; the config that runs is checked below
-    resumed = load_config(base=saved_raw, overrides=overrides)
+    # The run folder's config names no code or command that the user's config and command line do not (trust.py).
+    resumed = load_config(base=saved_raw, overrides=overrides, untrusted=saved_file, trusted=trusted_values(cfg))
     before, after = flatten(to_dict(saved)), flatten(to_dict(resumed))
     changes = {key: (before.get(key), after[key]) for key in after if after[key] != before.get(key)}
     for key, (old, new) in changes.items():

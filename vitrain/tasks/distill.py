@@ -29,6 +29,7 @@ from vitrain import checkpoint as ckpt
 from vitrain import registry
 from vitrain.config import Config, DistillConfig, config_from_dict
 from vitrain.errors import CheckpointError, ConfigError
+from vitrain.trust import REGISTER, check_component
 from vitrain.weights import WEIGHTS_FILE, read_weights
 
 KEY = "train.distill.teacher"
@@ -146,7 +147,7 @@ def _vitrain_teacher(spec: str) -> nn.Module:
         config_file = weights.parent / "config.yaml"
         if not config_file.is_file():
             raise ConfigError(f"{KEY}={spec}: {config_file} is missing; export the teacher with `vitrain export`")
-        teacher_cfg = config_from_dict(yaml.safe_load(config_file.read_text()))
+        teacher_cfg = config_from_dict(yaml.safe_load(config_file.read_text()), config_file, data=False, fix=REGISTER)
         model = _classifier(teacher_cfg, spec)
         _load_exactly(model, read_weights(weights, KEY), f"{KEY}={spec}")
         return model
@@ -155,9 +156,13 @@ def _vitrain_teacher(spec: str) -> nn.Module:
         meta = ckpt.read_meta(step)
     except CheckpointError as error:
         raise ConfigError(f"{KEY}={spec}: {error}") from None
-    model = _classifier(config_from_dict(meta["config"]), spec)
+    # A teacher's config and engine may name no code to import (vitrain/trust.py): a user registers what they trust.
+    where = step / ckpt.META_FILE
+    model = _classifier(config_from_dict(meta["config"], where, data=False, fix=REGISTER), spec)
+    engine = meta.get("engine", "native")
+    check_component("engine", "train.engine", engine, where, None, REGISTER, named="engine")
     # The engine that wrote it reads it: DCP through vitrain's safe reader, or DeepSpeed's partitions.
-    registry.lookup("engine", meta.get("engine", "native")).load_weights(step, meta, model)
+    registry.lookup("engine", engine).load_weights(step, meta, model)
     return model
 
 
