@@ -267,3 +267,57 @@ def test_the_skip_limit_counts_both_splits(tmp_path, capsys):
         archive.writestr("test/a/broken-val.png", b"not a png either")
     line = error_line(capsys, folder_run(tmp_path, root, "data.skip_bad=2"))
     assert line.endswith("data.skip_bad=2 allows 2, this is number 3") and "test/a/broken-val.png" in line
+
+
+# ---------------------------------------------------------------------------------------------- bad flags and paths
+# (export's files, bench/estimate/prepare/lr-find counts, output paths that are files: refused before any work)
+
+
+@pytest.mark.parametrize(
+    "argv, flag, value",
+    [
+        (["bench", "digits", "--synthetic", "--steps", "-1"], "--steps", "-1"),
+        (["bench", "digits", "--steps", "0"], "--steps", "0"),
+        (["bench", "digits", "--synthetic", "--warmup", "-1"], "--warmup", "-1"),
+        (["bench", "--ladder", "--repeats", "0"], "--repeats", "0"),
+        (["bench", "--ladder", "--nproc", "0"], "--nproc", "0"),
+        (["bench", "--scaling", "--nproc", "0"], "--nproc", "0"),
+        (["bench", "--scaling", "--repeats", "0"], "--repeats", "0"),
+        (["bench", "--peers", "--steps", "0"], "--steps", "0"),
+        (["bench", "optim", "--model", "ViT-Ti/16", "--steps", "0"], "--steps", "0"),
+        (["bench", "loader", "--prepared", "p", "--folder", "f", "--batches", "0"], "--batches", "0"),
+        (["bench", "loader", "--prepared", "p", "--folder", "f", "--rounds", "0"], "--rounds", "0"),
+        (["bench", "loader", "--prepared", "p", "--folder", "f", "--warmup", "-1"], "--warmup", "-1"),
+        (
+            ["bench", "loader", "--prepared", "p", "--folder", "f", "--shards", "s", "--workers", "0,-1"],
+            "--workers",
+            "-1",
+        ),
+        (["estimate", "--image-size", "0"], "--image-size", "0"),
+        (["estimate", "--patch-size", "0"], "--patch-size", "0"),
+        (["estimate", "--baseline-gib", "-5"], "--baseline-gib", "-5"),
+        (["estimate", "--largest", "--memory", "nan"], "--memory", "nan"),
+        (["estimate", "--largest", "--memory", "-1"], "--memory", "-1"),
+        (["estimate", "--devices", "8", "0"], "--devices", "0"),
+        (["estimate", "--batch", "0"], "--batch", "0"),
+        (["estimate", "--pipeline-stages", "0"], "--pipeline-stages", "0"),
+        (["data", "prepare", "src", "dst", "--size", "0"], "--size", "0"),
+        (["data", "prepare", "src", "dst", "--size", "-1"], "--size", "-1"),
+        (["data", "prepare", "src", "dst", "--workers", "0"], "--workers", "0"),
+        (["data", "prepare", "src", "dst", "--shard-size", "0"], "--shard-size", "0"),
+        (["data", "pack", "src", "out", "--format", "shards", "--shard-samples", "0"], "--shard-samples", "0"),
+        (["lr-find", "--end", "inf"], "--end", "inf"),
+        (["lr-find", "--start", "nan"], "--start", "nan"),
+        (["eval", "run", "--show", "-1"], "--show", "-1"),
+        (["eval", "run", "--min-score", "nan"], "--min-score", "nan"),
+    ],
+)
+def test_a_count_or_size_flag_out_of_range_is_refused_when_parsed(tmp_path, capsys, monkeypatch, argv, flag, value):
+    monkeypatch.chdir(tmp_path)  # whatever ran would write here: nothing may
+    line = error_line(capsys, argv)
+    assert line.startswith(f"vitrain {argv[0]}") and f": argument {flag}: {value} must be " in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_flag_is_one_line_too(capsys):
+    assert "unrecognized arguments: --stpes 3 (see vitrain" in error_line(capsys, ["bench", "optim", "--stpes", "3"])
