@@ -141,9 +141,9 @@ def test_export_never_replaces_an_export_without_overwrite(trained, tmp_path, ca
     assert main(["export", str(trained), str(out)]) == 0
     before = snapshot(out)
     line = error_line(capsys, ["export", str(trained), str(out)])
-    assert (
-        line
-        == f"export: {out} already holds model.safetensors; pass --overwrite to replace it or choose another folder"
+    assert line == (
+        f"export: {out} already holds model.safetensors, config.yaml; pass --overwrite to replace them or choose "
+        "another folder"
     )
     assert snapshot(out) == before
     assert main(["export", str(trained), str(out), "--overwrite"]) == 0
@@ -321,3 +321,37 @@ def test_a_count_or_size_flag_out_of_range_is_refused_when_parsed(tmp_path, caps
 
 def test_an_unknown_flag_is_one_line_too(capsys):
     assert "unrecognized arguments: --stpes 3 (see vitrain" in error_line(capsys, ["bench", "optim", "--stpes", "3"])
+
+
+def test_export_refuses_to_replace_a_users_config_yaml_without_overwrite(trained, tmp_path, capsys):
+    out = tmp_path / "userdir"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my edited recipe\n")
+    line = error_line(capsys, ["export", str(trained), str(out)])
+    assert line == f"export: {out} already holds config.yaml; pass --overwrite to replace it or choose another folder"
+    assert (out / "config.yaml").read_text() == "# my edited recipe\n"
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
+def test_export_onnx_refuses_to_replace_a_users_config_yaml_without_overwrite(trained, tmp_path, capsys):
+    out = tmp_path / "userdir"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my edited recipe\n")
+    line = error_line(capsys, ["export", str(trained), str(out), "--format", "onnx"])
+    assert line.startswith(f"export: {out} already holds config.yaml; pass --overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
+def test_export_refuses_an_empty_output_path(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = error_line(capsys, ["export", str(trained), ""])
+    assert line.startswith("vitrain export: argument out: an empty path; give a folder")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf", "-1"])
+def test_export_refuses_a_tolerance_that_is_not_a_finite_number_from_zero_up(trained, tmp_path, capsys, tolerance):
+    line = error_line(capsys, ["export", str(trained), str(tmp_path / "out"), "--format", "onnx", "--tolerance",
+                               tolerance])  # fmt: skip
+    assert line.startswith(f"vitrain export: argument --tolerance: {tolerance} must be a finite number >= 0")
+    assert not (tmp_path / "out").exists()

@@ -452,9 +452,11 @@ def _export(args: argparse.Namespace) -> int:
     from vitrain import checkpoint as ckpt
     from vitrain.config import config_from_dict
     from vitrain.engine.protocol import load_model_weights
+    from vitrain.files import check_export_folder
     from vitrain.tasks import build_task
-    from vitrain.weights import export
+    from vitrain.weights import EXPORT_FILES, export
 
+    check_export_folder(Path(args.out), args.overwrite, EXPORT_FILES[args.format])  # before a checkpoint is read
     path = ckpt.resolve(Path(args.checkpoint))
     cfg = config_from_dict(ckpt.read_meta(path)["config"])
     model = build_task(cfg).build_model()  # a face model exports its embedding backbone (the neck included)
