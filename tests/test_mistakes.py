@@ -355,3 +355,12 @@ def test_export_refuses_a_tolerance_that_is_not_a_finite_number_from_zero_up(tra
                                tolerance])  # fmt: skip
     assert line.startswith(f"vitrain export: argument --tolerance: {tolerance} must be a finite number >= 0")
     assert not (tmp_path / "out").exists()
+
+
+def test_prepared_data_root_that_is_a_file_names_data_root(tmp_path, capsys):
+    a_file = tmp_path / "random.zip"
+    a_file.write_bytes(b"not a folder")
+    argv = ["train", *tiny_overrides(tmp_path, "data.source=prepared", f"data.root={a_file}", "name=p")]
+    line = error_line(capsys, argv)
+    assert line.startswith(f"data.root={a_file} is a file; prepared data is a folder made by `vitrain data prepare")
+    assert not (tmp_path / "runs" / "p").exists()

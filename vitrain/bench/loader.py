@@ -31,7 +31,7 @@ def bench_loader(
 
     Alternating keeps a load change on a shared machine from favouring whichever loader ran first.
     """
-    manifest = read_manifest(Path(prepared).expanduser())
+    manifest = read_manifest(Path(prepared).expanduser(), "--prepared")
     shape = [
         f"model.image_size={manifest['size']}",
         f"model.in_chans={manifest['channels']}",
