@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_overrides
-from tests.data_helpers import zip_with_bad_images
+from tests.data_helpers import make_tree, zip_with_bad_images
 from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
 from vitrain.cli import main
@@ -364,3 +364,13 @@ def test_prepared_data_root_that_is_a_file_names_data_root(tmp_path, capsys):
     line = error_line(capsys, argv)
     assert line.startswith(f"data.root={a_file} is a file; prepared data is a folder made by `vitrain data prepare")
     assert not (tmp_path / "runs" / "p").exists()
+
+
+def test_data_prepare_into_a_file_is_one_line_and_leaves_the_file(tmp_path, capsys):
+    src = tmp_path / "tree"
+    make_tree(src, {"train": 2}, size=8)
+    a_file = tmp_path / "notzip.txt"
+    a_file.write_text("mine")
+    line = error_line(capsys, ["data", "prepare", str(src), str(a_file)])
+    assert line.startswith(f"prepare output {a_file} is a file, not a folder; give a new or empty folder")
+    assert a_file.read_text() == "mine"
