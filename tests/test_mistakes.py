@@ -374,3 +374,15 @@ def test_data_prepare_into_a_file_is_one_line_and_leaves_the_file(tmp_path, caps
     line = error_line(capsys, ["data", "prepare", str(src), str(a_file)])
     assert line.startswith(f"prepare output {a_file} is a file, not a folder; give a new or empty folder")
     assert a_file.read_text() == "mine"
+
+
+def test_ladder_rows_naming_no_row_is_refused_before_anything_runs_or_is_written(tmp_path, capsys):
+    out = tmp_path / "bo"
+    out.mkdir()
+    (out / "ladder.md").write_text("an earlier ladder\n")
+    line = error_line(capsys, ["bench", "--ladder", "--rows", "native zero2,nosuchrow", "--out", str(out)])
+    assert line.startswith("--rows nosuchrow matches no ladder row; the rows: fp32 reference; ")
+    assert "; native zero2; " in line
+    assert sorted(p.name for p in out.iterdir()) == ["ladder.md"] and (out / "ladder.md").read_text() == (
+        "an earlier ladder\n"
+    )
