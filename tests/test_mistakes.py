@@ -386,3 +386,23 @@ def test_ladder_rows_naming_no_row_is_refused_before_anything_runs_or_is_written
     assert sorted(p.name for p in out.iterdir()) == ["ladder.md"] and (out / "ladder.md").read_text() == (
         "an earlier ladder\n"
     )
+
+
+def test_lr_find_into_a_file_is_refused_before_it_trains(tmp_path, capsys):
+    a_file = tmp_path / "notzip.txt"
+    a_file.write_text("mine")
+    line = error_line(capsys, ["lr-find", *tiny_overrides(tmp_path), "--steps", "3", "--out", str(a_file)])
+    assert line == f"lr-find --out: {a_file} is a file, not a folder; choose another folder"
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notzip.txt"]
+
+
+def test_lr_find_never_replaces_an_earlier_result_without_overwrite(tmp_path, capsys):
+    out = tmp_path / "lf2"
+    out.mkdir()
+    (out / "lr_find.csv").write_text("lr,loss,smoothed_loss\n")
+    line = error_line(capsys, ["lr-find", *tiny_overrides(tmp_path), "--steps", "3", "--out", str(out)])
+    assert (
+        line
+        == f"lr-find --out: {out} already holds lr_find.csv; pass --overwrite to replace it or choose another --out"
+    )
+    assert (out / "lr_find.csv").read_text() == "lr,loss,smoothed_loss\n" and len(list(out.iterdir())) == 1

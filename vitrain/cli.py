@@ -326,6 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     lr_find.add_argument("--end", type=positive_float, default=10.0, help="last learning rate (default 10)")
     lr_find.add_argument("--steps", type=int, default=100, help="number of steps (default 100)")
     lr_find.add_argument("--out", default=None, help="output folder (default: <log.out_dir>/<name>-lr-find)")
+    lr_find.add_argument("--overwrite", action="store_true", help="replace lr_find.csv and .png already in --out")
     lr_find.set_defaults(func=_lr_find)
 
     bench_optim = bench_sub.add_parser("optim", help="time one optimizer step per kernel (loop/foreach/fused/flat)")
@@ -730,7 +731,7 @@ def _lr_find(args: argparse.Namespace) -> int:
     cfg = _load(args.args)
     out = Path(args.out) if args.out else cfg.run_dir.with_name(f"{cfg.name}-lr-find")
     try:
-        result = lr_range_test(cfg, args.start, args.end, args.steps, out)
+        result = lr_range_test(cfg, args.start, args.end, args.steps, out, overwrite=args.overwrite)
         is_main = rank() == 0
     finally:
         shutdown()
