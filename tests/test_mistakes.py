@@ -406,3 +406,11 @@ def test_lr_find_never_replaces_an_earlier_result_without_overwrite(tmp_path, ca
         == f"lr-find --out: {out} already holds lr_find.csv; pass --overwrite to replace it or choose another --out"
     )
     assert (out / "lr_find.csv").read_text() == "lr,loss,smoothed_loss\n" and len(list(out.iterdir())) == 1
+
+
+@pytest.mark.parametrize("preset", [["ViT-Ti/16"], []])
+def test_estimate_refuses_more_pipeline_stages_than_blocks_as_train_does(capsys, preset):
+    assert main(["estimate", *preset, "--pipeline-stages", "100", "--devices", "100"]) == 2
+    printed = capsys.readouterr()
+    assert printed.err == "vitrain: error: pipeline_stages=100 must be <= model.depth=12: each stage holds a block\n"
+    assert printed.out == ""  # not even the table's title

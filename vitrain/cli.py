@@ -497,20 +497,23 @@ def _estimate(args: argparse.Namespace) -> int:
     devices = args.devices or [1]
     header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **setting}.items())
     fields = {"image_size": args.image_size, "patch_size": args.patch_size}
+    # The whole answer is made before any of it is printed: a refused setting prints only its error line.
     if args.largest:
         base = {k: v for k, v in fields.items() if v}
-        print(f"memory per device with AdamW ({header})")
-        print(largest(args.memory[0], base, devices=devices[0], **setting))
+        title = f"memory per device with AdamW ({header})"
+        body = largest(args.memory[0], base, devices=devices[0], **setting)
     elif len(devices) > 1:
-        print(f"peak memory per device with AdamW ({header})")
-        print(grid(devices, args.memory, preset_models(args.first, **fields), **setting))
+        title = f"peak memory per device with AdamW ({header})"
+        body = grid(devices, args.memory, preset_models(args.first, **fields), **setting)
     elif args.preset is None:
-        print(f"memory per device with AdamW ({header})")
-        print(table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting))
+        title = f"memory per device with AdamW ({header})"
+        body = table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting)
     else:
         model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
-        print(f"{args.preset}: memory per device with AdamW ({header})")
-        print(breakdown(model, args.memory[0], devices=devices[0], **setting))
+        title = f"{args.preset}: memory per device with AdamW ({header})"
+        body = breakdown(model, args.memory[0], devices=devices[0], **setting)
+    print(title)
+    print(body)
     return 0
 
 
