@@ -414,3 +414,19 @@ def test_estimate_refuses_more_pipeline_stages_than_blocks_as_train_does(capsys,
     printed = capsys.readouterr()
     assert printed.err == "vitrain: error: pipeline_stages=100 must be <= model.depth=12: each stage holds a block\n"
     assert printed.out == ""  # not even the table's title
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_a_run_name_that_leaves_log_out_dir_is_refused(tmp_path, capsys, name):
+    (tmp_path / "runs").mkdir()
+    line = error_line(capsys, ["train", *tiny_overrides(tmp_path, f"name={name}")])
+    assert line.startswith(f"name={name} would put the run outside log.out_dir={tmp_path / 'runs'}; give it a name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+
+def test_a_log_out_dir_that_is_a_file_is_named(tmp_path, capsys):
+    a_file = tmp_path / "notzip.txt"
+    a_file.write_text("mine")
+    line = error_line(capsys, ["train", *TINY_RUN, *tiny_overrides(tmp_path)[:-1], f"log.out_dir={a_file}"])
+    assert line == f"log.out_dir={a_file}: {a_file} is a file, not a folder; point log.out_dir at a folder for the runs"
+    assert a_file.read_text() == "mine"
