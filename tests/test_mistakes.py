@@ -430,3 +430,11 @@ def test_a_log_out_dir_that_is_a_file_is_named(tmp_path, capsys):
     line = error_line(capsys, ["train", *TINY_RUN, *tiny_overrides(tmp_path)[:-1], f"log.out_dir={a_file}"])
     assert line == f"log.out_dir={a_file}: {a_file} is a file, not a folder; point log.out_dir at a folder for the runs"
     assert a_file.read_text() == "mine"
+
+
+def test_a_normalization_of_the_wrong_length_names_the_values_and_how_to_set_them(capsys):
+    line = error_line(capsys, ["config", "show", "model.in_chans=1", "data.mean=[0.1,0.2,0.3]"])
+    assert line == (
+        "data.mean=[0.1, 0.2, 0.3] and data.std=[0.5] need 1 or model.in_chans=1 values each; set them to match, e.g. "
+        "data.mean=[0.5] data.std=[0.5]"
+    )
