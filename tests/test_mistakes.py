@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_overrides
-from tests.data_helpers import zip_with_bad_images
+from tests.data_helpers import make_tree, zip_with_bad_images
 from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
 from vitrain.cli import main
@@ -141,9 +141,9 @@ def test_export_never_replaces_an_export_without_overwrite(trained, tmp_path, ca
     assert main(["export", str(trained), str(out)]) == 0
     before = snapshot(out)
     line = error_line(capsys, ["export", str(trained), str(out)])
-    assert (
-        line
-        == f"export: {out} already holds model.safetensors; pass --overwrite to replace it or choose another folder"
+    assert line == (
+        f"export: {out} already holds model.safetensors, config.yaml; pass --overwrite to replace them or choose "
+        "another folder"
     )
     assert snapshot(out) == before
     assert main(["export", str(trained), str(out), "--overwrite"]) == 0
@@ -267,3 +267,174 @@ def test_the_skip_limit_counts_both_splits(tmp_path, capsys):
         archive.writestr("test/a/broken-val.png", b"not a png either")
     line = error_line(capsys, folder_run(tmp_path, root, "data.skip_bad=2"))
     assert line.endswith("data.skip_bad=2 allows 2, this is number 3") and "test/a/broken-val.png" in line
+
+
+# ---------------------------------------------------------------------------------------------- bad flags and paths
+# (export's files, bench/estimate/prepare/lr-find counts, output paths that are files: refused before any work)
+
+
+@pytest.mark.parametrize(
+    "argv, flag, value",
+    [
+        (["bench", "digits", "--synthetic", "--steps", "-1"], "--steps", "-1"),
+        (["bench", "digits", "--steps", "0"], "--steps", "0"),
+        (["bench", "digits", "--synthetic", "--warmup", "-1"], "--warmup", "-1"),
+        (["bench", "--ladder", "--repeats", "0"], "--repeats", "0"),
+        (["bench", "--ladder", "--nproc", "0"], "--nproc", "0"),
+        (["bench", "--scaling", "--nproc", "0"], "--nproc", "0"),
+        (["bench", "--scaling", "--repeats", "0"], "--repeats", "0"),
+        (["bench", "--peers", "--steps", "0"], "--steps", "0"),
+        (["bench", "optim", "--model", "ViT-Ti/16", "--steps", "0"], "--steps", "0"),
+        (["bench", "loader", "--prepared", "p", "--folder", "f", "--batches", "0"], "--batches", "0"),
+        (["bench", "loader", "--prepared", "p", "--folder", "f", "--rounds", "0"], "--rounds", "0"),
+        (["bench", "loader", "--prepared", "p", "--folder", "f", "--warmup", "-1"], "--warmup", "-1"),
+        (
+            ["bench", "loader", "--prepared", "p", "--folder", "f", "--shards", "s", "--workers", "0,-1"],
+            "--workers",
+            "-1",
+        ),
+        (["estimate", "--image-size", "0"], "--image-size", "0"),
+        (["estimate", "--patch-size", "0"], "--patch-size", "0"),
+        (["estimate", "--baseline-gib", "-5"], "--baseline-gib", "-5"),
+        (["estimate", "--largest", "--memory", "nan"], "--memory", "nan"),
+        (["estimate", "--largest", "--memory", "-1"], "--memory", "-1"),
+        (["estimate", "--devices", "8", "0"], "--devices", "0"),
+        (["estimate", "--batch", "0"], "--batch", "0"),
+        (["estimate", "--pipeline-stages", "0"], "--pipeline-stages", "0"),
+        (["data", "prepare", "src", "dst", "--size", "0"], "--size", "0"),
+        (["data", "prepare", "src", "dst", "--size", "-1"], "--size", "-1"),
+        (["data", "prepare", "src", "dst", "--workers", "0"], "--workers", "0"),
+        (["data", "prepare", "src", "dst", "--shard-size", "0"], "--shard-size", "0"),
+        (["data", "pack", "src", "out", "--format", "shards", "--shard-samples", "0"], "--shard-samples", "0"),
+        (["lr-find", "--end", "inf"], "--end", "inf"),
+        (["lr-find", "--start", "nan"], "--start", "nan"),
+        (["eval", "run", "--show", "-1"], "--show", "-1"),
+        (["eval", "run", "--min-score", "nan"], "--min-score", "nan"),
+    ],
+)
+def test_a_count_or_size_flag_out_of_range_is_refused_when_parsed(tmp_path, capsys, monkeypatch, argv, flag, value):
+    monkeypatch.chdir(tmp_path)  # whatever ran would write here: nothing may
+    line = error_line(capsys, argv)
+    assert line.startswith(f"vitrain {argv[0]}") and f": argument {flag}: {value} must be " in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_flag_is_one_line_too(capsys):
+    assert "unrecognized arguments: --stpes 3 (see vitrain" in error_line(capsys, ["bench", "optim", "--stpes", "3"])
+
+
+def test_export_refuses_to_replace_a_users_config_yaml_without_overwrite(trained, tmp_path, capsys):
+    out = tmp_path / "userdir"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my edited recipe\n")
+    line = error_line(capsys, ["export", str(trained), str(out)])
+    assert line == f"export: {out} already holds config.yaml; pass --overwrite to replace it or choose another folder"
+    assert (out / "config.yaml").read_text() == "# my edited recipe\n"
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
+def test_export_onnx_refuses_to_replace_a_users_config_yaml_without_overwrite(trained, tmp_path, capsys):
+    out = tmp_path / "userdir"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my edited recipe\n")
+    line = error_line(capsys, ["export", str(trained), str(out), "--format", "onnx"])
+    assert line.startswith(f"export: {out} already holds config.yaml; pass --overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
+def test_export_refuses_an_empty_output_path(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = error_line(capsys, ["export", str(trained), ""])
+    assert line.startswith("vitrain export: argument out: an empty path; give a folder")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf", "-1"])
+def test_export_refuses_a_tolerance_that_is_not_a_finite_number_from_zero_up(trained, tmp_path, capsys, tolerance):
+    line = error_line(capsys, ["export", str(trained), str(tmp_path / "out"), "--format", "onnx", "--tolerance",
+                               tolerance])  # fmt: skip
+    assert line.startswith(f"vitrain export: argument --tolerance: {tolerance} must be a finite number >= 0")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepared_data_root_that_is_a_file_names_data_root(tmp_path, capsys):
+    a_file = tmp_path / "random.zip"
+    a_file.write_bytes(b"not a folder")
+    argv = ["train", *tiny_overrides(tmp_path, "data.source=prepared", f"data.root={a_file}", "name=p")]
+    line = error_line(capsys, argv)
+    assert line.startswith(f"data.root={a_file} is a file; prepared data is a folder made by `vitrain data prepare")
+    assert not (tmp_path / "runs" / "p").exists()
+
+
+def test_data_prepare_into_a_file_is_one_line_and_leaves_the_file(tmp_path, capsys):
+    src = tmp_path / "tree"
+    make_tree(src, {"train": 2}, size=8)
+    a_file = tmp_path / "notzip.txt"
+    a_file.write_text("mine")
+    line = error_line(capsys, ["data", "prepare", str(src), str(a_file)])
+    assert line.startswith(f"prepare output {a_file} is a file, not a folder; give a new or empty folder")
+    assert a_file.read_text() == "mine"
+
+
+def test_ladder_rows_naming_no_row_is_refused_before_anything_runs_or_is_written(tmp_path, capsys):
+    out = tmp_path / "bo"
+    out.mkdir()
+    (out / "ladder.md").write_text("an earlier ladder\n")
+    line = error_line(capsys, ["bench", "--ladder", "--rows", "native zero2,nosuchrow", "--out", str(out)])
+    assert line.startswith("--rows nosuchrow matches no ladder row; the rows: fp32 reference; ")
+    assert "; native zero2; " in line
+    assert sorted(p.name for p in out.iterdir()) == ["ladder.md"] and (out / "ladder.md").read_text() == (
+        "an earlier ladder\n"
+    )
+
+
+def test_lr_find_into_a_file_is_refused_before_it_trains(tmp_path, capsys):
+    a_file = tmp_path / "notzip.txt"
+    a_file.write_text("mine")
+    line = error_line(capsys, ["lr-find", *tiny_overrides(tmp_path), "--steps", "3", "--out", str(a_file)])
+    assert line == f"lr-find --out: {a_file} is a file, not a folder; choose another folder"
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notzip.txt"]
+
+
+def test_lr_find_never_replaces_an_earlier_result_without_overwrite(tmp_path, capsys):
+    out = tmp_path / "lf2"
+    out.mkdir()
+    (out / "lr_find.csv").write_text("lr,loss,smoothed_loss\n")
+    line = error_line(capsys, ["lr-find", *tiny_overrides(tmp_path), "--steps", "3", "--out", str(out)])
+    assert (
+        line
+        == f"lr-find --out: {out} already holds lr_find.csv; pass --overwrite to replace it or choose another --out"
+    )
+    assert (out / "lr_find.csv").read_text() == "lr,loss,smoothed_loss\n" and len(list(out.iterdir())) == 1
+
+
+@pytest.mark.parametrize("preset", [["ViT-Ti/16"], []])
+def test_estimate_refuses_more_pipeline_stages_than_blocks_as_train_does(capsys, preset):
+    assert main(["estimate", *preset, "--pipeline-stages", "100", "--devices", "100"]) == 2
+    printed = capsys.readouterr()
+    assert printed.err == "vitrain: error: pipeline_stages=100 must be <= model.depth=12: each stage holds a block\n"
+    assert printed.out == ""  # not even the table's title
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_a_run_name_that_leaves_log_out_dir_is_refused(tmp_path, capsys, name):
+    (tmp_path / "runs").mkdir()
+    line = error_line(capsys, ["train", *tiny_overrides(tmp_path, f"name={name}")])
+    assert line.startswith(f"name={name} would put the run outside log.out_dir={tmp_path / 'runs'}; give it a name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+
+def test_a_log_out_dir_that_is_a_file_is_named(tmp_path, capsys):
+    a_file = tmp_path / "notzip.txt"
+    a_file.write_text("mine")
+    line = error_line(capsys, ["train", *TINY_RUN, *tiny_overrides(tmp_path)[:-1], f"log.out_dir={a_file}"])
+    assert line == f"log.out_dir={a_file}: {a_file} is a file, not a folder; point log.out_dir at a folder for the runs"
+    assert a_file.read_text() == "mine"
+
+
+def test_a_normalization_of_the_wrong_length_names_the_values_and_how_to_set_them(capsys):
+    line = error_line(capsys, ["config", "show", "model.in_chans=1", "data.mean=[0.1,0.2,0.3]"])
+    assert line == (
+        "data.mean=[0.1, 0.2, 0.3] and data.std=[0.5] need 1 or model.in_chans=1 values each; set them to match, e.g. "
+        "data.mean=[0.5] data.std=[0.5]"
+    )

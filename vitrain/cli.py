@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
+from collections.abc import Callable
+from typing import NoReturn
 
 from vitrain.config import DEFAULT_RECIPE
 from vitrain.engine.cluster import EXIT_STOPPED, Stopped
@@ -18,9 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     # `vitrain bench CONFIG ...` (and `vitrain bench --ladder`) is `vitrain bench run ...`.
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in BENCH_COMMANDS + ("-h", "--help")):
         argv.insert(1, "run")
-    args = parser.parse_args(argv)
     warnings.showwarning = _one_line_warning
     try:
+        args = parser.parse_args(argv)
         return args.func(args)
     except Stopped as stopped:  # a stop signal: the checkpoint is written; the same command continues the run
         print(f"vitrain: {stopped}", file=sys.stderr)
@@ -40,8 +43,49 @@ def main(argv: list[str] | None = None) -> int:
 BENCH_COMMANDS = ("run", "loader", "optim")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line like every other error (its subcommands' parsers are of this class)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _number(kind: type, low: float, inclusive: bool = True) -> Callable[[str], int | float]:
+    """An argparse type: a finite `kind` (int or float) >= `low` (> `low` without `inclusive`)."""
+    wanted = f"{'an integer' if kind is int else 'a finite number'} {'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be {wanted}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1)
+non_negative_int = _number(int, 0)
+positive_float = _number(float, 0, inclusive=False)
+non_negative_float = _number(float, 0)
+
+
+def non_empty(text: str) -> str:
+    """An argparse type for a path: '' would mean the current folder without anyone having said so."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a folder (write . for the current one)")
+    return text
+
+
+def counts(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 0, e.g. worker counts 0,1,2."""
+    return [non_negative_int(part.strip()) for part in text.split(",")]
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitrain", description="Train Vision Transformers fast.")
+    parser = _Parser(prog="vitrain", description="Train Vision Transformers fast.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
@@ -77,10 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--root", default=None, help="face models: identity folders (or a .zip) the pairs name")
     evaluate.add_argument("--out", default=None, help="face models: where verification.json and the ROC plot go")
     evaluate.add_argument(
-        "--show", type=int, default=0, metavar="N", help="detection: draw N validation images' detections as PNGs"
+        "--show",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="detection: draw N validation images' detections as PNGs",
     )
     evaluate.add_argument(
-        "--min-score", type=float, default=0.5, metavar="S", help="detection, with --show: draw detections >= S"
+        "--min-score",
+        type=non_negative_float,
+        default=0.5,
+        metavar="S",
+        help="detection, with --show: draw detections >= S",
     )
     evaluate.set_defaults(func=_eval)
 
@@ -88,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="write a checkpoint's weights as one fp32 model.safetensors + config, or an ONNX graph"
     )
     export.add_argument("checkpoint", help="a step directory (runs/NAME/checkpoints/step_00000100) or a run directory")
-    export.add_argument("out", help="output directory")
+    export.add_argument("out", type=non_empty, help="output directory")
     export.add_argument(
         "overrides",
         nargs="*",
@@ -105,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--tolerance",
-        type=float,
+        type=non_negative_float,
         default=1e-4,
         help="onnx: the largest |output difference| allowed, x max(1, largest |output|) (default 1e-4)",
     )
@@ -117,14 +169,20 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--config", help="take strategy, wrap, checkpointing, offload, precision, batch and stages from a recipe"
     )
-    estimate.add_argument("--devices", type=int, nargs="+", help="processes (several: a grid of presets x devices)")
+    estimate.add_argument(
+        "--devices", type=positive_int, nargs="+", help="processes (several: a grid of presets x devices)"
+    )
     estimate.add_argument("--strategy", choices=["single", "ddp", "zero1", "zero2", "zero3"])
     estimate.add_argument("--wrap", choices=["block", "sublayer", "model"])
     estimate.add_argument("--offload", action="store_true", default=None, help="sharded states in host memory")
     estimate.add_argument("--ac", action="store_true", default=None, help="per-block activation checkpointing")
-    estimate.add_argument("--batch", type=int, help="images (clips for a video preset) per device and step (default 1)")
+    estimate.add_argument(
+        "--batch", type=positive_int, help="images (clips for a video preset) per device and step (default 1)"
+    )
     estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="fp32, or amp_o2 in this dtype")
-    estimate.add_argument("--pipeline-stages", type=int, help="blocks split into this many stages, one per process")
+    estimate.add_argument(
+        "--pipeline-stages", type=positive_int, help="blocks split into this many stages, one per process"
+    )
     estimate.add_argument(
         "--build",
         choices=["whole", "sharded"],
@@ -132,13 +190,13 @@ def _parser() -> argparse.ArgumentParser:
         "(parallel.sharded_init=true under zero2/zero3)",
     )
     estimate.add_argument(
-        "--baseline-gib", type=float, default=0.0, help="per-process memory besides the model (CPU: ~0.33)"
+        "--baseline-gib", type=non_negative_float, default=0.0, help="per-process memory besides the model (CPU: ~0.33)"
     )
-    estimate.add_argument("--image-size", type=int, help="instead of the presets' own")
-    estimate.add_argument("--patch-size", type=int, help="instead of the presets' own")
+    estimate.add_argument("--image-size", type=positive_int, help="instead of the presets' own")
+    estimate.add_argument("--patch-size", type=positive_int, help="instead of the presets' own")
     estimate.add_argument("--from", dest="first", metavar="PRESET", help="the table starts at this preset")
     estimate.add_argument(
-        "--memory", type=float, nargs="+", default=[80.0], help="GiB per device (several: marks in a grid)"
+        "--memory", type=positive_float, nargs="+", default=[80.0], help="GiB per device (several: marks in a grid)"
     )
     estimate.add_argument(
         "--largest", action="store_true", help="the largest ViT on the presets' proportions that fits in --memory"
@@ -157,9 +215,11 @@ def _parser() -> argparse.ArgumentParser:
         "src", metavar="SRC", help="ImageFolder tree (<split>/<class>/<image>), identity folders, or a .zip of one"
     )
     prepare.add_argument("dst", metavar="DST", help="output folder; rerun the same command to resume")
-    prepare.add_argument("--size", type=int, default=None, help="resize to S x S (default: the images' own size)")
-    prepare.add_argument("--workers", type=int, default=2, help="decoding processes (default 2)")
-    prepare.add_argument("--shard-size", type=int, default=2048, help="images per shard file (default 2048)")
+    prepare.add_argument(
+        "--size", type=positive_int, default=None, help="resize to S x S (default: the images' own size)"
+    )
+    prepare.add_argument("--workers", type=positive_int, default=2, help="decoding processes (default 2)")
+    prepare.add_argument("--shard-size", type=positive_int, default=2048, help="images per shard file (default 2048)")
     prepare.add_argument("--channels", type=int, choices=(1, 3), default=None, help="default: 1 if all grey")
     prepare.add_argument(
         "--identities",
@@ -173,8 +233,12 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("src", metavar="SRC", help="ImageFolder tree (<split>/<class>/<image>), identity folders, a .zip")
     pack.add_argument("out", metavar="OUT", help="output folder; rerun the same command to resume (shards)")
     pack.add_argument("--format", choices=("shards", "recordio"), required=True, help="WebDataset tars or RecordIO")
-    pack.add_argument("--shard-samples", type=int, default=10_000, help="samples per tar shard (default 10000)")
-    pack.add_argument("--workers", type=int, default=2, help="processes writing shards in parallel (default 2)")
+    pack.add_argument(
+        "--shard-samples", type=positive_int, default=10_000, help="samples per tar shard (default 10000)"
+    )
+    pack.add_argument(
+        "--workers", type=positive_int, default=2, help="processes writing shards in parallel (default 2)"
+    )
     pack.add_argument("--identities", action="store_true", help="SRC is a face set: one folder per identity")
     pack.add_argument(
         "--video", action="store_true", help="SRC is a video tree (<class>/<clip>.mp4): one shard sample per clip"
@@ -201,13 +265,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, then overrides")
     run.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         default=None,
         help="timed optimizer steps (default 5; ladder rows 3, 20 on a GPU; peers: rounds, 7)",
     )
     run.add_argument(
         "--warmup",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="untimed steps first (default 2; ladder and scaling rows 2, 5 on a GPU; peers 3)",
     )
@@ -234,13 +298,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int,
         default=None,
         help="--ladder/--scaling: processes per row (default: 2 on a CPU, the GPUs on CUDA; scaling: the cores)",
     )
     run.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=None,
         help="--ladder/--scaling: run every row this many times, rows taking turns; median and spread (default 1; 3)",
     )
@@ -252,19 +316,24 @@ def _parser() -> argparse.ArgumentParser:
     loader.add_argument("--folder", required=True, help="the same images as an ImageFolder tree (or .zip)")
     loader.add_argument("--shards", default=None, help="the same images packed as shards: rows per source instead")
     loader.add_argument("--recordio", default=None, help="the same images packed as RecordIO (with --shards)")
-    loader.add_argument("--workers", default="0,1,2", help="with --shards: worker counts to time (default 0,1,2)")
-    loader.add_argument("--batches", type=int, default=60, help="timed batches per loader (default 60)")
-    loader.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
-    loader.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported (default 3)")
+    loader.add_argument(
+        "--workers", type=counts, default=[0, 1, 2], help="with --shards: worker counts to time (default 0,1,2)"
+    )
+    loader.add_argument("--batches", type=positive_int, default=60, help="timed batches per loader (default 60)")
+    loader.add_argument("--warmup", type=non_negative_int, default=5, help="untimed batches first (default 5)")
+    loader.add_argument(
+        "--rounds", type=positive_int, default=3, help="alternating rounds; medians reported (default 3)"
+    )
     loader.add_argument("--out", default=None, help="also write the result as JSON to this file")
     loader.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="e.g. train.batch_size=256 data.hflip=0.5")
     loader.set_defaults(func=_bench_loader)
     lr_find = sub.add_parser("lr-find", help="lr range test: writes lr_find.csv, a plot and a suggested lr")
     lr_find.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, overrides")
-    lr_find.add_argument("--start", type=float, default=1e-7, help="first learning rate (default 1e-7)")
-    lr_find.add_argument("--end", type=float, default=10.0, help="last learning rate (default 10)")
+    lr_find.add_argument("--start", type=positive_float, default=1e-7, help="first learning rate (default 1e-7)")
+    lr_find.add_argument("--end", type=positive_float, default=10.0, help="last learning rate (default 10)")
     lr_find.add_argument("--steps", type=int, default=100, help="number of steps (default 100)")
     lr_find.add_argument("--out", default=None, help="output folder (default: <log.out_dir>/<name>-lr-find)")
+    lr_find.add_argument("--overwrite", action="store_true", help="replace lr_find.csv and .png already in --out")
     lr_find.set_defaults(func=_lr_find)
 
     bench_optim = bench_sub.add_parser("optim", help="time one optimizer step per kernel (loop/foreach/fused/flat)")
@@ -279,7 +348,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="muon only: the dtype of its Newton-Schulz matmuls (a bf16 run uses bfloat16; default float32)",
     )
-    bench_optim.add_argument("--steps", type=int, default=20, help="timed steps per kernel (median reported)")
+    bench_optim.add_argument("--steps", type=positive_int, default=20, help="timed steps per kernel (median reported)")
     bench_optim.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench_optim.set_defaults(func=_bench_optim)
 
@@ -393,9 +462,11 @@ def _export(args: argparse.Namespace) -> int:
     from vitrain import checkpoint as ckpt
     from vitrain.config import load_config, trusted_values
     from vitrain.engine.protocol import load_model_weights
+    from vitrain.files import check_export_folder
     from vitrain.tasks import build_task
-    from vitrain.weights import export
+    from vitrain.weights import EXPORT_FILES, export
 
+    check_export_folder(Path(args.out), args.overwrite, EXPORT_FILES[args.format])  # before a checkpoint is read
     path = ckpt.resolve(Path(args.checkpoint))
     # The checkpoint's config names no code the command line does not (vitrain/trust.py); its data is not read.
     meta = ckpt.read_meta(path)
@@ -437,20 +508,23 @@ def _estimate(args: argparse.Namespace) -> int:
     devices = args.devices or [1]
     header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **setting}.items())
     fields = {"image_size": args.image_size, "patch_size": args.patch_size}
+    # The whole answer is made before any of it is printed: a refused setting prints only its error line.
     if args.largest:
         base = {k: v for k, v in fields.items() if v}
-        print(f"memory per device with AdamW ({header})")
-        print(largest(args.memory[0], base, devices=devices[0], **setting))
+        title = f"memory per device with AdamW ({header})"
+        body = largest(args.memory[0], base, devices=devices[0], **setting)
     elif len(devices) > 1:
-        print(f"peak memory per device with AdamW ({header})")
-        print(grid(devices, args.memory, preset_models(args.first, **fields), **setting))
+        title = f"peak memory per device with AdamW ({header})"
+        body = grid(devices, args.memory, preset_models(args.first, **fields), **setting)
     elif args.preset is None:
-        print(f"memory per device with AdamW ({header})")
-        print(table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting))
+        title = f"memory per device with AdamW ({header})"
+        body = table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting)
     else:
         model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
-        print(f"{args.preset}: memory per device with AdamW ({header})")
-        print(breakdown(model, args.memory[0], devices=devices[0], **setting))
+        title = f"{args.preset}: memory per device with AdamW ({header})"
+        body = breakdown(model, args.memory[0], devices=devices[0], **setting)
+    print(title)
+    print(body)
     return 0
 
 
@@ -627,8 +701,7 @@ def _bench_loader(args: argparse.Namespace) -> int:
     if args.shards:
         sources = {"folder": args.folder, "prepared": args.prepared, "shards": args.shards}
         sources |= {"recordio": args.recordio} if args.recordio else {}
-        workers = [int(w) for w in args.workers.split(",")]
-        result = bench_sources(sources, workers, args.overrides, args.batches, args.warmup, args.rounds)
+        result = bench_sources(sources, args.workers, args.overrides, args.batches, args.warmup, args.rounds)
         print(format_rows(result))
     else:
         result = bench_loader(args.prepared, args.folder, args.overrides, args.batches, args.warmup, args.rounds)
@@ -672,7 +745,7 @@ def _lr_find(args: argparse.Namespace) -> int:
     cfg = _load(args.args)
     out = Path(args.out) if args.out else cfg.run_dir.with_name(f"{cfg.name}-lr-find")
     try:
-        result = lr_range_test(cfg, args.start, args.end, args.steps, out)
+        result = lr_range_test(cfg, args.start, args.end, args.steps, out, overwrite=args.overwrite)
         is_main = rank() == 0
     finally:
         shutdown()

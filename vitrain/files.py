@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from vitrain.errors import CheckpointError
@@ -35,18 +36,30 @@ def atomic_write(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def check_export_folder(out_dir: Path, overwrite: bool, file: str) -> None:
-    """Refuse, before anything is written, an output that is a file, already holds `file`, or is not writable."""
+def folder_problem(out_dir: Path) -> str | None:
+    """Why files cannot be written into the folder `out_dir` (None: they can): it is a file, lies under a file, or
+    its nearest existing folder is not writable."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"export: {out_dir} is a file, not a folder; give a folder to write {file} into")
-    if (out_dir / file).exists() and not overwrite:
-        raise CheckpointError(
-            f"export: {out_dir} already holds {file}; pass --overwrite to replace it or choose another folder"
-        )
+        return f"{out_dir} is a file, not a folder"
     existing = out_dir
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is a file); choose another folder")
+        return f"cannot write to {out_dir} ({existing} is a file)"
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise CheckpointError(f"export: cannot write to {out_dir} ({existing} is not writable); choose another folder")
+        return f"cannot write to {out_dir} ({existing} is not writable)"
+    return None
+
+
+def check_export_folder(out_dir: Path, overwrite: bool, files: Sequence[str]) -> None:
+    """Refuse, before anything is written, an output that is a file, already holds any of `files` (the files the
+    export writes), or is not writable."""
+    problem = folder_problem(out_dir)
+    if problem is not None:
+        raise CheckpointError(f"export: {problem}; choose another folder to write {files[0]} into")
+    held = [file for file in files if (out_dir / file).exists()]
+    if held and not overwrite:
+        raise CheckpointError(
+            f"export: {out_dir} already holds {', '.join(held)}; pass --overwrite to replace "
+            f"{'it' if len(held) == 1 else 'them'} or choose another folder"
+        )

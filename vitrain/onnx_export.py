@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import math
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ from vitrain.errors import CheckpointError, ConfigError
 from vitrain.files import atomic_write, check_export_folder
 
 ONNX_FILE = "model.onnx"
+# What an export writes: the graph, its weights beside it when they are large (EXTERNAL_DATA_BYTES), the config.
+ONNX_FILES = (ONNX_FILE, f"{ONNX_FILE}.data", "config.yaml")
 OPSET = 18
 INPUT = "images"
 # What the graph's output is called: a classifier's logits, the face task's embeddings (before their L2 norm), or
@@ -69,7 +72,7 @@ def export_checked(
 ) -> tuple[Path, Parity | None]:
     """`vitrain export --format onnx`: OUT/model.onnx (`export_onnx`) and OUT/config.yaml beside it (the input size
     and data.mean/std a deployment preprocesses with); an unwritable or occupied OUT is refused first."""
-    check_export_folder(out_dir, overwrite, ONNX_FILE)
+    check_export_folder(out_dir, overwrite, ONNX_FILES)
     path, parity = export_onnx(model, cfg, out_dir, tolerance)
     atomic_write(out_dir / "config.yaml", to_yaml(cfg).encode())
     return path, parity
@@ -80,8 +83,8 @@ def export_onnx(model: nn.Module, cfg: Config, out_dir: Path, tolerance: float =
     check it: the largest |difference| between onnxruntime's and PyTorch's outputs on random images at two batch
     sizes must stay within `tolerance` x max(1, largest |output|), or nothing is written. Returns the file and the
     check (None without onnxruntime). The caller has refused an unwritable or occupied OUT already."""
-    if tolerance < 0:
-        raise ConfigError(f"export --tolerance {tolerance:g} must be >= 0, e.g. 1e-4")
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise ConfigError(f"export --tolerance {tolerance:g} must be >= 0 and finite, e.g. 1e-4")
     if importlib.util.find_spec("onnxscript") is None:
         raise ConfigError("export --format onnx needs onnxscript (torch.onnx's exporter): pip install 'vitrain[onnx]'")
     m = cfg.model

@@ -13,9 +13,16 @@ from torch import nn
 from vitrain.config import Config, ModelConfig, to_yaml
 from vitrain.errors import CheckpointError
 from vitrain.files import atomic_write, check_export_folder
+from vitrain.onnx_export import ONNX_FILES
 
 FORMATS = ("vitrain", "timm", "onnx")  # onnx: vitrain/onnx_export.py
 WEIGHTS_FILE = "model.safetensors"
+# Every file an export of each format writes into its folder: an existing one is replaced only with --overwrite.
+EXPORT_FILES = {
+    "vitrain": (WEIGHTS_FILE, "config.yaml"),
+    "timm": (WEIGHTS_FILE, "config.yaml", "timm.json"),
+    "onnx": ONNX_FILES,
+}
 # Sub-keys under which training scripts (timm's included) nest a state dict in .pt/.pth files.
 _NESTED_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
 
@@ -85,7 +92,7 @@ def export(
         )
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
-    check_export_folder(out_dir, overwrite, WEIGHTS_FILE)
+    check_export_folder(out_dir, overwrite, EXPORT_FILES[fmt])
     state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     tmp = out_dir / f".{WEIGHTS_FILE}.tmp"

@@ -38,6 +38,7 @@ import torch
 from vitrain.bench.spread import format_spread, paired_ratio, spread
 from vitrain.bench.step import IMAGENET_SHAPED
 from vitrain.device import cpu_description, cpu_gemm_peaks
+from vitrain.errors import ConfigError
 
 # The ladder's model when no config is given: ViT-Ti/16 at 224 px on synthetic ImageNet-shaped data.
 DEFAULT_BASE = ["name=ladder", "model.preset=vit_tiny_patch16", *IMAGENET_SHAPED]
@@ -255,6 +256,7 @@ def default_nproc(device: str) -> int:
 def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     from vitrain.config import load_config, resolve_config_path, to_yaml
 
+    asked = {row.name for row in asked_for(rows(), args.rows)}  # a --rows entry naming no row: refused first
     cfg = load_config(resolve_config_path(name) if name else None, (DEFAULT_BASE if name is None else []) + overrides)
     device = "cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu"
     nproc = args.nproc or default_nproc(device)
@@ -309,11 +311,10 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
         print(
             f"  bf16 is emulated on this CPU ({emulated}): the rows that compute in bf16 are skipped", file=sys.stderr
         )
-    asked = asked_for(table_rows, args.rows)
     runnable = []
     for row in table_rows:
         reason = row.needs(ctx) or _emulated(row, ctx)
-        if not reason and row not in asked:
+        if not reason and row.name not in asked:
             reason = f"not asked for (--rows {args.rows})"
         if reason:
             row.status = f"skipped: {reason}"
@@ -343,11 +344,15 @@ def main(name: str | None, overrides: list[str], args: argparse.Namespace) -> in
 
 def asked_for(table_rows: list[Row], spec: str | None) -> list[Row]:
     """The rows `--rows` names (every row without it): a row's whole name picks that row alone, any other text
-    every row whose name contains it."""
+    every row whose name contains it; text that is in no row's name is refused, with the names listed."""
     wanted = [w.strip() for w in (spec or "").split(",") if w.strip()]
     if not wanted:
         return list(table_rows)
     names = {row.name for row in table_rows}
+    unmatched = [w for w in wanted if not any(w in name for name in names)]
+    if unmatched:
+        listed = "; ".join(row.name for row in table_rows)
+        raise ConfigError(f"--rows {','.join(unmatched)} matches no ladder row; the rows: {listed}")
     return [r for r in table_rows if any(w == r.name or (w not in names and w in r.name) for w in wanted)]
 
 

@@ -22,6 +22,7 @@ from vitrain.errors import ConfigError
 
 # CIFAR-style training augmentation unless overridden: random crop after 4-pixel padding, flip, normalization.
 DEFAULT_AUGMENT = ["data.crop_padding=4", "data.hflip=0.5", "data.mean=[0.49,0.48,0.45]", "data.std=[0.25,0.24,0.26]"]
+GREY_NORMALIZE = ["data.mean=[0.47]", "data.std=[0.25]"]  # grey prepared data: one channel, DEFAULT_AUGMENT's average
 
 
 def bench_loader(
@@ -31,7 +32,7 @@ def bench_loader(
 
     Alternating keeps a load change on a shared machine from favouring whichever loader ran first.
     """
-    manifest = read_manifest(Path(prepared).expanduser())
+    manifest = read_manifest(Path(prepared).expanduser(), "--prepared")
     shape = [
         f"model.image_size={manifest['size']}",
         f"model.in_chans={manifest['channels']}",
@@ -40,12 +41,13 @@ def bench_loader(
         "train.batch_size=256",
         "log.progress=false",
     ]
-    common = shape + DEFAULT_AUGMENT + list(overrides)
+    augment = DEFAULT_AUGMENT + (GREY_NORMALIZE if manifest["channels"] == 1 else [])  # the later value wins
+    common = shape + augment + list(overrides)
     fast_cfg = load_config(overrides=common + ["data.source=prepared", f"data.root={prepared}", "data.loader=fast"])
     plain_cfg = load_config(overrides=common + ["data.source=folder", f"data.root={folder}", "data.loader=plain"])
     device = torch.device("cpu")
     result: dict[str, Any] = {
-        "augmentation_overrides": DEFAULT_AUGMENT + list(overrides),
+        "augmentation_overrides": augment + list(overrides),
         "batch_size": fast_cfg.train.batch_size,
         "timed_batches": batches,
         "torch_threads": torch.get_num_threads(),

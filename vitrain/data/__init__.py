@@ -28,7 +28,10 @@ def check(cfg: Config) -> None:
     if d.source == "folder" and not d.root:
         raise ConfigError("data.source=folder needs data.root=PATH (an ImageFolder tree or a .zip of one)")
     if len(d.mean) not in (1, m.in_chans) or len(d.std) not in (1, m.in_chans):
-        raise ConfigError(f"data.mean and data.std need 1 or model.in_chans={m.in_chans} values")
+        raise ConfigError(
+            f"data.mean={list(d.mean)} and data.std={list(d.std)} need 1 or model.in_chans={m.in_chans} values each; "
+            f"set them to match, e.g. data.mean=[0.5] data.std=[0.5]"
+        )
     if any(s <= 0 for s in d.std):
         raise ConfigError(f"data.std={list(d.std)} must be positive")
     if not 0.0 < d.val_fraction < 1.0:

@@ -35,7 +35,7 @@ from vitrain.data.sources import (
     location,
 )
 from vitrain.errors import DataError
-from vitrain.files import atomic_write
+from vitrain.files import atomic_write, folder_problem
 
 PLAN = "plan.json"
 KNOWN_SPLITS = ("train", "val", "valid", "validation", "test")
@@ -80,6 +80,11 @@ def prepare(
         raise DataError(f"prepare source {src} does not exist; give an ImageFolder tree or a .zip of one")
     if shard_size <= 0 or workers <= 0:
         raise DataError(f"--shard-size={shard_size} and --workers={workers} must be positive")
+    if size is not None and size <= 0:
+        raise DataError(f"--size={size} must be >= 1; leave it out to keep the images' own size")
+    problem = folder_problem(dst)
+    if problem is not None:
+        raise DataError(f"prepare output {problem}; give a new or empty folder (or the one to resume) as DST")
     if identities:
         tree = open_face_tree(src)
         splits, classes = {IDENTITIES_SPLIT: tree.files}, tree.identities

@@ -52,10 +52,16 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(root: Path) -> dict[str, Any]:
+def read_manifest(root: Path, key: str = "data.root") -> dict[str, Any]:
+    """The manifest of the prepared folder `root` (`key`: the config key or flag that named it, for the error)."""
     path = root / MANIFEST
     try:
         manifest = json.loads(path.read_text())
+    except NotADirectoryError:
+        raise DataError(
+            f"{key}={root} is a file; prepared data is a folder made by `vitrain data prepare SRC DIR` (an image "
+            "tree or .zip is read as it is by data.source=folder)"
+        ) from None
     except FileNotFoundError:
         raise DataError(f"{root} is not prepared data (no {MANIFEST}); run `vitrain data prepare SRC {root}`") from None
     except json.JSONDecodeError as exc:

@@ -11,9 +11,12 @@ from pathlib import Path
 from vitrain.config import Config
 from vitrain.data.loader import endless
 from vitrain.engine.trainer import Trainer
+from vitrain.errors import ConfigError
+from vitrain.files import folder_problem
 from vitrain.parallel.distributed import rank
 from vitrain.precision import TrainingDiverged
 
+OUTPUT_FILES = ("lr_find.csv", "lr_find.png")
 SMOOTHING = 0.9  # exponential moving average of the loss, bias-corrected
 DIVERGENCE_FACTOR = 4.0  # stop once the smoothed loss exceeds 4x its minimum
 
@@ -41,20 +44,29 @@ def suggest_lr(lrs: list[float], smoothed: list[float]) -> float:
     return lrs[steepest + 1]
 
 
-def lr_range_test(cfg: Config, start_lr: float, end_lr: float, num_steps: int, out_dir: Path) -> LRFindResult:
+def lr_range_test(
+    cfg: Config, start_lr: float, end_lr: float, num_steps: int, out_dir: Path, overwrite: bool = False
+) -> LRFindResult:
     """Train a fresh model from `cfg` for up to `num_steps` steps with lr from start_lr to end_lr (geometric).
 
     Collective under torchrun: every rank steps (the trainer's own step, so every engine and strategy works) and
-    reads the loss averaged over ranks, so all stop together; rank 0 writes the CSV and the plot.
+    reads the loss averaged over ranks, so all stop together; rank 0 writes the CSV and the plot. An `out_dir` that
+    is a file, or that holds an earlier test's files (without `overwrite`), is refused before anything trains.
     """
-    if not 0 < start_lr < end_lr or num_steps < 3:
-        raise ValueError("lr range test needs 0 < start_lr < end_lr and at least 3 steps")
+    if not 0 < start_lr < end_lr or num_steps < 3 or not math.isfinite(end_lr):
+        raise ValueError("lr range test needs 0 < start_lr < end_lr < inf and at least 3 steps")
+    check_output_folder(out_dir, overwrite)
     # The Trainer builds data, model, engine and optimizer exactly as training would; its run folder is not written.
     trainer = Trainer(dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(out_dir))))
     try:
         lrs, losses, smoothed = _sweep(trainer, start_lr, end_lr, num_steps)
     finally:
         trainer.close()
+    if len(lrs) < 3:
+        raise ConfigError(
+            f"lr-find stopped after {len(lrs)} usable step(s) of {num_steps} (the loss diverged or was not finite), "
+            f"too few to suggest an lr from; lower --start={start_lr:g} and --end={end_lr:g}"
+        )
     suggested = suggest_lr(lrs, smoothed)
     csv_path, plot_path = out_dir / "lr_find.csv", None
     if rank() == 0:
@@ -63,6 +75,19 @@ def lr_range_test(cfg: Config, start_lr: float, end_lr: float, num_steps: int, o
         csv_path.write_text("lr,loss,smoothed_loss\n" + "\n".join(rows) + "\n")
         plot_path = _plot(lrs, losses, smoothed, suggested, out_dir / "lr_find.png")
     return LRFindResult(lrs, losses, smoothed, suggested, csv_path, plot_path)
+
+
+def check_output_folder(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an output folder that cannot be written or that holds an earlier range test (without `overwrite`)."""
+    problem = folder_problem(out_dir)
+    if problem is not None:
+        raise ConfigError(f"lr-find --out: {problem}; choose another folder")
+    held = [name for name in OUTPUT_FILES if (out_dir / name).exists()]
+    if held and not overwrite:
+        raise ConfigError(
+            f"lr-find --out: {out_dir} already holds {', '.join(held)}; pass --overwrite to replace "
+            f"{'it' if len(held) == 1 else 'them'} or choose another --out"
+        )
 
 
 def _sweep(trainer: Trainer, start_lr: float, end_lr: float, num_steps: int) -> tuple[list, list, list]:

@@ -16,8 +16,8 @@ from vitrain import checkpoint as ckpt
 from vitrain.config import Config, config_from_dict, flatten, load_config, to_dict, to_yaml, trusted_values
 from vitrain.data.loader import Position
 from vitrain.engine.cluster import requeued, slurm_job
-from vitrain.errors import CheckpointError
-from vitrain.files import atomic_write
+from vitrain.errors import CheckpointError, ConfigError
+from vitrain.files import atomic_write, folder_problem
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
 
@@ -389,3 +389,16 @@ def keep_config_history(run_dir: Path, checkpoint: Path | None, changes: dict[st
 
 def _shown(value: Any) -> str:
     return json.dumps(value)
+
+
+def check_run_home(cfg: Config) -> None:
+    """Refuse, before anything is made, a run name that is not a folder of its own inside log.out_dir (. and ..), and
+    a log.out_dir that is a file, lies under one or cannot be written."""
+    if cfg.name in (".", ".."):
+        raise ConfigError(
+            f"name={cfg.name} would put the run outside log.out_dir={cfg.log.out_dir}; give it a name of its own, e.g. "
+            "name=digits"
+        )
+    problem = folder_problem(Path(cfg.log.out_dir))
+    if problem is not None:
+        raise ConfigError(f"log.out_dir={cfg.log.out_dir}: {problem}; point log.out_dir at a folder for the runs")

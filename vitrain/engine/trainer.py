@@ -57,6 +57,7 @@ class Trainer:
         changes: dict[str, tuple] | None = None,
     ):
         self.started = time.perf_counter()  # the run's wall clock (train.time_limit_s, wall_s): setup counts
+        runs.check_run_home(cfg)
         self.cfg, self.run_dir = cfg, cfg.run_dir
         torch.manual_seed(cfg.train.seed)
         if cfg.train.threads:

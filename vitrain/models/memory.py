@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from vitrain.config import ModelConfig
 from vitrain.errors import ConfigError
 from vitrain.models import complexity
+from vitrain.models.plan import check_stages
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 BUILDS = ("whole", "sharded")
@@ -162,6 +163,7 @@ def estimate(
         raise ConfigError(f"devices={devices} and batch={batch} must be positive")
     if pipeline_stages <= 0 or devices % pipeline_stages:
         raise ConfigError(f"pipeline_stages={pipeline_stages} must divide devices={devices}")
+    check_stages(pipeline_stages, cfg.depth, "pipeline_stages")
     if offload and strategy not in ("zero2", "zero3"):
         raise ConfigError(f"offload needs strategy zero2 or zero3 (FSDP2), got {strategy}")
     w, g, o, m, a = PRECISIONS[precision]

@@ -89,6 +89,12 @@ def inside_kept(tops: list[nn.Module]) -> set[int]:
     return {id(m) for top in tops for m in list(top.modules())[1:]}
 
 
+def check_stages(stages: int, depth: int, name: str = "parallel.pipeline_stages") -> None:
+    """Every pipeline stage holds a block: more stages than model.depth are refused, naming `name`."""
+    if stages > depth:
+        raise ConfigError(f"{name}={stages} must be <= model.depth={depth}: each stage holds a block")
+
+
 def stage_blocks(depth: int, stages: int) -> list[range]:
     """The blocks of each pipeline stage: `depth // stages` each, one more for the stages after the first while the
     remainder lasts (the first stage also embeds the patches)."""

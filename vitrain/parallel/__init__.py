@@ -2,6 +2,7 @@
 
 from vitrain.config import Config
 from vitrain.errors import ConfigError
+from vitrain.models.plan import check_stages
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.distributed import (
     DistInfo,
@@ -51,8 +52,7 @@ def check(cfg: Config) -> None:
         return
     stages, depth = p.pipeline_stages, cfg.model.depth
     where = f"with parallel.pipeline_stages={stages}"
-    if stages > depth:
-        raise ConfigError(f"parallel.pipeline_stages={stages} must be <= model.depth={depth}: each stage holds a block")
+    check_stages(stages, depth)
     if p.strategy in ("single", "zero1"):
         raise ConfigError(
             f"parallel.strategy={p.strategy} {where}: the stages' replicas need parallel.strategy=ddp (gradients "
