@@ -267,3 +267,20 @@ def test_the_skip_limit_counts_both_splits(tmp_path, capsys):
         archive.writestr("test/a/broken-val.png", b"not a png either")
     line = error_line(capsys, folder_run(tmp_path, root, "data.skip_bad=2"))
     assert line.endswith("data.skip_bad=2 allows 2, this is number 3") and "test/a/broken-val.png" in line
+
+
+# ---------------------------------------------------------------------------------------------- refused resumes
+# A resume that cannot continue says why in one line and leaves the run folder as it was (fix/resume).
+
+
+def test_a_resume_whose_optimizer_state_cannot_load_names_the_value_and_changes_nothing(tmp_path, capsys):
+    overrides = tiny_overrides(tmp_path, "name=sgd", "train.max_steps=2", "optim.name=sgd", "optim.momentum=0")
+    assert main(["train", *overrides]) == 0
+    run = tmp_path / "runs" / "sgd"
+    before = snapshot(run)
+    # SGD without momentum keeps no momentum buffers: the checkpoint has none to load into optim.momentum=0.9.
+    line = error_line(capsys, ["train", "--resume", str(run), "train.max_steps=3", "optim.momentum=0.9"])
+    step = run / "checkpoints" / "step_00000002"
+    assert line.startswith(f"checkpoint {step} holds no optimizer state for optim.momentum=0.9 (saved with 0.0)")
+    assert "damaged" not in line
+    assert snapshot(run) == before

@@ -236,6 +236,13 @@ def check_resumable(path: Path, meta: dict, cfg: Config, engine: str) -> None:
         )
 
 
+def _optimizer_changes(saved_config: dict, cfg: Config) -> list[str]:
+    """The optim.* values of `cfg` that differ from a checkpoint's config, as `key=new (saved with old)`."""
+    saved, now = flatten({"optim": saved_config.get("optim") or {}}), flatten({"optim": to_dict(cfg.optim)})
+    return [f"{key}={_shown(value)} (saved with {_shown(saved[key])})" for key, value in now.items()
+            if key in saved and saved[key] != value]  # fmt: skip
+
+
 def rng_note(path: Path, saved_ranks: int, ranks: int, restored: bool) -> str | None:
     """What a resume on another number of ranks (or without saved RNG states) does with each rank's RNG."""
     if saved_ranks != ranks:
@@ -297,7 +304,16 @@ def restore(trainer: Trainer, path: Path) -> None:
     with all_or_none(f"reading checkpoint {path}"):
         meta = ckpt.read_meta(path)
         check_resumable(path, meta, trainer.cfg, trainer.engine.name)
-    restored = trainer.engine.load(path, meta)
+    try:
+        restored = trainer.engine.load(path, meta)
+    except ckpt.StateMismatch as mismatch:  # intact files, other optimizer state: name the optim.* values changed
+        changed = _optimizer_changes(meta["config"], trainer.cfg)
+        if not changed:
+            raise
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state for {', '.join(changed)}: resume with the values it was "
+            "saved with, or start a new run from its weights (`vitrain export`, then model.init_from=)"
+        ) from mismatch
     trainer.step, trainer.epoch = meta["step"], meta["epoch"]
     # Checkpoints before the loader kept its Position held the epoch's consumed samples as samples_in_epoch.
     saved = meta.get("loader") or {"epoch": meta["epoch"], "samples": meta.get("samples_in_epoch", 0)}

@@ -196,6 +196,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
+        # The checkpoint is loaded before anything in the run folder changes: a resume it refuses leaves the run as
+        # it was (its config.yaml included), and the same command without the refused change continues it.
+        if self.resume_path is not None:
+            runs.restore(self, self.resume_path)
         with all_or_none(f"writing to the run folder {self.run_dir}"):
             if self.is_main:
                 runs.write_run_files(self)
@@ -228,8 +232,6 @@ class Trainer:
 
     def _fit(self, log: RunLog) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        if self.resume_path is not None:
-            runs.restore(self, self.resume_path)
         for note in self.notes:
             log.info(note)
         if self.resume_path is not None:
