@@ -284,3 +284,25 @@ def test_a_resume_whose_optimizer_state_cannot_load_names_the_value_and_changes_
     assert line.startswith(f"checkpoint {step} holds no optimizer state for optim.momentum=0.9 (saved with 0.0)")
     assert "damaged" not in line
     assert snapshot(run) == before
+
+
+def test_resume_with_another_optimizer_names_optim_name_and_changes_nothing(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    before = snapshot(run)
+    line = error_line(capsys, ["train", "--resume", str(run), "optim.name=sgd"])
+    assert line.startswith(f'--resume: optim.name="sgd" differs from the run\'s "adamw" ({run / "config.yaml"})')
+    assert f"`vitrain export {run} OUT`, then model.init_from=OUT/model.safetensors optim.name=sgd" in line
+    assert snapshot(run) == before
+
+
+def test_a_trainer_resumed_with_another_optimizer_is_refused_before_the_run_folder_changes(tmp_path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+    from vitrain.errors import CheckpointError
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "name=lib", "train.max_steps=2"))
+    Trainer(cfg).fit()
+    before = snapshot(cfg.run_dir)
+    with pytest.raises(CheckpointError, match='optim.name="lamb" differs from the run\'s "adamw"'):
+        Trainer(load_config(None, tiny_overrides(tmp_path, "name=lib", "optim.name=lamb")), resume=True)
+    assert snapshot(cfg.run_dir) == before

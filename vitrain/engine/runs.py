@@ -20,6 +20,7 @@ from vitrain.errors import CheckpointError
 from vitrain.files import atomic_write
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
+from vitrain.weights import WEIGHTS_FILE
 
 if TYPE_CHECKING:
     from vitrain.engine.trainer import Trainer
@@ -225,9 +226,33 @@ def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
         )
 
 
-def check_resumable(path: Path, meta: dict, cfg: Config, engine: str) -> None:
-    """Refuse, in one line, a checkpoint this run cannot continue: another model or engine."""
+def check_same_optimizer(path: Path, meta: dict, cfg: Config) -> None:
+    """A checkpoint continues only its own optimizer: another optim.name keeps other state (or none of it)."""
+    saved = (meta["config"].get("optim") or {}).get("name", cfg.optim.name)
+    if saved != cfg.optim.name:
+        raise CheckpointError(optimizer_change_line(saved, cfg.optim.name, f"checkpoint {path}", ckpt.run_dir_of(path)))
+
+
+def optimizer_change_line(old: str, new: str, where: str, run_dir: Path) -> str:
+    """Why optim.name cannot change on resume, and the two ways on: the run's optimizer, or a new run from its
+    weights."""
+    return (
+        f"--resume: optim.name={_shown(new)} differs from the run's {_shown(old)} ({where}); its saved optimizer "
+        f"state cannot be loaded into {new}: resume without changing optim.name, or start a new run from its weights "
+        f"(`vitrain export {run_dir} OUT`, then model.init_from=OUT/{WEIGHTS_FILE} optim.name={new})"
+    )
+
+
+def check_same_run(path: Path, meta: dict, cfg: Config) -> None:
+    """What a checkpoint's metadata alone shows it cannot continue: another model or optimizer (before anything in
+    its run folder changes)."""
     check_same_model(path, meta, cfg)
+    check_same_optimizer(path, meta, cfg)
+
+
+def check_resumable(path: Path, meta: dict, cfg: Config, engine: str) -> None:
+    """Refuse, in one line, a checkpoint this run cannot continue: another model, optimizer or engine."""
+    check_same_run(path, meta, cfg)
     saved_engine = meta.get("engine", "native")
     if saved_engine != engine:
         raise CheckpointError(
@@ -361,6 +386,8 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
     before, after = flatten(to_dict(saved)), flatten(to_dict(resumed))
     changes = {key: (before.get(key), after[key]) for key in after if after[key] != before.get(key)}
     for key, (old, new) in changes.items():
+        if key == "optim.name":
+            raise CheckpointError(optimizer_change_line(old, new, str(saved_file), run_dir))
         if key.startswith(FROZEN_ON_RESUME) and key not in FREE_ON_RESUME:
             raise CheckpointError(
                 f"--resume: {key}={_shown(new)} differs from the run's {_shown(old)} ({saved_file}); a checkpoint "

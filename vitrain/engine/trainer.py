@@ -69,7 +69,7 @@ class Trainer:
         if self.device.type == "cpu" and cfg.train.reuse_host_memory:
             reuse_freed_host_memory()  # process-wide, from here on (vitrain/device.py)
         resume = runs.resume_choice(cfg.run_dir, resume)  # auto, a requeued SLURM job, a stopped run
-        check = lambda path, meta: runs.check_same_model(path, meta, cfg)  # noqa: E731
+        check = lambda path, meta: runs.check_same_run(path, meta, cfg)  # noqa: E731
         choice = runs.agree_on_run(self.run_dir, resume, self.is_main, check)
         self.run_dir, self.resume_path, self.is_new_run = choice.run_dir, choice.checkpoint, choice.is_new
         self.changes = changes or {}  # what a resume's command line changed in the run's config (engine/runs.py)
