@@ -306,3 +306,27 @@ def test_a_trainer_resumed_with_another_optimizer_is_refused_before_the_run_fold
     with pytest.raises(CheckpointError, match='optim.name="lamb" differs from the run\'s "adamw"'):
         Trainer(load_config(None, tiny_overrides(tmp_path, "name=lib", "optim.name=lamb")), resume=True)
     assert snapshot(cfg.run_dir) == before
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("- 1\n- 2\n", "holds a list, not the run's config (a mapping of sections)"),
+        ("", "holds nothing, not the run's config (a mapping of sections)"),
+        ("model: [1, 2\ntrain: {}\n", "is not readable YAML (expected ',' or ']', but got ':' at line 2, column 6)"),
+    ],
+)
+def test_resume_of_a_run_whose_config_yaml_is_not_a_config_names_the_file(trained, tmp_path, capsys, text, problem):
+    run = fresh_copy(trained, tmp_path)
+    (run / "config.yaml").write_text(text)
+    before = snapshot(run)
+    line = error_line(capsys, ["train", "--resume", str(run), "train.epochs=2"])
+    assert line.startswith(f"--resume: {run / 'config.yaml'} {problem}; restore it from a copy")
+    assert snapshot(run) == before
+
+
+def test_resume_of_a_run_without_its_config_yaml_says_it_is_missing(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    (run / "config.yaml").unlink()
+    line = error_line(capsys, ["train", "--resume", str(run)])
+    assert line.startswith(f"--resume: {run / 'config.yaml'} is missing from the run folder; restore it from a copy")

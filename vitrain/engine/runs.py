@@ -373,14 +373,24 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
     if run_dir.name == ckpt.CHECKPOINT_DIR:
         run_dir = run_dir.parent
     saved_file = run_dir / "config.yaml"
-    if not saved_file.is_file():  # a run that never started (or no run: choose_run says so): the given config
-        return load_config(base=to_dict(cfg)), {}
+    restore_it = (
+        'restore it from a copy (each checkpoint\'s meta.json holds the config it was saved with, under "config")'
+    )
+    if not saved_file.is_file():
+        if ckpt.step_dirs(run_dir):  # config.yaml is written as a run starts, before its first checkpoint
+            raise CheckpointError(f"--resume: {saved_file} is missing from the run folder; {restore_it}")
+        return load_config(base=to_dict(cfg)), {}  # a run that never started (or no run: choose_run says so)
     try:
         saved_raw = yaml.safe_load(saved_file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise CheckpointError(
-            f"--resume: {saved_file} is not readable YAML ({error}); restore it from a copy"
+            f"--resume: {saved_file} is not readable YAML ({_yaml_problem(error)}); {restore_it}"
         ) from None
+    if not isinstance(saved_raw, dict):
+        raise CheckpointError(
+            f"--resume: {saved_file} holds {_kind(saved_raw)}, not the run's config (a mapping of sections); "
+            + restore_it
+        )
     saved = load_config(base=saved_raw, check=False)  # what the run had; the config that runs is checked below
     resumed = load_config(base=saved_raw, overrides=overrides)
     before, after = flatten(to_dict(saved)), flatten(to_dict(resumed))
@@ -395,6 +405,19 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
                 "new run without --resume"
             )
     return resumed, {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else f"a {type(value).__name__}"
+
+
+def _yaml_problem(error: Exception) -> str:
+    """What is wrong with a YAML file and where, in a few words (YAML's own message spans several lines)."""
+    if isinstance(error, UnicodeDecodeError):
+        return "not UTF-8 text"
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(error, 'problem', None) or type(error).__name__}{where}"
 
 
 def change_lines(changes: dict[str, tuple]) -> list[str]:
