@@ -330,3 +330,13 @@ def test_resume_of_a_run_without_its_config_yaml_says_it_is_missing(trained, tmp
     (run / "config.yaml").unlink()
     line = error_line(capsys, ["train", "--resume", str(run)])
     assert line.startswith(f"--resume: {run / 'config.yaml'} is missing from the run folder; restore it from a copy")
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_left_and_keeps_its_summary(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    summary = (run / "summary.json").read_bytes()
+    steps = json.loads(summary)["steps"]
+    assert main(["train", "--resume", str(run)]) == 0
+    said = f"{run} already finished its 1 epochs (step {steps}): nothing left to train; to train longer, resume with "
+    assert said + "train.epochs=<more than 1>" in capsys.readouterr().err
+    assert (run / "summary.json").read_bytes() == summary
