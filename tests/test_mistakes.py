@@ -340,3 +340,11 @@ def test_resume_of_a_finished_run_says_there_is_nothing_left_and_keeps_its_summa
     said = f"{run} already finished its 1 epochs (step {steps}): nothing left to train; to train longer, resume with "
     assert said + "train.epochs=<more than 1>" in capsys.readouterr().err
     assert (run / "summary.json").read_bytes() == summary
+
+
+def test_a_recipe_named_beside_resume_path_is_refused_not_ignored(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    before = snapshot(run)
+    line = error_line(capsys, ["train", "face-orl", "--resume", str(run)])
+    assert line.startswith(f"--resume {run} continues that run with its own config.yaml, not face-orl's: drop face-orl")
+    assert snapshot(run) == before
