@@ -47,6 +47,9 @@ def main() -> int:
         shutil.copytree(run, cut)
         cut_step = sorted((cut / "checkpoints").glob("step_*"))[-1]
         (cut_step / "COMPLETE").unlink()
+        no_config = work / "runs" / "no-config"
+        shutil.copytree(run, no_config)
+        (no_config / "config.yaml").unlink()
         zip_path = zip_with_bad_images(work / "images.zip", bad=1)
         out = work / "out"
         assert vitrain("export", str(run), str(out), cwd=work).returncode == 0
@@ -79,6 +82,9 @@ def main() -> int:
             ("--resume of a run that does not exist", ["train", "--resume", "runs/nothing"]),
             ("--resume with another model", ["train", "--resume", str(run), "model.depth=3"]),
             ("--resume with another seed (data order)", ["train", "--resume", str(run), "train.seed=1"]),
+            ("--resume with another optimizer", ["train", "--resume", str(run), "optim.name=sgd"]),
+            ("a recipe beside --resume RUN", ["train", "face-orl", "--resume", str(run)]),
+            ("--resume of a run whose config.yaml is gone", ["train", "--resume", str(no_config)]),
             ("eval of a damaged checkpoint", ["eval", str(damaged)]),
             ("eval of a step whose write was cut short", ["eval", str(cut_step)]),
             ("eval of a file", ["eval", str(a_file)]),
@@ -92,8 +98,9 @@ def main() -> int:
             ("estimate of a misspelt preset", ["estimate", "vit_hgue_patch14"]),
         ]
         rows = []
-        names = {str(newest): "STEP", str(cut_step): "STEP", str(damaged): "RUN", str(run): "RUN",
-                 str(zip_path): "ZIP", str(out): "OUT", str(a_file): "FILE", str(work): "."}  # fmt: skip
+        names = {str(newest): "STEP", str(cut_step): "STEP", str(damaged): "RUN", str(no_config): "RUN",
+                 str(run): "RUN", str(zip_path): "ZIP", str(out): "OUT", str(a_file): "FILE",
+                 str(work): "."}  # fmt: skip
         for what, args in cases:
             result = vitrain(*args, cwd=work)
             lines = [line for line in result.stderr.splitlines() if line.startswith("vitrain: error:")]
@@ -119,6 +126,8 @@ def main() -> int:
         "  kept as `config.before-resume-at-step_N.yaml` and the change in `config_history.jsonl`.",
         "- A damaged newest checkpoint (a file that does not match its XXH3-64) is skipped by `--resume`, which says",
         "  so and continues from the step before it; the damaged step is moved aside as `superseded-step_N`.",
+        "- `--resume` of a run that already trained all its epochs says there is nothing left to train (and how to",
+        "  train longer: `train.epochs=<more>`), keeps its `summary.json` and exits 0.",
         "- `parallel.strategy=ddp|zero1|zero2|zero3` without torchrun runs as one process and says so in the log.",
         "- `data.skip_bad=N` lets a folder or zip source skip up to N undecodable images, each named in `log.txt` and",
         "  counted in `summary.json` (`skipped_files`); files without an image suffix are never read and are counted",

@@ -438,3 +438,84 @@ def test_a_normalization_of_the_wrong_length_names_the_values_and_how_to_set_the
         "data.mean=[0.1, 0.2, 0.3] and data.std=[0.5] need 1 or model.in_chans=1 values each; set them to match, e.g. "
         "data.mean=[0.5] data.std=[0.5]"
     )
+
+
+# ---------------------------------------------------------------------------------------------- refused resumes
+# A resume that cannot continue says why in one line and leaves the run folder as it was.
+
+
+def test_a_resume_whose_optimizer_state_cannot_load_names_the_value_and_changes_nothing(tmp_path, capsys):
+    overrides = tiny_overrides(tmp_path, "name=sgd", "train.max_steps=2", "optim.name=sgd", "optim.momentum=0")
+    assert main(["train", *overrides]) == 0
+    run = tmp_path / "runs" / "sgd"
+    before = snapshot(run)
+    # SGD without momentum keeps no momentum buffers: the checkpoint has none to load into optim.momentum=0.9.
+    line = error_line(capsys, ["train", "--resume", str(run), "train.max_steps=3", "optim.momentum=0.9"])
+    step = run / "checkpoints" / "step_00000002"
+    assert line.startswith(f"checkpoint {step} holds no optimizer state for optim.momentum=0.9 (saved with 0.0)")
+    assert "damaged" not in line
+    assert snapshot(run) == before
+
+
+def test_resume_with_another_optimizer_names_optim_name_and_changes_nothing(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    before = snapshot(run)
+    line = error_line(capsys, ["train", "--resume", str(run), "optim.name=sgd"])
+    assert line.startswith(f'--resume: optim.name="sgd" differs from the run\'s "adamw" ({run / "config.yaml"})')
+    assert f"`vitrain export {run} OUT`, then model.init_from=OUT/model.safetensors optim.name=sgd" in line
+    assert snapshot(run) == before
+
+
+def test_a_trainer_resumed_with_another_optimizer_is_refused_before_the_run_folder_changes(tmp_path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+    from vitrain.errors import CheckpointError
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "name=lib", "train.max_steps=2"))
+    Trainer(cfg).fit()
+    before = snapshot(cfg.run_dir)
+    with pytest.raises(CheckpointError, match='optim.name="lamb" differs from the run\'s "adamw"'):
+        Trainer(load_config(None, tiny_overrides(tmp_path, "name=lib", "optim.name=lamb")), resume=True)
+    assert snapshot(cfg.run_dir) == before
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("- 1\n- 2\n", "holds a list, not the run's config (a mapping of sections)"),
+        ("", "holds nothing, not the run's config (a mapping of sections)"),
+        ("model: [1, 2\ntrain: {}\n", "is not readable YAML (expected ',' or ']', but got ':' at line 2, column 6)"),
+    ],
+)
+def test_resume_of_a_run_whose_config_yaml_is_not_a_config_names_the_file(trained, tmp_path, capsys, text, problem):
+    run = fresh_copy(trained, tmp_path)
+    (run / "config.yaml").write_text(text)
+    before = snapshot(run)
+    line = error_line(capsys, ["train", "--resume", str(run), "train.epochs=2"])
+    assert line.startswith(f"--resume: {run / 'config.yaml'} {problem}; restore it from a copy")
+    assert snapshot(run) == before
+
+
+def test_resume_of_a_run_without_its_config_yaml_says_it_is_missing(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    (run / "config.yaml").unlink()
+    line = error_line(capsys, ["train", "--resume", str(run)])
+    assert line.startswith(f"--resume: {run / 'config.yaml'} is missing from the run folder; restore it from a copy")
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_left_and_keeps_its_summary(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    summary = (run / "summary.json").read_bytes()
+    steps = json.loads(summary)["steps"]
+    assert main(["train", "--resume", str(run)]) == 0
+    said = f"{run} already finished its 1 epochs (step {steps}): nothing left to train; to train longer, resume with "
+    assert said + "train.epochs=<more than 1>" in capsys.readouterr().err
+    assert (run / "summary.json").read_bytes() == summary
+
+
+def test_a_recipe_named_beside_resume_path_is_refused_not_ignored(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    before = snapshot(run)
+    line = error_line(capsys, ["train", "face-orl", "--resume", str(run)])
+    assert line.startswith(f"--resume {run} continues that run with its own config.yaml, not face-orl's: drop face-orl")
+    assert snapshot(run) == before

@@ -119,6 +119,11 @@ class CheckpointDamaged(CheckpointError):
         )
 
 
+class StateMismatch(CheckpointError):
+    """A checkpoint's intact files do not hold the state this run loads into them: a setting that shapes it (the
+    optimizer's, the model's) differs from the one it was saved with."""
+
+
 _verified: dict[Path, float] = {}  # step folder -> its marker's mtime when it was last verified in this process
 
 
@@ -672,9 +677,26 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
         if ours is not None:
             raise ours from None
         first = errors[0] if errors else exc
+        reason = f"{type(first).__name__}: {' '.join(str(first).split())}"
+        verify(path)  # a file that does not match its checksum is named: the checkpoint is damaged
+        if _has_checksums(path):  # intact files: what is loaded into them is not what was saved
+            raise StateMismatch(
+                f"checkpoint {path} does not fit the state this run loads ({reason}); its files match their "
+                "checksums, so a setting that shapes the saved state (optim.*, model.*) differs from the one it was "
+                "saved with: use the run's own config"
+            ) from None
         raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(first).__name__}: {' '.join(str(first).split())}); it is damaged"
+            f"checkpoint {path} cannot be read ({reason}); it is damaged, or a setting that shapes the saved state "
+            "(optim.*, model.*) differs from the one it was saved with"
         ) from None
+
+
+def _has_checksums(path: Path) -> bool:
+    """Whether a step folder's COMPLETE marker holds its files' checksums (folders written before them do not)."""
+    try:
+        return bool(json.loads((path / COMPLETE_FILE).read_text()).get(CHECKSUM))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read_index(path: Path) -> dict[str, Any]:

@@ -396,6 +396,13 @@ def _train(args: argparse.Namespace) -> int:
     from vitrain.api import train
 
     name, overrides = _split_args(args.args)
+    # --resume PATH names the run itself, whose config.yaml it continues: a recipe beside it would be ignored.
+    # (Plain --resume and --resume auto find the run by the recipe's name, so there it stays.)
+    if args.resume not in (True, False, "auto") and args.args and name == args.args[0]:
+        raise ConfigError(
+            f"--resume {args.resume} continues that run with its own config.yaml, not {name}'s: drop {name} from the "
+            f"command line (overrides such as train.epochs=N still apply), or train {name} without --resume"
+        )
     summary = train(name, overrides, resume=args.resume)
     if summary is not None:  # rank 0
         print(json.dumps(summary, indent=2))

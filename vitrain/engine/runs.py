@@ -20,6 +20,7 @@ from vitrain.errors import CheckpointError, ConfigError
 from vitrain.files import atomic_write, folder_problem
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
+from vitrain.weights import WEIGHTS_FILE
 
 if TYPE_CHECKING:
     from vitrain.engine.trainer import Trainer
@@ -226,15 +227,46 @@ def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
         )
 
 
-def check_resumable(path: Path, meta: dict, cfg: Config, engine: str) -> None:
-    """Refuse, in one line, a checkpoint this run cannot continue: another model or engine."""
+def check_same_optimizer(path: Path, meta: dict, cfg: Config) -> None:
+    """A checkpoint continues only its own optimizer: another optim.name keeps other state (or none of it)."""
+    saved = (meta["config"].get("optim") or {}).get("name", cfg.optim.name)
+    if saved != cfg.optim.name:
+        raise CheckpointError(optimizer_change_line(saved, cfg.optim.name, f"checkpoint {path}", ckpt.run_dir_of(path)))
+
+
+def optimizer_change_line(old: str, new: str, where: str, run_dir: Path) -> str:
+    """Why optim.name cannot change on resume, and the two ways on: the run's optimizer, or a new run from its
+    weights."""
+    return (
+        f"--resume: optim.name={_shown(new)} differs from the run's {_shown(old)} ({where}); its saved optimizer "
+        f"state cannot be loaded into {new}: resume without changing optim.name, or start a new run from its weights "
+        f"(`vitrain export {run_dir} OUT`, then model.init_from=OUT/{WEIGHTS_FILE} optim.name={new})"
+    )
+
+
+def check_same_run(path: Path, meta: dict, cfg: Config) -> None:
+    """What a checkpoint's metadata alone shows it cannot continue: another model or optimizer (before anything in
+    its run folder changes)."""
     check_same_model(path, meta, cfg)
+    check_same_optimizer(path, meta, cfg)
+
+
+def check_resumable(path: Path, meta: dict, cfg: Config, engine: str) -> None:
+    """Refuse, in one line, a checkpoint this run cannot continue: another model, optimizer or engine."""
+    check_same_run(path, meta, cfg)
     saved_engine = meta.get("engine", "native")
     if saved_engine != engine:
         raise CheckpointError(
             f"checkpoint {path} was written by train.engine={saved_engine}; resume it with "
             f"train.engine={saved_engine} (`vitrain export` turns either into fp32 weights)"
         )
+
+
+def _optimizer_changes(saved_config: dict, cfg: Config) -> list[str]:
+    """The optim.* values of `cfg` that differ from a checkpoint's config, as `key=new (saved with old)`."""
+    saved, now = flatten({"optim": saved_config.get("optim") or {}}), flatten({"optim": to_dict(cfg.optim)})
+    return [f"{key}={_shown(value)} (saved with {_shown(saved[key])})" for key, value in now.items()
+            if key in saved and saved[key] != value]  # fmt: skip
 
 
 def rng_note(path: Path, saved_ranks: int, ranks: int, restored: bool) -> str | None:
@@ -298,7 +330,16 @@ def restore(trainer: Trainer, path: Path) -> None:
     with all_or_none(f"reading checkpoint {path}"):
         meta = ckpt.read_meta(path)
         check_resumable(path, meta, trainer.cfg, trainer.engine.name)
-    restored = trainer.engine.load(path, meta)
+    try:
+        restored = trainer.engine.load(path, meta)
+    except ckpt.StateMismatch as mismatch:  # intact files, other optimizer state: name the optim.* values changed
+        changed = _optimizer_changes(meta["config"], trainer.cfg)
+        if not changed:
+            raise
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state for {', '.join(changed)}: resume with the values it was "
+            "saved with, or start a new run from its weights (`vitrain export`, then model.init_from=)"
+        ) from mismatch
     trainer.step, trainer.epoch = meta["step"], meta["epoch"]
     # Checkpoints before the loader kept its Position held the epoch's consumed samples as samples_in_epoch.
     saved = meta.get("loader") or {"epoch": meta["epoch"], "samples": meta.get("samples_in_epoch", 0)}
@@ -333,20 +374,32 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
     if run_dir.name == ckpt.CHECKPOINT_DIR:
         run_dir = run_dir.parent
     saved_file = run_dir / "config.yaml"
-    if not saved_file.is_file():  # a run that never started (or no run: choose_run says so): the given config
-        return load_config(base=to_dict(cfg)), {}
+    restore_it = (
+        'restore it from a copy (each checkpoint\'s meta.json holds the config it was saved with, under "config")'
+    )
+    if not saved_file.is_file():
+        if ckpt.step_dirs(run_dir):  # config.yaml is written as a run starts, before its first checkpoint
+            raise CheckpointError(f"--resume: {saved_file} is missing from the run folder; {restore_it}")
+        return load_config(base=to_dict(cfg)), {}  # a run that never started (or no run: choose_run says so)
     try:
         saved_raw = yaml.safe_load(saved_file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise CheckpointError(
-            f"--resume: {saved_file} is not readable YAML ({error}); restore it from a copy"
+            f"--resume: {saved_file} is not readable YAML ({_yaml_problem(error)}); {restore_it}"
         ) from None
+    if not isinstance(saved_raw, dict):
+        raise CheckpointError(
+            f"--resume: {saved_file} holds {_kind(saved_raw)}, not the run's config (a mapping of sections); "
+            + restore_it
+        )
     saved = load_config(base=saved_raw, check=False)  # what the run had; the config that runs is checked below
     # The run folder's config names no code or command that the user's config and command line do not (trust.py).
     resumed = load_config(base=saved_raw, overrides=overrides, untrusted=saved_file, trusted=trusted_values(cfg))
     before, after = flatten(to_dict(saved)), flatten(to_dict(resumed))
     changes = {key: (before.get(key), after[key]) for key in after if after[key] != before.get(key)}
     for key, (old, new) in changes.items():
+        if key == "optim.name":
+            raise CheckpointError(optimizer_change_line(old, new, str(saved_file), run_dir))
         if key.startswith(FROZEN_ON_RESUME) and key not in FREE_ON_RESUME:
             raise CheckpointError(
                 f"--resume: {key}={_shown(new)} differs from the run's {_shown(old)} ({saved_file}); a checkpoint "
@@ -354,6 +407,19 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
                 "new run without --resume"
             )
     return resumed, {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else f"a {type(value).__name__}"
+
+
+def _yaml_problem(error: Exception) -> str:
+    """What is wrong with a YAML file and where, in a few words (YAML's own message spans several lines)."""
+    if isinstance(error, UnicodeDecodeError):
+        return "not UTF-8 text"
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(error, 'problem', None) or type(error).__name__}{where}"
 
 
 def change_lines(changes: dict[str, tuple]) -> list[str]:

@@ -32,7 +32,7 @@ from vitrain.errors import ConfigError, VitrainError
 from vitrain.models.kernels import unfuse_linear_bias
 from vitrain.models.plan import auto_wrap
 from vitrain.optim import Schedule, scaled_lr
-from vitrain.parallel import init_distributed, mean_over_ranks
+from vitrain.parallel import broadcast_object, init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.tasks import Task, build_task, is_better, teacher_of
@@ -70,7 +70,7 @@ class Trainer:
         if self.device.type == "cpu" and cfg.train.reuse_host_memory:
             reuse_freed_host_memory()  # process-wide, from here on (vitrain/device.py)
         resume = runs.resume_choice(cfg.run_dir, resume)  # auto, a requeued SLURM job, a stopped run
-        check = lambda path, meta: runs.check_same_model(path, meta, cfg)  # noqa: E731
+        check = lambda path, meta: runs.check_same_run(path, meta, cfg)  # noqa: E731
         choice = runs.agree_on_run(self.run_dir, resume, self.is_main, check)
         self.run_dir, self.resume_path, self.is_new_run = choice.run_dir, choice.checkpoint, choice.is_new
         self.changes = changes or {}  # what a resume's command line changed in the run's config (engine/runs.py)
@@ -197,6 +197,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
+        # The checkpoint is loaded before anything in the run folder changes: a resume it refuses leaves the run as
+        # it was (its config.yaml included), and the same command without the refused change continues it.
+        if self.resume_path is not None:
+            runs.restore(self, self.resume_path)
         with all_or_none(f"writing to the run folder {self.run_dir}"):
             if self.is_main:
                 runs.write_run_files(self)
@@ -229,12 +233,15 @@ class Trainer:
 
     def _fit(self, log: RunLog) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        if self.resume_path is not None:
-            runs.restore(self, self.resume_path)
         for note in self.notes:
             log.info(note)
         if self.resume_path is not None:
             log.info(f"resumed from {self.resume_path} at step {self.step} (epoch {self.epoch})")
+            if self._trained_all():  # nothing to do, as timm and Lightning do: the run's summary stays as it was
+                log.info(self._nothing_left_line())
+                kept = broadcast_object(self._kept_summary() if self.is_main else None)
+                if kept is not None:
+                    return kept
         for line in report.header_lines(self):
             log.info(line)
         wall_start = time.perf_counter()
@@ -319,6 +326,30 @@ class Trainer:
             f"data_wait={summary['data_wait_frac']:.1%} wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
         )
         return summary
+
+    def _trained_all(self) -> bool:
+        """Whether the run already trained every epoch (or step, train.max_steps) its config asks for."""
+        t = self.cfg.train
+        return self.epoch >= t.epochs or bool(t.max_steps and self.step >= t.max_steps)
+
+    def _nothing_left_line(self) -> str:
+        t = self.cfg.train
+        if t.max_steps and self.step >= t.max_steps:
+            done, more = f"reached train.max_steps={t.max_steps}", f"train.max_steps=<more than {t.max_steps}>"
+        else:
+            done, more = f"finished its {t.epochs} epochs", f"train.epochs=<more than {t.epochs}>"
+        return (
+            f"{self.run_dir} already {done} (step {self.step}): nothing left to train; to train longer, resume with "
+            + more
+        )
+
+    def _kept_summary(self) -> dict[str, Any] | None:
+        """A finished run's summary.json (None when missing or unreadable: the summary is written again)."""
+        try:
+            summary = json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return summary if isinstance(summary, dict) else None
 
     def _micro_batches(self, batches: Iterator, size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The step's train.accum_steps micro-batches, at the progressive-resizing size, counted as consumed."""
