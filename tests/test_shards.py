@@ -22,6 +22,7 @@ from vitrain.data.loader import TRACE_ENV, Position
 from vitrain.data.pipeline import build_loaders
 from vitrain.data.shards import ShardIndex, ShardWriter, expand_braces, read_samples, scan_index, shard_urls
 from vitrain.data.stream import Run, StreamLoader, StreamSet
+from vitrain.errors import DataError
 
 TREE = [*TINY, *TREE_MODEL, "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]"]
 
@@ -390,6 +391,16 @@ def test_a_shard_list_naming_a_missing_shard_is_one_line(tmp_path):
     write_shards(tmp_path / "m", [3, 3])
     done = _train(tmp_path, "shards", Path(f"{tmp_path}/m/s-{{00..02}}.tar"))
     assert done.returncode == 2 and "s-02.tar does not exist" in _last_line(done)
+
+
+def test_a_list_file_naming_a_missing_shard_is_one_line_naming_it(tmp_path):
+    write_shards(tmp_path, [3])
+    listed = tmp_path / "train.txt"
+    listed.write_text("s-00.tar\nmissing.tar\npipe:cat s-00.tar\n")  # relative to the list; commands not checked
+    with pytest.raises(
+        DataError, match=r"data\.root=.*train\.txt: shard .*missing\.tar does not exist; check the list"
+    ):
+        shard_urls(str(listed))
 
 
 # ---------------------------------------------------------------------------------------------- kill and resume

@@ -74,13 +74,19 @@ def shard_urls(root: str, what: str = "data.root") -> list[str]:
         urls = [u if u.startswith(PIPE) or Path(u).is_absolute() else str(base / u) for u in urls]
         if not urls:
             raise DataError(f"{what}={root} lists no shards; write one shard path (or pipe:COMMAND) per line")
+        _check_exist(urls, what, root, "the list file's lines")
         return urls
     urls = [str(Path(u).expanduser()) for u in expand_braces(root)]
-    missing = [u for u in urls if not Path(u).is_file()]
+    _check_exist(urls, what, root, "the path or the brace range")
+    return urls
+
+
+def _check_exist(urls: list[str], what: str, root: str, check: str) -> None:
+    """One line naming the first local shard of `urls` that is not a file (pipe: commands are not checked)."""
+    missing = [u for u in urls if not u.startswith(PIPE) and not Path(u).is_file()]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise DataError(f"{what}={root}: shard {missing[0]} does not exist{more}; check the path or the brace range")
-    return urls
+        raise DataError(f"{what}={root}: shard {missing[0]} does not exist{more}; check {check}")
 
 
 @contextlib.contextmanager
