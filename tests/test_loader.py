@@ -17,7 +17,7 @@ from tests.data_helpers import TREE_MODEL, make_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
 from vitrain.data.augment import pad_crop_flip, random_resized_crop
-from vitrain.data.loader import PAD_LABEL, epoch_order, wait_for_end
+from vitrain.data.loader import PAD_LABEL, epoch_order, from_workers, wait_for_end, worker_start
 from vitrain.data.prepare import prepare
 from vitrain.data.prepared import PreparedSet
 from vitrain.engine import Trainer
@@ -143,6 +143,22 @@ def test_a_worker_sees_the_training_process_end_even_while_it_is_an_unreaped_zom
     assert ended.wait(20)
     assert child.returncode is None  # never reaped while watched: it ended as a zombie
     assert child.wait() == 0
+
+
+class _BadSample(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        raise DataError(f"sample {i} of /data/x.tar is not an image; fix the shard")
+
+
+def test_an_error_raised_in_a_loader_worker_reaches_the_training_process_as_its_own_one_line():
+    # torch re-raises it here with the worker's traceback as its message: many lines, where the CLI prints one.
+    loader = torch.utils.data.DataLoader(_BadSample(), batch_size=2, num_workers=1, **worker_start(1))
+    with pytest.raises(DataError) as raised:
+        next(iter(from_workers(loader)))
+    assert str(raised.value) == "sample 0 of /data/x.tar is not an image; fix the shard"
 
 
 def test_prepared_reads_match_the_in_memory_decode(prepared_tree):

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from vitrain.data.augment import BatchAugment
+from vitrain.errors import VitrainError
 
 
 class BatchSource(Protocol):
@@ -290,6 +291,20 @@ def worker_start(workers: int) -> dict[str, Any]:
     if not workers:
         return {}
     return {"multiprocessing_context": worker_context(), "worker_init_fn": functools.partial(_end_with, os.getpid())}
+
+
+def from_workers(batches: Iterator[Any]) -> Iterator[Any]:
+    """A DataLoader's batches, with an error of vitrain's raised in a worker re-raised as its own one line: torch
+    re-raises it in this process with the worker's whole traceback as its message ("Caught DataError in DataLoader
+    worker process 0. Original Traceback ...")."""
+    try:
+        yield from batches
+    except VitrainError as exc:
+        text = str(exc)
+        if "Original Traceback" not in text:
+            raise
+        last = text.rstrip().splitlines()[-1]
+        raise type(exc)(last.split(": ", 1)[1] if ": " in last else last) from None
 
 
 def _end_with(training_pid: int, worker_id: int) -> None:

@@ -24,6 +24,7 @@ from vitrain.data.loader import (
     Position,
     batch_generator,
     batches_per_epoch,
+    from_workers,
     mask_padding,
     worker_start,
 )
@@ -155,7 +156,7 @@ class PlainLoader(PermutationPosition):
             pin_memory=self.device.type == "cuda",
             **worker_start(self.workers),
         )
-        for b, (images, labels) in enumerate(loader, start=start_batch):
+        for b, (images, labels) in enumerate(from_workers(loader), start=start_batch):
             labels = mask_padding(labels, b * self.batch_size, n, self.rank, self.world_size)
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)

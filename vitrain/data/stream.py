@@ -33,6 +33,7 @@ from vitrain.data.loader import (
     PAD_LABEL,
     Position,
     batch_generator,
+    from_workers,
     in_background,
     trace,
     worker_start,
@@ -289,7 +290,7 @@ class StreamLoader:
             prefetch_factor=2 if workers else None,
             **worker_start(workers),
         )
-        batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(loader))
+        batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(from_workers(loader)))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
         return trace(batches, "train" if self.shuffle else "val")
 
