@@ -212,7 +212,9 @@ def test_an_unwritable_run_folder_ends_both_ranks_with_one_line(tmp_path):
     results = _two_rank_cli(tmp_path, "none", *args)
     assert [code for code, _, _ in results] == [2, 2]
     lines = {_last_line(stderr) for _, stderr, _ in results}
-    assert len(lines) == 1 and lines.pop().startswith(f"vitrain: error: writing to the run folder {blocker}")
+    line = lines.pop()
+    assert not lines and line.startswith(f"vitrain: error: log.out_dir={blocker / 'runs'}: cannot"), line
+    assert f"{blocker} is a file" in line
     assert blocker.read_text() == "a file where the runs folder should be"
 
 

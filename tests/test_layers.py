@@ -12,7 +12,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vitrain"
 
 # Lowest first. A module may import its own layer's modules and lower layers' (the ground floor imports none).
 LAYERS = [
-    ["vitrain.errors", "vitrain.device", "vitrain.files", "vitrain.registry", "vitrain.presets", "vitrain.metrics"],
+    [
+        "vitrain.errors",
+        "vitrain.device",
+        "vitrain.files",
+        "vitrain.registry",
+        "vitrain.trust",
+        "vitrain.presets",
+        "vitrain.metrics",
+    ],
     ["vitrain.config"],
     ["vitrain.models", "vitrain.data", "vitrain.weights", "vitrain.onnx_export"],
     ["vitrain.precision", "vitrain.optim", "vitrain.parallel", "vitrain.checkpoint"],
