@@ -18,6 +18,7 @@ LAYERS = [
         "vitrain.files",
         "vitrain.registry",
         "vitrain.trust",
+        "vitrain.shard_names",
         "vitrain.presets",
         "vitrain.metrics",
     ],

@@ -482,17 +482,17 @@ def test_a_trainer_resumed_with_another_optimizer_is_refused_before_the_run_fold
 @pytest.mark.parametrize(
     "text, problem",
     [
-        ("- 1\n- 2\n", "holds a list, not the run's config (a mapping of sections)"),
-        ("", "holds nothing, not the run's config (a mapping of sections)"),
-        ("model: [1, 2\ntrain: {}\n", "is not readable YAML (expected ',' or ']', but got ':' at line 2, column 6)"),
+        ("- 1\n- 2\n", "config file {} must hold a mapping of sections, got list"),
+        ("", "{} holds nothing, not the run's config"),
+        ("model: [1, 2\ntrain: {{}}\n", "config file {} line 2 is not valid YAML: expected ',' or ']', but got ':'"),
     ],
 )
 def test_resume_of_a_run_whose_config_yaml_is_not_a_config_names_the_file(trained, tmp_path, capsys, text, problem):
     run = fresh_copy(trained, tmp_path)
-    (run / "config.yaml").write_text(text)
+    (run / "config.yaml").write_text(text.format())
     before = snapshot(run)
     line = error_line(capsys, ["train", "--resume", str(run), "train.epochs=2"])
-    assert line.startswith(f"--resume: {run / 'config.yaml'} {problem}; restore it from a copy")
+    assert line.startswith(f"--resume: {problem.format(run / 'config.yaml')}; restore it from a copy")
     assert snapshot(run) == before
 
 

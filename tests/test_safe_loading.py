@@ -20,7 +20,7 @@ from vitrain.cli import main
 from vitrain.config import config_from_dict
 from vitrain.engine import Trainer
 from vitrain.engine.protocol import load_model_weights
-from vitrain.errors import CheckpointError, ConfigError
+from vitrain.errors import CheckpointError, ConfigError, DataError
 from vitrain.models import create_model
 from vitrain.weights import read_weights
 
@@ -254,11 +254,15 @@ def shard_list(tmp_path, proof) -> str:
     return str(tmp_path / "shards.txt")
 
 
-@pytest.mark.parametrize("form", ["list file", "pipe root"])
+@pytest.mark.parametrize("form", ["list file", "pipe root", "braces root", "braces in a list line"])
 def test_a_handed_checkpoint_naming_a_pipe_command_is_refused_and_runs_nothing(tmp_path, step_dir, capsys, form):
     proof = tmp_path / "ran"
     root = shard_list(tmp_path, proof)
     index = {}
+    if form == "braces root":  # the reader expands braces first, then runs what starts with pipe:
+        root = f"{{{tmp_path}/a.tar,pipe:touch {proof}; cat {tmp_path}/a.tar}}"
+    if form == "braces in a list line":
+        (tmp_path / "shards.txt").write_text(f"a.tar\npi{{pe}}:touch {proof}; cat {tmp_path / 'a.tar'}\n")
     if form == "pipe root":  # with an index that counts it, so that the command would run
         root, index = f"pipe:touch {proof}; cat {tmp_path}/a.tar", {"data__shard_index": str(tmp_path / "index.json")}
         counts = {"format": "vitrain-shards/1", "counts": {root: 4}, "classes": list("0123")}
@@ -276,7 +280,11 @@ def test_a_run_config_naming_a_pipe_root_is_refused_on_resume(tmp_path, step_dir
     text = saved.read_text().replace("source: synthetic", "source: shards")
     saved.write_text(text.replace("root: ''", f"root: '{shard_list(tmp_path, proof)}'"))
     code, line = cli_line(capsys, *COMMANDS["resume"](step_dir, tmp_path))
-    assert code == 2 and line.startswith(f"vitrain: error: {saved} names data.root=") and "line 2 is a shell" in line
+    assert (
+        code == 2
+        and line.startswith(f"vitrain: error: {saved} names data.root=")
+        and "a shard list naming a shell command (pipe:touch" in line
+    )
     assert not proof.exists()
 
 
@@ -297,3 +305,32 @@ def test_the_library_refuses_what_a_checkpoint_names_too(tmp_path, step_dir, pay
     model = create_model(cfg.model)
     with pytest.raises(ConfigError, match=f"names engine={payload}, an import path"):
         load_model_weights(step_dir, model)
+
+
+def test_a_teachers_checkpoint_naming_an_import_path_is_refused_unless_the_run_names_it_too(
+    tmp_path, step_dir, payload
+):
+    from vitrain.tasks.distill import load_teacher
+
+    hand_over(step_dir, model__name=payload)
+    student = tiny_config(tmp_path / "runs", "student")
+    student.train.distill.teacher = str(step_dir)
+    with pytest.raises(ConfigError, match=f"names model.name={payload}, an import path; .*register it"):
+        load_teacher(student)
+    assert not (tmp_path / "imported").exists()
+    student.model.name = payload  # the run's own config names it: the user vouched for it
+    with pytest.raises(DataError, match="the trusted payload source ran"):  # past the trust check: built
+        load_teacher(student)
+
+
+def test_every_import_path_and_command_a_saved_config_names_is_in_the_one_line():
+    from vitrain import trust
+
+    raw = {"model": {"name": "a_mod:Model"}, "task": {"name": "b_mod:Task"}, "data": {"root": "pipe:cat x.tar"}}
+    with pytest.raises(ConfigError) as refused:
+        trust.check_config(raw, "meta.json", {"task.name": "b_mod:Task"})  # the user typed task.name
+    assert str(refused.value) == (
+        "meta.json names model.name=a_mod:Model, an import path; data.root=pipe:cat x.tar, a shell command "
+        "(pipe:cat x.tar); vitrain imports no code and runs no command a checkpoint or run folder names: give "
+        "model.name=a_mod:Model data.root=pipe:cat x.tar on the command line if you trust it"
+    )

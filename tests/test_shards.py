@@ -20,9 +20,10 @@ from vitrain.config import DataConfig, load_config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.loader import TRACE_ENV, Position
 from vitrain.data.pipeline import build_loaders
-from vitrain.data.shards import ShardIndex, ShardWriter, expand_braces, read_samples, scan_index, shard_urls
+from vitrain.data.shards import ShardIndex, ShardWriter, read_samples, scan_index, shard_urls
 from vitrain.data.stream import Run, StreamLoader, StreamSet
 from vitrain.errors import DataError
+from vitrain.shard_names import expand_braces
 
 TREE = [*TINY, *TREE_MODEL, "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]"]
 

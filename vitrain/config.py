@@ -491,7 +491,7 @@ def load_config(
     own architecture fields still win over it."""
     raw: dict[str, Any] = copy.deepcopy(base) if base is not None else {}
     if path is not None:
-        raw = _read_yaml(Path(path))
+        raw = read_config_file(Path(path))
     parsed = [_parse_override(item) for item in overrides or []]
     named = [p["model"]["preset"] for p in parsed if isinstance(p.get("model"), dict) and "preset" in p["model"]]
     if named:
@@ -693,30 +693,35 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    """The one place a config file is read: a file that is missing, a directory, not text or not YAML is one line."""
+def read_config_file(path: Path, fix: str = "") -> dict[str, Any]:
+    """The one place a config file is read: a file that is missing, a directory, not text, not YAML or not a mapping
+    is one line naming it, ending with `fix` where the caller knows a better one than giving another file."""
+
+    def refuse(problem: str, default_fix: str) -> ConfigError:
+        return ConfigError(f"config file {path} {problem}; {fix or default_fix}")
+
     if not path.exists():
-        raise ConfigError(f"config file {path} not found")
+        raise refuse("not found", "check the path, or give a recipe name (vitrain config recipes)")
     if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory, not a YAML file; give a .yaml file or a recipe name")
+        raise refuse("is a directory, not a YAML file", "give a .yaml file or a recipe name")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"config file {path} is not a YAML file (not UTF-8 text); give a YAML recipe") from None
+        raise refuse("is not a YAML file (not UTF-8 text)", "give a YAML recipe") from None
     except OSError as error:
-        raise ConfigError(f"config file {path} cannot be read ({error.strerror}); give a readable YAML file") from None
+        raise refuse(f"cannot be read ({error.strerror})", "give a readable YAML file") from None
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: a SafeLoader that also refuses repeated keys
     except yaml.reader.ReaderError as error:  # control characters: a binary file that happens to be UTF-8
-        raise ConfigError(f"config file {path} is not a YAML file ({error.reason}); give a YAML recipe") from None
+        raise refuse(f"is not a YAML file ({error.reason})", "give a YAML recipe") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        where = f"line {mark.line + 1} " if mark is not None else ""
+        raise refuse(f"{where}is not valid YAML: {getattr(exc, 'problem', exc)}", "fix the line") from None
     if data is None:  # an empty recipe: the defaults
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        raise refuse(f"must hold a mapping of sections, got {type(data).__name__}", "e.g. `optim:\n  lr: 0.001`")
     return data
 
 

@@ -73,7 +73,7 @@ _CALLABLE = {
     "model": "a model factory: a function or class called with the model config, returning a torch.nn.Module",
     "data": "a data source: a function of the config returning (train, val) datasets",
 }
-_CONFIG_KEY = {"model": "model.name", "task": "task.name", "engine": "train.engine", "data": "data.source"}
+CONFIG_KEYS = {"model": "model.name", "task": "task.name", "engine": "train.engine", "data": "data.source"}
 # Python entry-point groups a package publishes its components in (pyproject's [project.entry-points."..."]).
 ENTRY_POINT_GROUPS = {
     "model": "vitrain.models",
@@ -130,7 +130,7 @@ def imports_code(kind: str, name: str) -> bool:
 def lookup(kind: str, name: str) -> Any:
     """The component `name` stands for, or a ConfigError naming the config key, the value and the fix."""
     _check_kind(kind)
-    key = _CONFIG_KEY[kind]
+    key = CONFIG_KEYS[kind]
     if name in _REGISTERED[kind]:
         return _checked_kind(kind, name, _REGISTERED[kind][name])
     if name in _BUILTIN[kind]:
@@ -150,7 +150,7 @@ def lookup(kind: str, name: str) -> Any:
 
 def _checked_kind(kind: str, name: str, component: Any) -> Any:
     """`component` if it is the kind of thing `kind` names, else a ConfigError saying what was expected."""
-    where = f"{_CONFIG_KEY[kind]}={name}"
+    where = f"{CONFIG_KEYS[kind]}={name}"
     if kind in _CALLABLE:
         pair = kind == "data" and isinstance(component, tuple | list) and len(component) == 2
         if not (callable(component) or pair):

@@ -8,16 +8,16 @@ from typing import Any
 
 from vitrain import registry
 from vitrain.errors import ConfigError
+from vitrain.shard_names import PIPE, is_list_file, named_urls
 
-# The keys the registry resolves (vitrain/registry.py): an import path there is a module vitrain would import.
-COMPONENT_KEYS = {"model.name": "model", "task.name": "task", "data.source": "data", "train.engine": "engine"}
-# The keys that may be a `pipe:COMMAND` shard URL, or a shard list file holding one (vitrain/data/shards.py): a
+# The keys that may name a `pipe:COMMAND` shard URL, directly, through braces or in a list file (shard_names): a
 # shell command vitrain would run.
 SHARD_KEYS = ("data.root", "data.val_root")
-PIPE = "pipe:"  # vitrain.data.shards.PIPE (not imported: the data package is heavy, this module is ground floor)
-LIST_SUFFIXES = (".txt", ".list", ".lst")  # what shard_urls reads as a list file
-COMMAND_LINE = "give {key}={value} on the command line if you trust it"
-REGISTER = "register it in your own code (vitrain.register) if you trust it"
+COMMAND_LINE = "give {given} on the command line if you trust it"
+REGISTER = (
+    "register it (vitrain.register in your own code, or a package's entry point) or give the same value in this run's "
+    "own config if you trust it"
+)
 
 
 def check_config(
@@ -27,20 +27,22 @@ def check_config(
     data: bool = True,
     fix: str = COMMAND_LINE,
 ) -> None:
-    """Refuse, in one line naming the key, the value, `where` and `fix`, a config read from `where` (a checkpoint's
-    meta.json, a run's config.yaml, an export's config.yaml) that names a module to import or (`data`: its data will
-    be read) a pipe: command, unless `trusted` (dotted keys: what the user typed, or a config that passed this check)
-    gives the same value."""
+    """Refuse, in one line naming every such key with its value, `where` and `fix`, a config read from `where` (a
+    checkpoint's meta.json, a run's config.yaml, an export's config.yaml) that names a module to import or (`data`:
+    its data will be read) a pipe: command, unless `trusted` (dotted keys: what the user typed, or a config that
+    passed this check) gives the same value."""
     flat = _flatten(raw)
-    for key, kind in COMPONENT_KEYS.items():
-        if key in flat:
-            check_component(kind, key, flat[key], where, trusted, fix)
+    found = []
+    for kind, key in registry.CONFIG_KEYS.items():
+        name = str(flat.get(key, ""))
+        if key in flat and registry.imports_code(kind, name) and not _given(trusted, key, name):
+            found.append((key, name, "an import path"))
     for key in SHARD_KEYS if data else ():
         value = str(flat.get(key) or "").strip()
-        if value and not _given(trusted, key, value):
-            what = _command_in(value)
-            if what:
-                raise ConfigError(_line(where, key, value, what, "runs no command", fix))
+        if value and not _given(trusted, key, value) and (what := _command_in(value)):
+            found.append((key, value, what))
+    if found:
+        raise ConfigError(_line(where, found, fix))
 
 
 def check_component(
@@ -56,31 +58,31 @@ def check_component(
     `key` is the config key a user gives it under, `named` the field `where` holds it in (default: `key`)."""
     name = str(value)
     if registry.imports_code(kind, name) and not _given(trusted, key, name):
-        raise ConfigError(_line(where, key, name, "an import path", "imports no code", fix, named))
+        raise ConfigError(_line(where, [(key, name, "an import path")], fix, named))
 
 
-def _line(where: str | Path, key: str, value: str, what: str, does: str, fix: str, named: str = "") -> str:
-    return (
-        f"{where} names {named or key}={value}, {what}; vitrain {does} a checkpoint or run folder names: "
-        + fix.format(key=key, value=value)
-    )
+def _line(where: str | Path, found: list[tuple[str, str, str]], fix: str, named: str = "") -> str:
+    """One line for every (key, value, what it is) found: what vitrain will not do, and how a user vouches."""
+    names = "; ".join(f"{named or key}={value}, {what}" for key, value, what in found)
+    imports = any(what == "an import path" for _, _, what in found)
+    commands = any(what != "an import path" for _, _, what in found)
+    does = " and ".join(["imports no code"] * imports + ["runs no command"] * commands)
+    given = " ".join(f"{key}={value}" for key, value, _ in found)
+    return f"{where} names {names}; vitrain {does} a checkpoint or run folder names: " + fix.format(given=given)
 
 
 def _command_in(value: str) -> str:
-    """What makes a shard location a shell command: a pipe: URL, or a list file with one; empty when none does."""
-    if value.startswith(PIPE):
-        return "a shell command"
-    path = Path(value).expanduser()
-    if path.suffix.lower() not in LIST_SUFFIXES or not path.is_file():
-        return ""
+    """What makes a shard location a shell command, read as the shard reader reads it (braces expanded, a list
+    file's lines too): empty when nothing does."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
+        urls = named_urls(value)
+    except (OSError, UnicodeDecodeError):  # an unreadable list file: the reader names it, and runs nothing
         return ""
-    for number, line in enumerate(lines, 1):
-        if PIPE in line:  # anywhere in the line: its braces may expand to a pipe: URL
-            return f"a shard list whose line {number} is a shell command ({PIPE})"
-    return ""
+    commands = [url for url in urls if url.startswith(PIPE)]
+    if not commands:
+        return ""
+    listed = is_list_file(Path(value.strip()).expanduser()) and not value.strip().startswith(PIPE)
+    return f"{'a shard list naming ' if listed else ''}a shell command ({commands[0]})"
 
 
 def _given(trusted: Mapping[str, Any] | None, key: str, value: str) -> bool:

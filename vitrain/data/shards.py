@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
 import shlex
 import subprocess
 import tarfile
@@ -27,57 +26,33 @@ from typing import IO, Any
 
 from vitrain.errors import DataError
 from vitrain.files import atomic_write
+from vitrain.shard_names import PIPE, is_list_file, named_urls
 
 INDEX = "index.json"
 FORMAT = "vitrain-shards/1"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
 VIDEO_EXTS = ("mp4", "avi", "mkv", "mov", "webm")
 LABEL_KEYS = ("label", "cls", "class", "identity")
-PIPE = "pipe:"
 
 
 # ---------------------------------------------------------------------------------------------- shard lists
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """Bash-style braces: `a-{000..002}.tar` -> a-000.tar a-001.tar a-002.tar (zero padding kept), `{x,y}`."""
-    match = re.search(r"\{([^{}]*)\}", pattern)
-    if match is None:
-        return [pattern]
-    head, tail, body = pattern[: match.start()], pattern[match.end() :], match.group(1)
-    span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if span:
-        low, high = span.groups()
-        width = len(low) if low.startswith("0") else 0
-        items = [str(i).zfill(width) for i in range(int(low), int(high) + 1)]
-    else:
-        items = body.split(",")
-    return [out for item in items for out in expand_braces(head + item + tail)]
 
 
 def shard_urls(root: str, what: str = "data.root") -> list[str]:
     """The shards `root` names: a folder (its .tar files, or the split files its index lists), a text file listing one
     shard per line, a brace pattern, one .tar, or `pipe:COMMAND` (braces expand to one command per shard)."""
     root = root.strip()
-    if root.startswith(PIPE):
-        return [PIPE + command for command in expand_braces(root[len(PIPE) :])]
     path = Path(root).expanduser()
-    if path.is_dir():
+    if not root.startswith(PIPE) and path.is_dir():
         tars = sorted(str(p) for p in path.glob("*.tar"))
         if not tars:
             raise DataError(f"{what}={root} is a folder without .tar shards; point it at shards or pack some")
         return tars
-    if path.is_file() and path.suffix.lower() in (".txt", ".list", ".lst"):
-        lines = [line.strip() for line in path.read_text().splitlines()]
-        urls = [u for line in lines if line and not line.startswith("#") for u in expand_braces(line)]
-        base = path.parent
-        urls = [u if u.startswith(PIPE) or Path(u).is_absolute() else str(base / u) for u in urls]
-        if not urls:
-            raise DataError(f"{what}={root} lists no shards; write one shard path (or pipe:COMMAND) per line")
-        _check_exist(urls, what, root, "the list file's lines")
-        return urls
-    urls = [str(Path(u).expanduser()) for u in expand_braces(root)]
-    _check_exist(urls, what, root, "the path or the brace range")
+    urls = named_urls(root)
+    listed = not root.startswith(PIPE) and is_list_file(path)
+    if listed and not urls:
+        raise DataError(f"{what}={root} lists no shards; write one shard path (or pipe:COMMAND) per line")
+    _check_exist(urls, what, root, "the list file's lines" if listed else "the path or the brace range")
     return urls
 
 

@@ -10,10 +10,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from vitrain import checkpoint as ckpt
-from vitrain.config import Config, config_from_dict, flatten, load_config, to_dict, to_yaml, trusted_values
+from vitrain.config import (
+    Config,
+    config_from_dict,
+    flatten,
+    load_config,
+    read_config_file,
+    to_dict,
+    to_yaml,
+    trusted_values,
+)
 from vitrain.data.loader import Position
 from vitrain.engine.cluster import requeued, slurm_job
 from vitrain.errors import CheckpointError, ConfigError
@@ -382,16 +389,11 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
             raise CheckpointError(f"--resume: {saved_file} is missing from the run folder; {restore_it}")
         return load_config(base=to_dict(cfg)), {}  # a run that never started (or no run: choose_run says so)
     try:
-        saved_raw = yaml.safe_load(saved_file.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise CheckpointError(
-            f"--resume: {saved_file} is not readable YAML ({_yaml_problem(error)}); {restore_it}"
-        ) from None
-    if not isinstance(saved_raw, dict):
-        raise CheckpointError(
-            f"--resume: {saved_file} holds {_kind(saved_raw)}, not the run's config (a mapping of sections); "
-            + restore_it
-        )
+        saved_raw = read_config_file(saved_file, fix=restore_it)
+    except ConfigError as error:
+        raise CheckpointError(f"--resume: {error}") from None
+    if not saved_raw:  # an empty recipe means the defaults; an empty run config means it was lost
+        raise CheckpointError(f"--resume: {saved_file} holds nothing, not the run's config; {restore_it}")
     saved = load_config(base=saved_raw, check=False)  # what the run had; the config that runs is checked below
     # The run folder's config names no code or command that the user's config and command line do not (trust.py).
     resumed = load_config(base=saved_raw, overrides=overrides, untrusted=saved_file, trusted=trusted_values(cfg))
@@ -407,19 +409,6 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
                 "new run without --resume"
             )
     return resumed, {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
-
-
-def _kind(value: Any) -> str:
-    return "nothing" if value is None else f"a {type(value).__name__}"
-
-
-def _yaml_problem(error: Exception) -> str:
-    """What is wrong with a YAML file and where, in a few words (YAML's own message spans several lines)."""
-    if isinstance(error, UnicodeDecodeError):
-        return "not UTF-8 text"
-    mark = getattr(error, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{getattr(error, 'problem', None) or type(error).__name__}{where}"
 
 
 def change_lines(changes: dict[str, tuple]) -> list[str]:

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
 from vitrain import checkpoint as ckpt
 from vitrain import registry
-from vitrain.config import Config, DistillConfig, config_from_dict
+from vitrain.config import Config, DistillConfig, config_from_dict, read_config_file, trusted_values
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.trust import REGISTER, check_component
 from vitrain.weights import WEIGHTS_FILE, read_weights
@@ -115,7 +114,11 @@ def load_teacher(cfg: Config) -> nn.Module:
     """The teacher train.distill.teacher names, frozen, on the CPU; refused in one line where it cannot take the
     task's images or predicts other classes than the task's."""
     spec = cfg.train.distill.teacher
-    module = _timm_teacher(spec.removeprefix("timm:"), cfg) if spec.startswith("timm:") else _vitrain_teacher(spec)
+    module = (
+        _timm_teacher(spec.removeprefix("timm:"), cfg)
+        if spec.startswith("timm:")
+        else _vitrain_teacher(spec, trusted_values(cfg))
+    )
     module.eval().requires_grad_(False)
     m = cfg.model
     try:
@@ -134,8 +137,9 @@ def load_teacher(cfg: Config) -> nn.Module:
     return module
 
 
-def _vitrain_teacher(spec: str) -> nn.Module:
-    """A vitrain export (folder or its model.safetensors, config.yaml beside it), run folder or step folder."""
+def _vitrain_teacher(spec: str, trusted: dict[str, Any]) -> nn.Module:
+    """A vitrain export (folder or its model.safetensors, config.yaml beside it), run folder or step folder; its
+    config may name no code to import that `trusted` (this run's own config, by dotted key) does not name too."""
     path = Path(spec).expanduser()
     if not path.exists():
         raise ConfigError(
@@ -147,7 +151,7 @@ def _vitrain_teacher(spec: str) -> nn.Module:
         config_file = weights.parent / "config.yaml"
         if not config_file.is_file():
             raise ConfigError(f"{KEY}={spec}: {config_file} is missing; export the teacher with `vitrain export`")
-        teacher_cfg = config_from_dict(yaml.safe_load(config_file.read_text()), config_file, data=False, fix=REGISTER)
+        teacher_cfg = config_from_dict(read_config_file(config_file), config_file, trusted, False, REGISTER)
         model = _classifier(teacher_cfg, spec)
         _load_exactly(model, read_weights(weights, KEY), f"{KEY}={spec}")
         return model
@@ -156,11 +160,11 @@ def _vitrain_teacher(spec: str) -> nn.Module:
         meta = ckpt.read_meta(step)
     except CheckpointError as error:
         raise ConfigError(f"{KEY}={spec}: {error}") from None
-    # A teacher's config and engine may name no code to import (vitrain/trust.py): a user registers what they trust.
+    # A teacher's config and engine may name no code to import (vitrain/trust.py) that the run's own does not.
     where = step / ckpt.META_FILE
-    model = _classifier(config_from_dict(meta["config"], where, data=False, fix=REGISTER), spec)
+    model = _classifier(config_from_dict(meta["config"], where, trusted, False, REGISTER), spec)
     engine = meta.get("engine", "native")
-    check_component("engine", "train.engine", engine, where, None, REGISTER, named="engine")
+    check_component("engine", "train.engine", engine, where, trusted, REGISTER, named="engine")
     # The engine that wrote it reads it: DCP through vitrain's safe reader, or DeepSpeed's partitions.
     registry.lookup("engine", engine).load_weights(step, meta, model)
     return model
