@@ -457,6 +457,17 @@ def test_a_resume_whose_optimizer_state_cannot_load_names_the_value_and_changes_
     assert snapshot(run) == before
 
 
+def test_a_refused_resume_from_an_earlier_step_leaves_the_newer_steps_where_they_were(tmp_path, capsys):
+    overrides = tiny_overrides(tmp_path, "name=sgd", "train.max_steps=2", "optim.name=sgd", "optim.momentum=0")
+    assert main(["train", *overrides, "train.checkpoint_every_steps=1"]) == 0
+    run = tmp_path / "runs" / "sgd"
+    before = snapshot(run)
+    earlier = run / "checkpoints" / "step_00000001"
+    line = error_line(capsys, ["train", "--resume", str(earlier), "train.max_steps=3", "optim.momentum=0.9"])
+    assert line.startswith(f"checkpoint {earlier} holds no optimizer state for optim.momentum=0.9")
+    assert snapshot(run) == before  # step_00000002 not moved aside: a plain --resume still continues it
+
+
 def test_resume_with_another_optimizer_names_optim_name_and_changes_nothing(trained, tmp_path, capsys):
     run = fresh_copy(trained, tmp_path)
     before = snapshot(run)

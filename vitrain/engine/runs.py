@@ -44,6 +44,9 @@ class RunChoice:
     checkpoint: Path | None
     is_new: bool = False
     notes: list[str] = field(default_factory=list)
+    # The run's checkpoints after `checkpoint`, moved aside (move_aside) once it has loaded: a resume refused
+    # before then leaves them where they were.
+    newer: list[Path] = field(default_factory=list)
 
 
 # Checks a checkpoint's metadata against this run (the model config), raising a one-line error if it does not fit.
@@ -97,8 +100,8 @@ def choose_run(
 def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, checked: bool = False) -> RunChoice:
     """Continue `run_dir` from `checkpoint` or, when None, its newest complete one (after cleaning leftovers).
 
-    Cleaning only removes what vitrain's own interrupted writes left; the newer checkpoints are moved aside only
-    once the one to continue has been read and checked (`checked`: the caller already did).
+    Cleaning only removes what vitrain's own interrupted writes left; the newer checkpoints are listed to move aside
+    (RunChoice.newer) once the one to continue has been read and checked (`checked`: the caller already did).
     """
     notes = [f"{what} in {run_dir / ckpt.CHECKPOINT_DIR}" for what in ckpt.clean_leftovers(run_dir)]
     stopped = read_run_file(run_dir).get("stopped")
@@ -121,8 +124,8 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
             return RunChoice(run_dir, None, notes=notes)
     if not checked:  # read_meta (here or the caller's) verifies the checksums: a damaged step is refused by name
         check(checkpoint, ckpt.read_meta(checkpoint))
-    notes += _supersede_newer(run_dir, checkpoint)
-    return RunChoice(run_dir, checkpoint, notes=notes)
+    newer = [p for p in ckpt.step_dirs(run_dir) if p.name > checkpoint.name]
+    return RunChoice(run_dir, checkpoint, notes=notes, newer=newer)
 
 
 def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
@@ -139,15 +142,14 @@ def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
     return None
 
 
-def _supersede_newer(run_dir: Path, checkpoint: Path) -> list[str]:
-    """Going back to an earlier step: move the run's newer checkpoints aside, so that they are neither taken for
-    the newest (by --resume or a restart) nor pruned in place of the new ones."""
-    newer = [p for p in ckpt.step_dirs(run_dir) if p.name > checkpoint.name]
+def move_aside(newer: list[Path], checkpoint: Path) -> list[str]:
+    """Going back to an earlier step, once it has loaded (rank 0): move the run's newer checkpoints aside, so that
+    they are neither taken for the newest (by --resume or a restart) nor pruned in place of the new ones."""
     for path in newer:
         path.rename(path.with_name(f"{SUPERSEDED}{path.name}"))
     if not newer:
         return []
-    ckpt.fsync_dir(run_dir / ckpt.CHECKPOINT_DIR)
+    ckpt.fsync_dir(checkpoint.parent)
     names = ", ".join(p.name for p in newer)
     return [f"continuing the earlier {checkpoint.name}: the newer {names} moved aside as {SUPERSEDED}step_*"]
 

@@ -73,6 +73,7 @@ class Trainer:
         check = lambda path, meta: runs.check_same_run(path, meta, cfg)  # noqa: E731
         choice = runs.agree_on_run(self.run_dir, resume, self.is_main, check)
         self.run_dir, self.resume_path, self.is_new_run = choice.run_dir, choice.checkpoint, choice.is_new
+        self.newer_checkpoints = choice.newer  # moved aside once resume_path has loaded (fit)
         self.changes = changes or {}  # what a resume's command line changed in the run's config (engine/runs.py)
         self.notes = choice.notes + runs.change_lines(self.changes)  # logged once the log is open
         t = cfg.train
@@ -203,6 +204,8 @@ class Trainer:
             runs.restore(self, self.resume_path)
         with all_or_none(f"writing to the run folder {self.run_dir}"):
             if self.is_main:
+                if self.resume_path is not None:
+                    self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
                 runs.write_run_files(self)
             sinks = open_sinks(self.cfg, self.run_dir) if self.is_main else []  # log.tensorboard, wandb, mlflow
             log = RunLog(self.run_dir, enabled=self.is_main, sinks=sinks)
