@@ -403,7 +403,7 @@ def test_lr_find_never_replaces_an_earlier_result_without_overwrite(tmp_path, ca
     line = error_line(capsys, ["lr-find", *tiny_overrides(tmp_path), "--steps", "3", "--out", str(out)])
     assert (
         line
-        == f"lr-find --out: {out} already holds lr_find.csv; pass --overwrite to replace it or choose another --out"
+        == f"lr-find --out: {out} already holds lr_find.csv; pass --overwrite to replace it or choose another folder"
     )
     assert (out / "lr_find.csv").read_text() == "lr,loss,smoothed_loss\n" and len(list(out.iterdir())) == 1
 

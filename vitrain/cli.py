@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from vitrain.config import DEFAULT_RECIPE
 from vitrain.engine.cluster import EXIT_STOPPED, Stopped
-from vitrain.errors import ConfigError, VitrainError
+from vitrain.errors import CheckpointError, ConfigError, VitrainError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,11 +469,12 @@ def _export(args: argparse.Namespace) -> int:
     from vitrain import checkpoint as ckpt
     from vitrain.config import load_config, trusted_values
     from vitrain.engine.protocol import load_model_weights
-    from vitrain.files import check_export_folder
+    from vitrain.files import check_output_folder
     from vitrain.tasks import build_task
     from vitrain.weights import EXPORT_FILES, export
 
-    check_export_folder(Path(args.out), args.overwrite, EXPORT_FILES[args.format])  # before a checkpoint is read
+    # Before a checkpoint is read (the library checks again for its own callers).
+    check_output_folder(Path(args.out), args.overwrite, EXPORT_FILES[args.format], "export", CheckpointError)
     path = ckpt.resolve(Path(args.checkpoint))
     # The checkpoint's config names no code the command line does not (vitrain/trust.py); its data is not read.
     meta = ckpt.read_meta(path)
@@ -763,7 +764,7 @@ def _lr_find(args: argparse.Namespace) -> int:
     if result.plot_path is not None:
         print(f"plot: {result.plot_path}")
     else:
-        print("no plot: matplotlib is not installed; pip install 'vitrain[plot]' and rerun to get lr_find.png")
+        print("no plot: matplotlib is not installed; pip install 'vitrain[plot]', then rerun with --overwrite for it")
     return 0
 
 
@@ -826,7 +827,6 @@ def _checkpoint_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitrain.checkpoint import verify_report
-    from vitrain.errors import CheckpointError
 
     report = verify_report(Path(args.path))
     for step, _, what in report:

@@ -1,4 +1,4 @@
-"""Files that are whole or absent: atomic writes (temp file, fsync, rename, fsync the folder); export folder checks."""
+"""Files that are whole or absent: atomic writes (temp file, fsync, rename, fsync the folder); output folder checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from vitrain.errors import CheckpointError
+from vitrain.errors import ConfigError, VitrainError
 
 
 def fsync_dir(path: Path) -> None:
@@ -51,15 +51,18 @@ def folder_problem(out_dir: Path) -> str | None:
     return None
 
 
-def check_export_folder(out_dir: Path, overwrite: bool, files: Sequence[str]) -> None:
-    """Refuse, before anything is written, an output that is a file, already holds any of `files` (the files the
-    export writes), or is not writable."""
+def check_output_folder(
+    out_dir: Path, overwrite: bool, files: Sequence[str], who: str, error: type[VitrainError] = ConfigError
+) -> None:
+    """Refuse (as `who`: "export", "lr-find --out"), before anything is written, an output folder that is a file,
+    lies under one, is not writable, or already holds any of `files` (those the command writes) without
+    `overwrite`."""
     problem = folder_problem(out_dir)
     if problem is not None:
-        raise CheckpointError(f"export: {problem}; choose another folder to write {files[0]} into")
+        raise error(f"{who}: {problem}; choose another folder")
     held = [file for file in files if (out_dir / file).exists()]
     if held and not overwrite:
-        raise CheckpointError(
-            f"export: {out_dir} already holds {', '.join(held)}; pass --overwrite to replace "
+        raise error(
+            f"{who}: {out_dir} already holds {', '.join(held)}; pass --overwrite to replace "
             f"{'it' if len(held) == 1 else 'them'} or choose another folder"
         )

@@ -25,7 +25,7 @@ from torch import nn
 
 from vitrain.config import Config, to_yaml
 from vitrain.errors import CheckpointError, ConfigError
-from vitrain.files import atomic_write, check_export_folder
+from vitrain.files import atomic_write, check_output_folder
 
 ONNX_FILE = "model.onnx"
 # What an export writes: the graph, its weights beside it when they are large (EXTERNAL_DATA_BYTES), the config.
@@ -72,7 +72,7 @@ def export_checked(
 ) -> tuple[Path, Parity | None]:
     """`vitrain export --format onnx`: OUT/model.onnx (`export_onnx`) and OUT/config.yaml beside it (the input size
     and data.mean/std a deployment preprocesses with); an unwritable or occupied OUT is refused first."""
-    check_export_folder(out_dir, overwrite, ONNX_FILES)
+    check_output_folder(out_dir, overwrite, ONNX_FILES, "export", CheckpointError)
     path, parity = export_onnx(model, cfg, out_dir, tolerance)
     atomic_write(out_dir / "config.yaml", to_yaml(cfg).encode())
     return path, parity

@@ -12,7 +12,7 @@ from torch import nn
 
 from vitrain.config import Config, ModelConfig, to_yaml
 from vitrain.errors import CheckpointError
-from vitrain.files import atomic_write, check_export_folder
+from vitrain.files import atomic_write, check_output_folder
 from vitrain.onnx_export import ONNX_FILES
 
 FORMATS = ("vitrain", "timm", "onnx")  # onnx: vitrain/onnx_export.py
@@ -92,7 +92,7 @@ def export(
         )
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
-    check_export_folder(out_dir, overwrite, EXPORT_FILES[fmt])
+    check_output_folder(out_dir, overwrite, EXPORT_FILES[fmt], "export", CheckpointError)
     state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     tmp = out_dir / f".{WEIGHTS_FILE}.tmp"

@@ -12,7 +12,7 @@ from vitrain.config import Config
 from vitrain.data.loader import endless
 from vitrain.engine.trainer import Trainer
 from vitrain.errors import ConfigError
-from vitrain.files import folder_problem
+from vitrain.files import check_output_folder
 from vitrain.parallel.distributed import rank
 from vitrain.precision import TrainingDiverged
 
@@ -55,7 +55,7 @@ def lr_range_test(
     """
     if not 0 < start_lr < end_lr or num_steps < 3 or not math.isfinite(end_lr):
         raise ValueError("lr range test needs 0 < start_lr < end_lr < inf and at least 3 steps")
-    check_output_folder(out_dir, overwrite)
+    check_output_folder(out_dir, overwrite, OUTPUT_FILES, "lr-find --out")
     # The Trainer builds data, model, engine and optimizer exactly as training would; its run folder is not written.
     trainer = Trainer(dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, out_dir=str(out_dir))))
     try:
@@ -75,19 +75,6 @@ def lr_range_test(
         csv_path.write_text("lr,loss,smoothed_loss\n" + "\n".join(rows) + "\n")
         plot_path = _plot(lrs, losses, smoothed, suggested, out_dir / "lr_find.png")
     return LRFindResult(lrs, losses, smoothed, suggested, csv_path, plot_path)
-
-
-def check_output_folder(out_dir: Path, overwrite: bool) -> None:
-    """Refuse an output folder that cannot be written or that holds an earlier range test (without `overwrite`)."""
-    problem = folder_problem(out_dir)
-    if problem is not None:
-        raise ConfigError(f"lr-find --out: {problem}; choose another folder")
-    held = [name for name in OUTPUT_FILES if (out_dir / name).exists()]
-    if held and not overwrite:
-        raise ConfigError(
-            f"lr-find --out: {out_dir} already holds {', '.join(held)}; pass --overwrite to replace "
-            f"{'it' if len(held) == 1 else 'them'} or choose another --out"
-        )
 
 
 def _sweep(trainer: Trainer, start_lr: float, end_lr: float, num_steps: int) -> tuple[list, list, list]:
