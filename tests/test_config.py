@@ -309,7 +309,10 @@ def test_face_needs_two_verification_identities():
 
 def test_bench_optim_refuses_negative_threads_in_one_line(capsys):
     assert main(["bench", "optim", "--threads", "-1"]) == 2
-    assert capsys.readouterr().err.splitlines() == ["vitrain: error: --threads -1 must be >= 0 (0: torch's default)"]
+    assert capsys.readouterr().err.splitlines() == [
+        "vitrain: error: vitrain bench optim: argument --threads: -1 must be an integer >= 0 (see vitrain bench optim "
+        "--help)"
+    ]
 
 
 def test_an_engine_path_to_a_function_is_refused_saying_an_engine_class_is_expected():

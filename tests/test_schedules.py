@@ -100,4 +100,4 @@ def test_lr_find_command_writes_csv_and_suggests_an_lr(tmp_path, capsys):
 
 def test_lr_find_rejects_a_backwards_range(capsys):
     assert main(["lr-find", "--start", "1", "--end", "0.1"]) == 2
-    assert "lr-find needs 0 < --start < --end" in capsys.readouterr().err
+    assert "lr-find needs --start < --end; got --start=1.0 --end=0.1" in capsys.readouterr().err

@@ -331,7 +331,7 @@ def _parser() -> argparse.ArgumentParser:
     lr_find.add_argument("args", nargs="*", metavar="CONFIG|OVERRIDE", help="a recipe name or YAML path, overrides")
     lr_find.add_argument("--start", type=positive_float, default=1e-7, help="first learning rate (default 1e-7)")
     lr_find.add_argument("--end", type=positive_float, default=10.0, help="last learning rate (default 10)")
-    lr_find.add_argument("--steps", type=int, default=100, help="number of steps (default 100)")
+    lr_find.add_argument("--steps", type=_number(int, 3), default=100, help="number of steps, >= 3 (default 100)")
     lr_find.add_argument("--out", default=None, help="output folder (default: <log.out_dir>/<name>-lr-find)")
     lr_find.add_argument("--overwrite", action="store_true", help="replace lr_find.csv and .png already in --out")
     lr_find.set_defaults(func=_lr_find)
@@ -349,7 +349,7 @@ def _parser() -> argparse.ArgumentParser:
         help="muon only: the dtype of its Newton-Schulz matmuls (a bf16 run uses bfloat16; default float32)",
     )
     bench_optim.add_argument("--steps", type=positive_int, default=20, help="timed steps per kernel (median reported)")
-    bench_optim.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bench_optim.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: torch's default)")
     bench_optim.set_defaults(func=_bench_optim)
 
     plot = sub.add_parser("plot", help="loss, lr and top-1 vs steps and wall-clock of one or more runs, one PNG")
@@ -742,11 +742,8 @@ def _lr_find(args: argparse.Namespace) -> int:
     from vitrain.engine.lr_find import lr_range_test
     from vitrain.errors import ConfigError
 
-    if not 0 < args.start < args.end or args.steps < 3:
-        raise ConfigError(
-            f"lr-find needs 0 < --start < --end and --steps >= 3; got --start={args.start} --end={args.end} "
-            f"--steps={args.steps}"
-        )
+    if not args.start < args.end:  # each is > 0 (its parser)
+        raise ConfigError(f"lr-find needs --start < --end; got --start={args.start} --end={args.end}")
     from vitrain.parallel import shutdown
     from vitrain.parallel.distributed import rank
 
@@ -775,8 +772,6 @@ def _bench_optim(args: argparse.Namespace) -> int:
     from vitrain.config import OptimConfig
     from vitrain.errors import ConfigError
 
-    if args.threads < 0:
-        raise ConfigError(f"--threads {args.threads} must be >= 0 (0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.impls is None:
