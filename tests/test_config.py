@@ -329,19 +329,17 @@ def test_an_engine_class_without_the_protocols_methods_is_refused_naming_them():
         load_config(overrides=["train.engine=collections:OrderedDict"])
 
 
-def test_a_task_path_to_a_function_is_refused_saying_a_task_class_is_expected():
-    with pytest.raises(ConfigError, match=r"^task\.name=os:system is a function, not a task class with the methods"):
-        load_config(overrides=["task.name=os:system"])
-
-
-def test_a_model_path_to_a_value_that_cannot_be_called_is_refused():
-    with pytest.raises(ConfigError, match=r"^model\.name=os:sep is a str, not a model factory"):
-        load_config(overrides=["model.name=os:sep"])
-
-
-def test_a_data_source_path_to_a_module_is_refused():
-    with pytest.raises(ConfigError, match=r"^data\.source=os:path is a module, not a data source"):
-        load_config(overrides=["data.source=os:path"])
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("task.name=os:system", r"^task\.name=os:system is a function, not a task class with the methods"),
+        ("model.name=os:sep", r"^model\.name=os:sep is a str, not a model factory"),
+        ("data.source=os:path", r"^data\.source=os:path is a module, not a data source"),
+    ],
+)
+def test_a_plug_in_path_to_the_wrong_kind_of_thing_is_refused_saying_what_was_expected(override, line):
+    with pytest.raises(ConfigError, match=line):
+        load_config(overrides=[override])
 
 
 def test_a_registered_component_of_the_wrong_kind_is_refused_when_named():

@@ -417,7 +417,6 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.data import build_loaders
     from vitrain.device import resolve_device
     from vitrain.engine.protocol import load_model_weights
-    from vitrain.errors import ConfigError
     from vitrain.tasks import build_task
     from vitrain.tasks.evaluate import evaluate
 
@@ -538,7 +537,6 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _recipe_setting(cfg) -> dict:
     """What `vitrain estimate` needs from a config: how it is parallelized, its precision and batch per device."""
-    from vitrain.errors import ConfigError
     from vitrain.models.plan import auto_wrap
 
     p = cfg.parallel
@@ -723,7 +721,6 @@ def _bench_loader(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitrain.errors import ConfigError
     from vitrain.plot import plot_runs, read_curves
 
     names = args.names.split(",") if args.names else [None] * len(args.runs)
@@ -740,7 +737,6 @@ def _lr_find(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitrain.engine.lr_find import lr_range_test
-    from vitrain.errors import ConfigError
 
     if not args.start < args.end:  # each is > 0 (its parser)
         raise ConfigError(f"lr-find needs --start < --end; got --start={args.start} --end={args.end}")
@@ -770,7 +766,6 @@ def _bench_optim(args: argparse.Namespace) -> int:
 
     from vitrain.bench.optim import bench_optimizer_step, default_impls, preset_model_config
     from vitrain.config import OptimConfig
-    from vitrain.errors import ConfigError
 
     if args.threads:
         torch.set_num_threads(args.threads)

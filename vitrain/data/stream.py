@@ -40,7 +40,6 @@ from vitrain.data.loader import (
 )
 from vitrain.data.shards import (
     IMAGE_EXTS,
-    PIPE,
     BadSample,
     Sample,
     ShardIndex,
@@ -52,6 +51,7 @@ from vitrain.data.shards import (
 )
 from vitrain.device import trim_heap
 from vitrain.errors import DataError
+from vitrain.shard_names import PIPE
 
 
 @dataclass
