@@ -12,6 +12,7 @@ FAULT is one of (RANK: the process's rank; counts start at 1 and restart with ea
                          group when it leads one (as torchrun and SLURM signal a worker), else to the process
   term_twice:WHO:STEP    as term (MS=0), and a second SIGTERM as the stop checkpoint's save begins
   term_kill:WHO:STEP:OP  as term (MS=0), then SIGKILL at the OP-th durable file operation of the stop save
+  term_load:WHO          on WHO (a rank, or all), SIGTERM as a resume's checkpoint load begins
   stall:RANK:STEP:S      on RANK, optimizer step STEP sleeps S seconds (a stuck rank)
 When a fault fires, its time is written to $VITRAIN_FAULT_LOG (if set), so a test can time what follows.
 """
@@ -32,7 +33,7 @@ _REAL_FSYNC = os.fsync  # the faults below replace os.fsync; recording a fault m
 def main() -> int:
     fault, argv = sys.argv[1], sys.argv[2:]
     kind, *values = fault.split(":")
-    numbers = numbers_of(values) if kind not in ("term", "term_twice", "term_kill", "stall") else []
+    numbers = numbers_of(values) if kind not in ("term", "term_twice", "term_kill", "term_load", "stall") else []
     rank = int(os.environ.get("RANK", "0"))
     if kind == "enospc" and rank == numbers[0]:
         _fail_save_with_enospc(numbers[1])
@@ -46,9 +47,21 @@ def main() -> int:
         _kill_after_step(numbers[1], 0)
     elif kind in ("term", "term_twice", "term_kill") and values[0] in ("all", str(rank)):
         _term_after_step(kind, *numbers_of(values[1:]))
+    elif kind == "term_load" and values[0] in ("all", str(rank)):
+        _term_on_load()
     elif kind == "stall" and rank == int(values[0]):
         _stall_in_step(int(values[1]), float(values[2]))
-    elif kind not in ("none", "enospc", "nan_weight", "kill_step", "term", "term_twice", "term_kill", "stall"):
+    elif kind not in (
+        "none",
+        "enospc",
+        "nan_weight",
+        "kill_step",
+        "term",
+        "term_twice",
+        "term_kill",
+        "term_load",
+        "stall",
+    ):
         raise SystemExit(f"unknown fault {fault}")
     from vitrain.cli import main as cli_main
 
@@ -217,6 +230,20 @@ def _term_after_step(kind: str, target_step: int, extra: int = 0) -> None:
         _count_saves(lambda n: _sigterm() if steps.done >= target_step else None)
     elif kind == "term_kill":
         _kill_inside_save(1, extra, after=lambda: steps.done >= target_step)
+
+
+def _term_on_load() -> None:
+    """SIGTERM as the trainer starts loading the checkpoint it resumes from (before the engine reads its files)."""
+    from vitrain.engine import runs
+
+    original = runs.restore
+
+    def restore(*args, **kwargs):
+        _sigterm()
+        _fired("term_load")
+        return original(*args, **kwargs)
+
+    runs.restore = restore
 
 
 def _stall_in_step(target_step: int, seconds: float) -> None:

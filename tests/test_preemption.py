@@ -112,6 +112,14 @@ def test_a_stopped_run_requeues_once_and_the_same_command_continues_it_to_the_un
     assert calls.read_text().splitlines() == ["show job 4242", "requeue 4242"]
     run_file = json.loads((tmp_path / "victim" / "run.json").read_text())
     assert run_file["stopped"] == {"step": 4, "signal": "SIGTERM"}
+    # The requeued job is preempted again while it loads the checkpoint: it stops there, requeued once more, with
+    # the run folder as it was.
+    files = {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file()}
+    stopped_on_load = run("term_load:0", "victim", {**env, "SLURM_RESTART_COUNT": "1"})
+    assert stopped_on_load.returncode == cluster.EXIT_STOPPED, stopped_on_load.stderr
+    assert "stopped by SIGTERM at step 4 (checkpoint" in stopped_on_load.stderr.strip().splitlines()[-1]
+    assert calls.read_text().splitlines() == ["show job 4242", "requeue 4242"] * 2
+    assert {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file()} == files
     # The requeued job: the same command, SLURM_RESTART_COUNT=1.
     again = run("none", "victim", {**env, "SLURM_RESTART_COUNT": "1"})
     assert again.returncode == 0, again.stderr
