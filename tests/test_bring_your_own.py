@@ -216,6 +216,22 @@ def test_a_module_handed_to_the_library_leaves_with_its_own_layer_classes(tmp_pa
     assert type(flat.head) is nn.Linear and type(flat.conv) is nn.Conv2d
 
 
+def test_sharded_init_refuses_a_model_handed_in_that_is_not_vitrains_vit_or_is_built_already(tmp_path):
+    """What model.name refuses in the config, the library refuses for a model handed in, in one line."""
+    import vitrain
+    from vitrain.models import create_model
+
+    overrides = ["train.max_steps=1", f"log.out_dir={tmp_path}", "log.progress=false", "parallel.strategy=zero3",
+                 "parallel.sharded_init=true", "model.preset=vit_tiny_patch16", "model.image_size=32"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^parallel.sharded_init splits or draws vitrain's ViT by its anatomy; the "
+                       r"model handed in \(UserNet\) is not it"):  # fmt: skip
+        vitrain.train("digits", overrides, model=lambda cfg: UserNet(cfg.in_chans, cfg.num_classes))
+    cfg = vitrain.load_config("digits", overrides)
+    with pytest.raises(ConfigError, match="the model was handed in built: hand in a function of the config"):
+        vitrain.train("digits", overrides, model=create_model(cfg.model))
+    assert not any(tmp_path.iterdir())  # refused before the run folder is made
+
+
 class FlatNet(nn.Module):
     """A model with no repeated block: one unit for every strategy; what needs blocks refuses in one line."""
 

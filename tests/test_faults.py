@@ -279,7 +279,7 @@ def test_sigkill_at_random_moments_and_inside_writes_then_resume_is_bit_for_bit(
 
 
 @pytest.mark.slow
-def test_sigkill_at_20_random_moments_5_inside_writes_then_resume_is_bit_for_bit(tmp_path):
+def test_sigkill_at_20_random_moments_8_inside_writes_then_resume_is_bit_for_bit(tmp_path):
     kill_and_resume(tmp_path, kills=20, in_writes=8, seed=2026)
 
 

@@ -701,7 +701,7 @@ def read_config_file(path: Path, fix: str = "") -> dict[str, Any]:
         return ConfigError(f"config file {path} {problem}; {fix or default_fix}")
 
     if not path.exists():
-        raise refuse("not found", "check the path, or give a recipe name (vitrain config recipes)")
+        raise refuse("not found", "check the path, or give a recipe name (vitrain config list)")
     if path.is_dir():
         raise refuse("is a directory, not a YAML file", "give a .yaml file or a recipe name")
     try:

@@ -29,11 +29,13 @@ from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
 from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError, VitrainError
+from vitrain.models import VisionTransformer
 from vitrain.models.kernels import unfuse_linear_bias
 from vitrain.models.plan import auto_wrap
 from vitrain.optim import Schedule, scaled_lr
 from vitrain.parallel import broadcast_object, init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
+from vitrain.parallel.materialize import is_on_meta
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.tasks import Task, build_task, is_better, teacher_of
 from vitrain.weights import load_pretrained
@@ -113,6 +115,7 @@ class Trainer:
         # parallel.sharded_init: built on the meta device; the strategy draws this rank's shards of the same weights.
         with torch.device("meta") if cfg.parallel.sharded_init else contextlib.nullcontext():
             model = self.task.build_model()  # the same initial weights on every rank (seed)
+        check_anatomy(model, cfg.parallel)
         if cfg.model.init_from:
             load_pretrained(model, Path(cfg.model.init_from))
         if cfg.model.inflate_from:  # an image ViT's weights spread over time (vitrain/models/video.py)
@@ -473,3 +476,23 @@ class Trainer:
             line += f" | ema: {self.task.eval_line(averaged)}"
         log.info(f"epoch {self.epoch} step {self.step} ({begin - self.started:.0f} s): {line}")
         self.save(is_best)
+
+
+def check_anatomy(model: Any, p: Any) -> None:
+    """Pipeline stages and parallel.sharded_init cut or draw vitrain's ViT by its anatomy: a model handed to the
+    library that is not it is refused in one line (model.name's are refused by the config), and so is sharded_init
+    for a module handed in whole (built already: nothing is left to draw shard by shard)."""
+    if not (p.pipeline_stages > 1 or p.sharded_init):
+        return
+    what = f"parallel.pipeline_stages={p.pipeline_stages}" if p.pipeline_stages > 1 else "parallel.sharded_init"
+    if not isinstance(model, VisionTransformer):
+        raise ConfigError(
+            f"{what} splits or draws vitrain's ViT by its anatomy; the model handed in ({type(model).__name__}) is not "
+            "it: set parallel.pipeline_stages=1 and parallel.sharded_init=false"
+        )
+    if p.sharded_init and not is_on_meta(model):
+        raise ConfigError(
+            "parallel.sharded_init builds the model on the meta device and draws only this rank's shards, but the "
+            "model was handed in built: hand in a function of the config that builds it (model=lambda cfg: ...), or "
+            "set parallel.sharded_init=false"
+        )
