@@ -130,6 +130,32 @@ def test_a_stopped_run_requeues_once_and_the_same_command_continues_it_to_the_un
     assert same_weights(tmp_path / "reference", tmp_path / "victim")
 
 
+def test_a_run_stopped_while_its_checkpoint_loads_is_marked_stopped_so_another_job_continues_it(tmp_path):
+    """Killed in SLURM job 4242, requeued, preempted while loading: run.json had only the job's id, so a later job of
+    another id running the same command would have started a new run; the stop marks the run stopped."""
+    common = [*SYNTHETIC, "parallel.strategy=single", "train.checkpoint_every_steps=2", f"log.out_dir={tmp_path}",
+              "name=victim"]  # fmt: skip
+
+    def run(fault: str, env: dict) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(RUNNER), fault, "train", *common]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **env})
+
+    job = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}
+    killed = run("kill_step:0:5", job)
+    assert killed.returncode == -9, killed.stderr
+    assert "stopped" not in json.loads((tmp_path / "victim" / "run.json").read_text())
+    on_load = run("term_load:0", {**job, "SLURM_RESTART_COUNT": "1"})
+    assert on_load.returncode == cluster.EXIT_STOPPED, on_load.stderr
+    assert "SIGTERM: stopping before the first step (nothing new to save)" in on_load.stderr
+    assert json.loads((tmp_path / "victim" / "run.json").read_text())["stopped"]["signal"] == "SIGTERM"
+    again = run("none", {"SLURM_JOB_ID": "5555", "SLURM_RESTART_COUNT": "0"})
+    assert again.returncode == 0, again.stderr
+    assert "was stopped by SIGTERM after step" in again.stderr and not (tmp_path / "victim-1").exists()
+    assert str(cluster.Stopped("SIGTERM", 0, None)) == (
+        "stopped by SIGTERM before the first step (nothing saved); run the same command again to start the run"
+    )
+
+
 def test_resume_auto_starts_a_missing_run_and_continues_an_existing_one(tmp_path):
     first = Trainer(tiny_config(tmp_path, "auto"), resume="auto")
     assert first.is_new_run and first.resume_path is None

@@ -33,6 +33,10 @@ class Stopped(Exception):
     def __init__(self, signal_name: str, step: int, checkpoint: Path | None, requeue_line: str | None = None):
         self.signal_name, self.step, self.checkpoint, self.requeue_line = signal_name, step, checkpoint, requeue_line
         self.said = False  # its line is on stderr (the CLI prints it; StopSignals does where the process ends first)
+        if step == 0 and checkpoint is None:  # a new run stopped before its first step: nothing of it was written
+            super().__init__(f"stopped by {signal_name} before the first step (nothing saved); run the same command "
+                             "again to start the run")  # fmt: skip
+            return
         where = f"checkpoint {checkpoint}" if checkpoint else "nothing new to save"
         super().__init__(f"stopped by {signal_name} at step {step} ({where}); run the same command again to continue")
 
@@ -74,9 +78,10 @@ class StopSignals:
     `fit` raised `Stopped` keeps that behaviour for the rest of the process.
     """
 
-    def __init__(self, names: tuple[str, ...], group: Any = None):
+    def __init__(self, names: tuple[str, ...], group: Any = None, starting: bool = False):
         self.signals = [signal.Signals[name] for name in names]
         self.group = group  # a gloo group of all ranks (None: one process)
+        self.starting = starting  # before the first step (a resume's checkpoint load): there is nothing to save
         self.received: signal.Signals | None = None
         self.stopping = False
         self.stopped: Stopped | None = None  # what the stop path raised: the process is ending (see above)
@@ -112,9 +117,17 @@ class StopSignals:
             # handler would then raise in the middle of the stop checkpoint. The loader is not read again.
             if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
                 self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            say(f"vitrain: {name}: stopping after this step, writing a checkpoint, then exiting {EXIT_STOPPED}")
+            now = (
+                "before the first step (nothing new to save)"
+                if self.starting
+                else "after this step, writing a checkpoint"
+            )
+            say(f"vitrain: {name}: stopping {now}, then exiting {EXIT_STOPPED}")
         else:
-            what = "writing the stop checkpoint" if self.stopping else "stopping after this step"
+            what = (
+                "stopping before the first step" if self.starting
+                else "writing the stop checkpoint" if self.stopping else "stopping after this step"
+            )  # fmt: skip
             say(f"vitrain: {name} again: already {what}; if killed now, the previous checkpoint stays the resume point")
 
     def agreed(self) -> str | None:

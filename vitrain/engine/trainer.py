@@ -201,52 +201,60 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
-        # Stop signals are caught from here: a preemption while the checkpoint loads (minutes for a large model)
-        # stops the run where it was, requeued where asked, rather than killing it with the signal's status.
-        with cluster.StopSignals(self.cfg.run.stop_signals, side_group("control")) as self.signals:
-            # The checkpoint is loaded before anything in the run folder changes: a resume it refuses leaves the run
-            # as it was (its config.yaml included), and the same command without the refused change continues it.
-            if self.resume_path is not None:
-                runs.restore(self, self.resume_path)
-            self._stop_before_start()
-            with all_or_none(f"writing to the run folder {self.run_dir}"):
-                if self.is_main:
-                    if self.resume_path is not None:
-                        self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
-                    runs.write_run_files(self)
-                sinks = open_sinks(self.cfg, self.run_dir) if self.is_main else []  # log.tensorboard, wandb, mlflow
-                log = RunLog(self.run_dir, enabled=self.is_main, sinks=sinks)
-            self.log, r = log, self.cfg.run
-            stacks = self.run_dir / f"stacks-rank{self.dist.rank}.txt"
-            status = "failed"  # how the trackers' runs end
-            try:
+        r = self.cfg.run
+        log: RunLog | None = None
+        status = "failed"  # how the trackers' runs end
+        try:
+            # Stop signals are caught from here: a preemption while the checkpoint loads (minutes for a large model)
+            # stops the run where it was, requeued where asked, rather than killing it with the signal's status.
+            # They are let go before the clean-up below, so a signal after a stop ends the process at once (exit 75).
+            with cluster.StopSignals(r.stop_signals, side_group("control"), starting=True) as self.signals:
+                # The checkpoint is loaded before anything in the run folder changes: a resume it refuses leaves the
+                # run as it was (its config.yaml included), and the same command without the refused change
+                # continues it.
+                if self.resume_path is not None:
+                    runs.restore(self, self.resume_path)
+                self._stop_before_start()
+                with all_or_none(f"writing to the run folder {self.run_dir}"):
+                    if self.is_main:
+                        if self.resume_path is not None:
+                            self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
+                        runs.write_run_files(self)
+                    sinks = open_sinks(self.cfg, self.run_dir) if self.is_main else []  # tensorboard, wandb, mlflow
+                    log = self.log = RunLog(self.run_dir, enabled=self.is_main, sinks=sinks)
+                stacks = self.run_dir / f"stacks-rank{self.dist.rank}.txt"
                 with cluster.Watchdog(r.watchdog_steps, r.watchdog_min_s, stacks, self._hung) as self.watchdog:
                     summary = self._fit(log)
-                status = "finished"
-                return summary
-            except cluster.Stopped:
-                status = "stopped"
-                raise
-            except VitrainError as error:  # the line the user sees is in the run's log too
+            status = "finished"
+            return summary
+        except cluster.Stopped:
+            status = "stopped"
+            raise
+        except VitrainError as error:  # the line the user sees is in the run's log too
+            if log is not None:
                 log.info(f"vitrain: error: {error}", echo=False)  # the CLI prints it
-                raise
-            finally:
-                self.log = self.watchdog = None
+            raise
+        finally:
+            self.log = self.watchdog = None
+            if log is not None:
                 log.close(status)
-                self._let_pending_save_end()
-                # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter
-                # exit, where a thread still inside torch aborts the process.
-                getattr(self.epoch_batches, "close", lambda: None)()
+            self._let_pending_save_end()
+            # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
+            # where a thread still inside torch aborts the process.
+            getattr(self.epoch_batches, "close", lambda: None)()
 
     def _stop_before_start(self) -> None:
         """Collective: a stop signal that came while the run was being set up (the checkpoint's load) stops it
         before anything in its folder changes: nothing new to save, the checkpoint resumed from stays the resume
         point, SLURM requeue where asked; then `Stopped` (the CLI exits 75)."""
         signal_name = self.signals.agreed()
+        self.signals.starting = False
         if signal_name is None:
             return
         requeued = None
         with all_or_none(f"stopping {self.run_dir} before its first step"):
+            if self.is_main and self.resume_path is not None and "stopped" not in runs.read_run_file(self.run_dir):
+                runs.mark_stopped(self.run_dir, self.step, signal_name)  # so that the same command continues it
             if self.is_main and self.cfg.run.requeue:
                 requeued = cluster.requeue()
         if requeued:
