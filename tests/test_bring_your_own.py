@@ -20,7 +20,7 @@ from tests.conftest import run_cli
 from tests.distributed_helpers import run_two_ranks, tiny_config
 from vitrain.cli import main
 from vitrain.data import ImageSet, build_loaders
-from vitrain.errors import ConfigError
+from vitrain.errors import ConfigError, DataError
 from vitrain.models import build_model, plan_of
 from vitrain.tasks.evaluate import evaluate
 
@@ -331,3 +331,182 @@ def test_layers_named_in_fp32_modules_stay_fp32_inside_and_out_under_amp_o2(tmp_
         assert trainer.fit()["steps"] == 5
     finally:
         trainer.close()
+
+
+# ------------------------------------------------------------------ data, model outputs and tasks that do not fit
+
+HANDED = ["train.max_steps=1", "train.batch_size=16", "log.progress=false", "precision.mode=fp32", "model.depth=1",
+          "model.image_size=16", "model.patch_size=4", "model.width=32", "model.heads=2"]  # fmt: skip
+
+
+def image_set(n: int = 32, channels: int = 1, images: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+    """A random 10-class ImageSet of n 16x16 images (or the images and labels given)."""
+    draw = torch.Generator().manual_seed(0)
+    if images is None:
+        images = torch.randint(0, 256, (n, channels, 16, 16), dtype=torch.uint8, generator=draw)
+    return ImageSet(images, torch.arange(len(images)) % 10 if labels is None else labels, [str(k) for k in range(10)])
+
+
+def refused(tmp_path: Path, error: type, pattern: str, at_set_up: bool = True, **handed) -> None:  # noqa: ANN003
+    """vitrain.train with `handed` (data=, model=, task=) stops with one line of `error` matching `pattern`: before
+    the run folder is made (`at_set_up`), else at the first step, before any checkpoint."""
+    import vitrain
+
+    with pytest.raises(error, match=pattern) as raised:
+        vitrain.train("digits", [*HANDED, f"log.out_dir={tmp_path}"], **handed)
+    assert "\n" not in str(raised.value)
+    assert not any(tmp_path.iterdir()) if at_set_up else not list(tmp_path.rglob("step_*"))
+
+
+def _pair():  # noqa: ANN202
+    return image_set(), image_set(16)
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda: image_set(), r"^data= gave an ImageSet, not a \(train, val\) pair of datasets with classes, channels"),
+        (lambda: (*_pair(), image_set()), r"^data= gave a tuple of 3, not a \(train, val\) pair"),
+        (lambda: lambda cfg: None, r"^data= gave a NoneType, not a \(train, val\) pair"),
+        (lambda: lambda: _pair(), r"^data= is a function that cannot be called with the config alone; give a function"),
+        (
+            lambda: (torch.zeros(8, 1, 16, 16), torch.zeros(8)),
+            r"^data=: the train set \(a Tensor\) has no classes, "
+            r"channels, read; give .*; wrap tensors as vitrain.data.ImageSet\(images, labels, classes\)$",
+        ),
+        (
+            lambda: (image_set(), torch.utils.data.TensorDataset(torch.zeros(8))),
+            r"^data=: the val set \(a "
+            r"TensorDataset\) has no classes, channels, read; give a \(train, val\) pair",
+        ),
+    ],  # fmt: skip
+    ids=["one-set", "three-sets", "function-gives-none", "function-of-nothing", "tensors", "torch-dataset"],
+)
+def test_data_handed_in_that_is_not_a_train_val_pair_of_datasets_is_one_line_naming_data(tmp_path, make, pattern):
+    refused(tmp_path, DataError, pattern, data=make())
+
+
+@pytest.mark.parametrize(
+    ("val", "pattern"),
+    [
+        (
+            image_set(16, channels=3),
+            r"^data=: the val set has 3-channel images but the train set 1-channel images "
+            r"\(model.in_chans=1\); give both the same$",
+        ),
+        (
+            ImageSet(torch.zeros(4, 1, 16, 16, dtype=torch.uint8), torch.zeros(4, dtype=torch.long), ["a", "b"]),
+            r"^data=: the val set has 2 classes but the train set 10 \(model.num_classes=10\)",
+        ),
+        (image_set(0), r"^data= gives an empty val set; every run is evaluated on it: give it samples$"),
+    ],  # fmt: skip
+    ids=["channels", "classes", "empty"],
+)
+def test_a_val_set_handed_in_is_checked_like_the_train_set_before_training(tmp_path, val, pattern):
+    """A val set the model cannot read failed at the first evaluation (all training before it lost); an empty one
+    wrote val_loss NaN into summary.json."""
+    refused(tmp_path, DataError, pattern, data=(image_set(), val))
+
+
+@pytest.mark.parametrize(
+    ("train", "pattern"),
+    [
+        (
+            image_set(labels=torch.arange(32.0) % 10),
+            r"^data=: the train set's labels are torch.float32 \(32,\); give "
+            r"class indices, a torch.long tensor \(N,\)$",
+        ),
+        (
+            image_set(labels=torch.arange(32) % 11),
+            r"^data=: the train set's labels run from 0 to 10, but it has 10 "
+            r"classes; labels are class indices in \[0, 10\)",
+        ),
+        (
+            image_set(images=torch.rand(32, 1, 16, 16)),
+            r"^data=: the train set's images are torch.float32; vitrain "
+            r"reads uint8 images in 0-255",
+        ),
+        (
+            image_set(images=torch.zeros(32, 16, 16, 1, dtype=torch.uint8)),
+            r"^data=: the train set's images are "
+            r"channels-last \(16, 16, 1\) per sample; images must be channels-first \(N, C, H, W\)",
+        ),
+    ],  # fmt: skip
+    ids=["float-labels", "labels-past-classes", "float-images", "channels-last"],
+)
+def test_samples_handed_in_are_uint8_channels_first_images_with_class_index_labels(tmp_path, train, pattern):
+    """One read at set-up: float labels, labels past the classes and HWC images failed in the step with torch's
+    message (HWC: "set model.in_chans=16"), float images in [0, 1] trained silently near black."""
+    refused(tmp_path, DataError, pattern, data=(train, image_set(16)))
+
+
+class Outputs(nn.Module):
+    """A linear classifier over the pixels whose output `shape_it` reshapes (or replaces)."""
+
+    def __init__(self, outputs: int, shape_it=lambda logits: logits):  # noqa: ANN001
+        super().__init__()
+        self.linear, self.shape_it = nn.Linear(256, outputs), shape_it
+
+    def forward(self, images: torch.Tensor):  # noqa: ANN201
+        return self.shape_it(self.linear(images.flatten(1).float()))
+
+
+@pytest.mark.parametrize(
+    ("model", "got"),
+    [
+        (Outputs(5), r"shape \(16, 5\)"),
+        (Outputs(100), r"shape \(16, 100\)"),
+        (Outputs(10, lambda logits: logits.unsqueeze(1)), r"shape \(16, 1, 10\)"),
+        (Outputs(10, lambda logits: (logits, logits)), "a tuple"),
+    ],
+    ids=["fewer-outputs", "more-outputs", "extra-dimension", "tuple"],
+)
+def test_a_model_whose_output_is_not_the_tasks_logits_is_one_line_naming_num_classes(tmp_path, model, got):
+    """The task's loss checks the output (5 outputs for 10 classes failed with an IndexError, 100 trained with top-5
+    over 100 classes): at the first step, before anything is trained."""
+    pattern = rf"^the model's output is {got}, but classification takes logits of shape \(batch, model.num_classes\)"
+    pattern += r" = \(16, 10\): set model.num_classes"
+    refused(tmp_path, ConfigError, pattern, at_set_up=False, model=model, data=_pair())
+
+
+def test_a_model_without_trainable_parameters_is_refused_at_set_up(tmp_path):
+    pattern = r"^the model \(Flatten\) has no trainable parameters \(none with requires_grad\)"
+    refused(tmp_path, ConfigError, pattern, model=nn.Flatten(), data=_pair())
+
+
+def _task_without(*names: str) -> type:
+    """ErrorRateTask without the methods `names`."""
+    methods = {k: v for k, v in vars(ErrorRateTask).items() if k not in names and not k.startswith("__")}
+    return type("HalfTask", (), {**methods, "__init__": ErrorRateTask.__init__})
+
+
+@pytest.mark.parametrize(
+    ("task", "pattern"),
+    [
+        (
+            lambda cfg: object(),
+            r"^task= is an object without build_data, build_model, .*, summary_defaults; give a "
+            r"task object with the methods and attributes of vitrain.tasks.Task",
+        ),
+        (
+            lambda cfg: "classification",
+            r"^task= is the str 'classification', not a task object; to name one, set "
+            r"task.name=classification instead$",
+        ),
+        (
+            lambda cfg: ErrorRateTask,
+            r"^task= is the class ErrorRateTask, not an instance of it; give "
+            r"ErrorRateTask\(cfg, model, data\)$",
+        ),
+        (
+            lambda cfg: _task_without("evaluate", "describe_data")(cfg),
+            r"^task= is a HalfTask without evaluate, "
+            r"describe_data; give a task object",
+        ),
+    ],  # fmt: skip
+    ids=["object", "name", "class", "missing-methods"],
+)
+def test_a_task_handed_in_without_the_task_protocol_is_refused_before_the_run_folder(tmp_path, task, pattern):
+    import vitrain
+
+    refused(tmp_path, ConfigError, pattern, task=task(vitrain.load_config("digits", HANDED)))

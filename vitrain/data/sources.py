@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import zipfile
 from collections.abc import Callable, Iterator
@@ -72,11 +73,21 @@ def build_datasets(cfg: Config, source: Any = None) -> tuple[ImageSet | Prepared
 
     A folder source whose root holds a manifest.json is read as prepared data (`vitrain data prepare`). `source`
     (the library's `data=`): a (train, val) pair of datasets with `classes`, `__len__`, `read(index)` and
-    `channels` (ImageSet's), or a function of the config returning one, instead of `data.source`'s.
+    `channels` (ImageSet's), or a function of the config returning one, instead of `data.source`'s. What does not
+    fit (the pair, a dataset's attributes, a handed-in set's first sample and labels, val against train) is one
+    DataError line, before any loader or run folder is made.
     """
-    made = source if source is not None else registry.lookup("data", cfg.data.source)
-    train, val = made(cfg) if callable(made) else made
-    source = cfg.data.source if source is None else "(given)"
+    handed_in = source is not None
+    made = source if handed_in else registry.lookup("data", cfg.data.source)
+    where = "data=" if handed_in else f"data.source={cfg.data.source}"
+    if callable(made):
+        _check_takes_config(made, where)
+        made = made(cfg)
+    train, val = _pair(made, where)
+    if handed_in:  # vitrain's own sources make uint8 (N, C, H, W) images and class indices; a user's may not
+        for split, data in (("train", train), ("val", val)):
+            _check_sample(data, split, where, cfg.model.in_chans)
+    source = cfg.data.source if not handed_in else "(given)"
     m = cfg.model
     channels = train.channels
     if channels != m.in_chans:
@@ -94,7 +105,107 @@ def build_datasets(cfg: Config, source: Any = None) -> tuple[ImageSet | Prepared
             f"data.source={source} has {len(train.classes)} classes but model.num_classes={m.num_classes}; "
             f"set model.num_classes={len(train.classes)}"
         )
+    _check_val(train, val, where)
     return train, val
+
+
+def _check_val(train: Any, val: Any, where: str) -> None:
+    """The validation set is read by the same model as the training set: the same channels, frames and classes,
+    and at least one sample (every run is evaluated)."""
+    for what, of in (("-channel images", "channels"), ("-frame samples", "num_frames")):
+        theirs, ours = getattr(train, of, 1), getattr(val, of, 1)
+        if ours != theirs:
+            raise DataError(
+                f"{where}: the val set has {ours}{what} but the train set {theirs}{what} (model.{_MODEL_KEYS[of]}="
+                f"{theirs}); give both the same"
+            )
+    if len(val.classes) != len(train.classes):
+        raise DataError(
+            f"{where}: the val set has {len(val.classes)} classes but the train set {len(train.classes)} "
+            f"(model.num_classes={len(train.classes)}); give both the same class names"
+        )
+    if len(val) == 0:
+        raise DataError(f"{where} gives an empty val set; every run is evaluated on it: give it samples")
+
+
+_MODEL_KEYS = {"channels": "in_chans", "num_frames": "num_frames"}
+
+
+# What build_datasets reads of a dataset (ImageSet's): a stream (data/stream.py) is read by its workers, not `read`.
+DATASET_NEEDS = ("classes", "channels", "__len__", "read")
+
+
+def _check_takes_config(made: Callable, where: str) -> None:
+    """A data source function can be called with the config (one positional argument), else a DataError."""
+    try:
+        inspect.signature(made).bind(None)
+    except TypeError:
+        raise DataError(
+            f"{where} is a function that cannot be called with the config alone; give a function of the config "
+            "(data=lambda cfg: (train, val)) or the (train, val) pair itself"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): calling it tells
+        pass
+
+
+def _pair(made: Any, where: str) -> tuple[Any, Any]:
+    """(train, val) from what a data source gave, each with DATASET_NEEDS, else a DataError naming what is missing."""
+    expected = "a (train, val) pair of datasets with classes, channels, __len__ and read(index) (vitrain.data.ImageSet)"
+    if not isinstance(made, tuple | list) or len(made) != 2:
+        raise DataError(f"{where} gave {_what(made)}, not {expected}")
+    for split, data in zip(("train", "val"), made, strict=True):
+        needs = [n for n in DATASET_NEEDS if not (n == "read" and getattr(data, "streamed", False))]
+        missing = [n for n in needs if not hasattr(data, n)]
+        if missing:
+            hint = (
+                "; wrap tensors as vitrain.data.ImageSet(images, labels, classes)"
+                if isinstance(data, torch.Tensor)
+                else ""
+            )
+            raise DataError(
+                f"{where}: the {split} set ({_what(data)}) has no {', '.join(missing)}; give {expected}{hint}"
+            )
+    return made[0], made[1]
+
+
+def _what(obj: Any) -> str:
+    """What a data source gave, for an error: a tuple of 3, an ImageSet, a NoneType."""
+    name = type(obj).__name__
+    size = f" of {len(obj)}" if isinstance(obj, tuple | list) else ""
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}{size}"
+
+
+def _check_sample(data: Any, split: str, where: str, in_chans: int) -> None:
+    """The first sample a handed-in dataset reads is a uint8 (1, C, H, W) image with a torch.long label, and its
+    labels (all of them where it holds a `labels` tensor, as ImageSet does) are class indices: once, at set-up."""
+    if getattr(data, "streamed", False) or len(data) == 0:
+        return
+    images, labels = data.read(torch.zeros(1, dtype=torch.long))
+    shape = tuple(images.shape) if isinstance(images, torch.Tensor) else None
+    if shape is None or len(shape) != 4:
+        got = f"shape {shape[1:]}" if shape is not None else f"a {type(images).__name__}"
+        raise DataError(f"{where}: the {split} set's images are {got} per sample; give a uint8 tensor (N, C, H, W)")
+    if shape[1] != in_chans and shape[-1] == in_chans:
+        raise DataError(
+            f"{where}: the {split} set's images are channels-last ({', '.join(map(str, shape[1:]))}) per sample; "
+            "images must be channels-first (N, C, H, W): images.permute(0, 3, 1, 2)"
+        )
+    if images.dtype != torch.uint8:
+        raise DataError(
+            f"{where}: the {split} set's images are {images.dtype}; vitrain reads uint8 images in 0-255 (data.mean and "
+            "data.std are in that scale): convert them, e.g. (images * 255).round().to(torch.uint8) for [0, 1] floats"
+        )
+    held = getattr(data, "labels", None)
+    labels = held if isinstance(held, torch.Tensor) else labels
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.ndim != 1:
+        what = f"{labels.dtype} {tuple(labels.shape)}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise DataError(f"{where}: the {split} set's labels are {what}; give class indices, a torch.long tensor (N,)")
+    classes = len(data.classes)
+    if len(labels) and not (0 <= int(labels.min()) and int(labels.max()) < classes):
+        raise DataError(
+            f"{where}: the {split} set's labels run from {int(labels.min())} to {int(labels.max())}, but it has "
+            f"{classes} classes; labels are class indices in [0, {classes}) (one name in classes per index)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- digits

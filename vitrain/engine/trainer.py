@@ -37,7 +37,7 @@ from vitrain.parallel import broadcast_object, init_distributed, mean_over_ranks
 from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
 from vitrain.parallel.materialize import is_on_meta
 from vitrain.parallel.pipeline import Pipeline
-from vitrain.tasks import Task, build_task, is_better, teacher_of
+from vitrain.tasks import Task, build_task, checked_task, is_better, teacher_of
 from vitrain.weights import load_pretrained
 
 
@@ -80,7 +80,7 @@ class Trainer:
         self.notes = choice.notes + runs.change_lines(self.changes)  # logged once the log is open
         t = cfg.train
         # The task owns data, model, head, loss, evaluation and the best metric (vitrain/tasks).
-        self.task = task if task is not None else build_task(cfg, model, data)
+        self.task = checked_task(task) if task is not None else build_task(cfg, model, data)
         # Pipelining: a (pipeline x data) mesh whose stages of one replica read the same batches.
         self.pipeline = Pipeline(cfg.parallel, self.dist, self.task.loss) if cfg.parallel.pipeline_stages > 1 else None
         if self.pipeline is not None:

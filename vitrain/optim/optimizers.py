@@ -45,6 +45,11 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 
     With optim.name=muon the key also says whether the group follows Muon's rule (`uses_muon`)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ConfigError(
+            f"the model ({type(model).__name__}) has no trainable parameters (none with requires_grad) for the "
+            "optimizer; give a model with some"
+        )
     num_layers = 1 + max((int(n.split(".")[1]) for n, _ in named if n.startswith("blocks.")), default=-1)
     head_wd = head_weight_decay(cfg)
     groups: dict[tuple[float, float], dict] = {}

@@ -16,6 +16,7 @@ ones `model.name` and `data.source` name):
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from vitrain import registry
 from vitrain.config import Config
+from vitrain.errors import ConfigError
 
 
 class Task(Protocol):
@@ -52,6 +54,26 @@ def build_task(cfg: Config, model: Any = None, data: Any = None) -> Task:
     """The task `task.name` names, over `cfg`; `model` (a module or a factory) replaces `model.name`'s model and
     `data` (datasets, or a function of the config making them) data.source's, where the task reads such data."""
     return registry.lookup("task", cfg.task.name)(cfg, model, data)
+
+
+def checked_task(task: Any) -> Task:
+    """A task object handed to the library (`task=`), if it is an instance with the Task protocol's methods and
+    attributes; else one ConfigError line naming what is missing, before anything is built or written."""
+    expected = "a task object with the methods and attributes of vitrain.tasks.Task (or leave it out: task.name)"
+    if inspect.isclass(task):
+        raise ConfigError(
+            f"task= is the class {task.__name__}, not an instance of it; give {task.__name__}(cfg, model, data)"
+        )
+    wanted = [name for name in vars(Task) if not name.startswith("_") and callable(vars(Task)[name])]
+    wanted += list(Task.__annotations__)
+    missing = [name for name in wanted if not hasattr(task, name)]
+    if isinstance(task, str):
+        raise ConfigError(f"task= is the str {task!r}, not a task object; to name one, set task.name={task} instead")
+    if missing:
+        name = type(task).__name__
+        article = "an" if name[0].lower() in "aeiou" else "a"
+        raise ConfigError(f"task= is {article} {name} without {', '.join(missing)}; give {expected}")
+    return task
 
 
 def teacher_of(task: Task, engine: Any) -> Any:

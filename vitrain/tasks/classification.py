@@ -58,6 +58,7 @@ class ClassificationTask:
     def loss(self, output: Any, labels: torch.Tensor | Taught) -> torch.Tensor:
         if isinstance(labels, Taught):  # the step added the teacher's logits (train.distill)
             return distillation_loss(output, labels, self.cfg)
+        check_logits(output, labels.shape[0], self.cfg.model.num_classes)
         return F.cross_entropy(output.float(), labels, label_smoothing=self.cfg.train.label_smoothing)
 
     def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]:
@@ -70,3 +71,16 @@ class ClassificationTask:
 
     def describe_data(self) -> str:
         return f"{len(self.val_loader.data)} val images"
+
+
+def check_logits(output: Any, batch: int, num_classes: int) -> None:
+    """A model's output is a tensor of logits (batch, model.num_classes), else one ConfigError line: a few Python
+    comparisons per step (top-5 over another number of classes would otherwise train silently)."""
+    shape = tuple(output.shape) if isinstance(output, torch.Tensor) else None
+    if shape != (batch, num_classes):
+        got = f"shape {shape}" if shape is not None else f"a {type(output).__name__}"
+        raise ConfigError(
+            f"the model's output is {got}, but classification takes logits of shape (batch, model.num_classes) = "
+            f"({batch}, {num_classes}): set model.num_classes to the model's number of outputs, or make it return one "
+            "tensor of that shape"
+        )
