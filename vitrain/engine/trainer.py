@@ -59,6 +59,8 @@ class Trainer:
         changes: dict[str, tuple] | None = None,
     ):
         self.started = time.perf_counter()  # the run's wall clock (train.time_limit_s, wall_s): setup counts
+        runs.check_arguments(cfg, resume)
+        self.used = False  # fit() runs once per Trainer (a second would find its own run folder taken)
         runs.check_run_home(cfg)
         self.cfg, self.run_dir = cfg, cfg.run_dir
         torch.manual_seed(cfg.train.seed)
@@ -162,6 +164,7 @@ class Trainer:
         """Let go of the model, optimizer and data before the process group is destroyed: a DDP wrapper freed after
         its group joins gloo's threads holding the GIL, a deadlock at exit (an error's traceback keeps the trainer).
         A model's linear layers that an engine swapped to the CPU kernel's class are nn.Linear again."""
+        self.used = True
         if self.model is not None:
             unfuse_linear_bias(self.model)
         self.model = self.forward = self.precision = self.head = self.engine = self.train_step = None
@@ -201,6 +204,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
+        if self.used:
+            raise ConfigError("this Trainer already ran fit() (or was closed); make a new Trainer")
+        self.used = True
         # Stop signals are caught from here: a preemption while the checkpoint loads (minutes for a large model)
         # stops the run where it was, requeued where asked, rather than killing it with the signal's status.
         with cluster.StopSignals(self.cfg.run.stop_signals, side_group("control")) as self.signals:
