@@ -175,6 +175,38 @@ def test_an_unknown_component_path_is_one_line_naming_the_key(tmp_path):
     ]
 
 
+_A_MODULE_OR_A_FUNCTION = r"give a module \(model=Net\(\.\.\.\)\) or a function of the model config returning one"
+
+
+@pytest.mark.parametrize(
+    "model, line",
+    [
+        (
+            "vit",
+            rf"^model='vit' is a str, not a module; {_A_MODULE_OR_A_FUNCTION} .*set model\.name=vit in the config\)$",
+        ),
+        (3, rf"^model=3 is an int, not a module; {_A_MODULE_OR_A_FUNCTION}"),
+        (
+            UserNet,
+            r"^model=UserNet is a class, not a module; pass an instance, model=UserNet\(\.\.\.\), or a function ",
+        ),
+        (
+            lambda: UserNet(1, 10),
+            rf"^model= is a function that cannot be called with the model config; {_A_MODULE_OR_A_FUNCTION}",
+        ),
+        (lambda cfg: None, r"^model= returned a NoneType, not a torch\.nn\.Module; fix the factory$"),
+    ],
+)
+def test_a_model_handed_in_that_is_not_a_module_or_a_function_of_the_config_is_one_line_naming_model(
+    model, line, tiny_model_cfg
+):
+    with pytest.raises(ConfigError, match=line):
+        build_model(tiny_model_cfg, model=model)
+    assert isinstance(build_model(tiny_model_cfg, model=user_net), UserNet)  # a factory of the model config
+    assert isinstance(build_model(tiny_model_cfg, model=FlatNet), FlatNet)  # a class built from the model config
+    assert isinstance(build_model(tiny_model_cfg, 8, model=lambda cfg, embed_dim: UserNet(1, embed_dim)), UserNet)
+
+
 def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):
     import vitrain
 

@@ -351,6 +351,26 @@ def test_a_registered_component_of_the_wrong_kind_is_refused_when_named():
         del registry._REGISTERED["engine"]["not-an-engine"]
 
 
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ("model", registry.lookup),
+            r"^register\('model', lookup\) gives no name; call register\(kind, name, obj\) or ",
+        ),
+        (("models", "mine", print), r"^register: kind 'models' is not one of model, task, engine, data; call register"),
+        (("x", "model", print), r"^register: kind 'x' is not one of model, task, engine, data; "),
+        (("model", None, print), r"^register\('model', None, \.\.\.\): the name must be a non-empty string"),
+        (("model", "", print), r"^register\('model', '', \.\.\.\): the name must be a non-empty string"),
+    ],
+)
+def test_register_refuses_a_missing_name_and_an_unknown_kind_in_one_line(args, line):
+    before = {kind: dict(found) for kind, found in registry._REGISTERED.items()}
+    with pytest.raises(ConfigError, match=line):
+        vitrain.register(*args)
+    assert registry._REGISTERED == before
+
+
 def test_components_of_the_right_kind_by_import_path_are_accepted():
     cfg = load_config(
         overrides=[

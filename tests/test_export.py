@@ -11,7 +11,7 @@ from vitrain import checkpoint as ckpt
 from vitrain.bench.peers import PeerMissing, import_timm
 from vitrain.cli import main
 from vitrain.engine import Trainer
-from vitrain.errors import CheckpointError
+from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import create_model
 from vitrain.parallel import unwrap
 from vitrain.weights import load_pretrained, timm_kwargs
@@ -92,3 +92,44 @@ def test_timm_export_loads_strictly_into_timm_with_the_same_logits(tmp_path, var
     images = torch.randn(4, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(reference(images), ours(images), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "arguments, line",
+    [
+        (lambda m, cfg: (m, None), r"^export\(model, cfg, out_dir, fmt\): cfg is None, not a vitrain Config; pass "),
+        (lambda m, cfg: (m, "digits"), r"^export\(model, cfg, out_dir, fmt\): cfg is 'digits', not a vitrain Config"),
+        (lambda m, cfg: (cfg, m), r"^export\(model, cfg, out_dir, fmt\): model is a Config, not a torch\.nn\.Module"),
+        (lambda m, cfg: (m, cfg.model), r"^export\(model, cfg, out_dir, fmt\): cfg is a ModelConfig \(the model "),
+    ],
+)
+def test_export_refuses_arguments_of_the_wrong_kind_before_writing_anything(
+    arguments, line, tiny_model, tiny_cfg, tmp_path
+):
+    import vitrain
+
+    with pytest.raises(ConfigError, match=line):
+        vitrain.export(*arguments(tiny_model, tiny_cfg), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert vitrain.export(tiny_model, tiny_cfg, tmp_path / "out").is_file()  # the retry is not refused
+
+
+def test_timm_export_refuses_a_model_other_than_the_vit_its_config_describes(tiny_model, tiny_cfg, tmp_path):
+    import vitrain
+
+    not_vit = (
+        r"^export --format timm is for vitrain's ViT \(model\.name=vit\); the model is a Linear: use --format vitrain"
+    )
+    with pytest.raises(CheckpointError, match=not_vit):
+        vitrain.export(torch.nn.Linear(2, 2), tiny_cfg, tmp_path / "out", "timm")
+    mismatch = r"^export --format timm: the model's weights do not match the config "
+    deeper = vitrain.load_config(tiny_cfg, ["model.depth=3"])
+    with pytest.raises(CheckpointError, match=mismatch + r"\(model\.depth=3, .*blocks\.2\.norm1\.weight is absent in"):
+        vitrain.export(tiny_model, deeper, tmp_path / "out", "timm")
+    wider = vitrain.load_config(tiny_cfg, ["model.width=64"])
+    with pytest.raises(
+        CheckpointError, match=mismatch + r"\(.*model\.width=64\): cls_token is 1x1x32 in the model, 1x1x64"
+    ):
+        vitrain.export(tiny_model, wider, tmp_path / "out", "timm")
+    assert not (tmp_path / "out").exists()
+    assert vitrain.export(tiny_model, tiny_cfg, tmp_path / "out", "timm").is_file()

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import vitrain
+import vitrain.errors
 from tests.conftest import REPO, tiny_overrides
 
 
@@ -52,3 +53,49 @@ def test_the_example_trains_digits_from_python_and_prints_the_summary(tmp_path):
     summary = json.loads(last)
     assert summary["steps"] == 4 and 0.0 <= summary["val_top1"] <= 1.0
     assert (tmp_path / "digits" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("overrides", ["train.max_steps=1", {"train.epochs": 2}, [3]])
+def test_overrides_that_are_not_a_list_of_strings_are_refused_in_one_line(overrides, tmp_path):
+    line = r"^overrides must be a list of 'section\.key=value' strings, e\.g\. \['train\.epochs=2'\]; got "
+    with pytest.raises(vitrain.errors.ConfigError, match=line):
+        vitrain.load_config("digits", overrides)
+    with pytest.raises(vitrain.errors.ConfigError, match=line):
+        vitrain.train(None, overrides)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_trainer_runs_fit_once_and_not_after_close(tmp_path):
+    cfg = vitrain.load_config(None, tiny_overrides(tmp_path, "train.max_steps=1", "train.threads=1"))
+    once = r"^this Trainer already ran fit\(\) \(or was closed\); make a new Trainer$"
+    trainer = vitrain.Trainer(cfg)
+    try:
+        assert trainer.fit()["steps"] == 1
+        with pytest.raises(vitrain.errors.ConfigError, match=once):
+            trainer.fit()
+    finally:
+        trainer.close()
+    closed = vitrain.Trainer(cfg)
+    closed.close()
+    with pytest.raises(vitrain.errors.ConfigError, match=once):
+        closed.fit()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [cfg.name]  # the first run's folder only, whole
+    assert json.loads((cfg.run_dir / "summary.json").read_text())["steps"] == 1
+
+
+@pytest.mark.parametrize(
+    "cfg, resume, line",
+    [
+        (
+            "digits",
+            False,
+            r"^Trainer\(cfg\): cfg is 'digits', not a vitrain Config; make one with vitrain\.load_config",
+        ),
+        ({"train": {}}, False, r"^Trainer\(cfg\): cfg is a dict, not a vitrain Config; make one with vitrain\.load"),
+        (None, ["train.max_steps=2"], r"^resume=\['train\.max_steps=2'\] must be True, False, 'auto', or a run or "),
+        (None, 3, r"^resume=3 must be True, False, 'auto', or a run or checkpoint folder \(str or Path\)$"),
+    ],
+)
+def test_a_trainer_refuses_a_cfg_that_is_not_a_config_and_a_resume_that_is_not_one(cfg, resume, line, tiny_cfg):
+    with pytest.raises(vitrain.errors.ConfigError, match=line):
+        vitrain.Trainer(tiny_cfg if cfg is None else cfg, resume)

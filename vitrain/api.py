@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vitrain.config import DEFAULT_RECIPE, Config, load_config, resolve_config_path, to_dict
-from vitrain.engine.runs import resume_choice, resumed_config
+from vitrain.config import DEFAULT_RECIPE, Config, check_overrides, load_config, resolve_config_path, to_dict
+from vitrain.engine.runs import check_resume, resume_choice, resumed_config
 from vitrain.engine.trainer import Trainer
 from vitrain.parallel import shutdown
 
@@ -22,6 +22,7 @@ def config(
     source: str | Path | dict | Config | None = None, overrides: list[str] | None = None, check: bool = True
 ) -> Config:
     """A validated config from a recipe name or YAML path, a dict of sections, or a Config (with overrides)."""
+    check_overrides(overrides)  # before the source is read: a lone string would be read letter by letter
     if isinstance(source, Config):
         return load_config(overrides=overrides, base=to_dict(source), check=check)
     if isinstance(source, dict):
@@ -51,6 +52,7 @@ def train(
     checkpoint cannot honour (the model, the task, the data order) is refused naming the key.
     """
     changes: dict[str, tuple[Any, Any]] = {}
+    check_resume(resume)
     # auto, a requeued SLURM job, a run stopped by a signal: continue the run folder when it holds a run
     resume = resume_choice(config(source, overrides, check=False).run_dir, resume)
     if resume:  # the run's own config, the command line's overrides on top (each change said and logged)

@@ -489,6 +489,7 @@ def load_config(
     A preset named by an override replaces the architecture the file gives (`vitrain bench model.preset=
     vit_base_patch16` on the digits recipe is ViT-B/16 at 224 px, not its width on 16 px digits); the overrides'
     own architecture fields still win over it."""
+    check_overrides(overrides)
     raw: dict[str, Any] = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         raw = read_config_file(Path(path))
@@ -723,6 +724,14 @@ def read_config_file(path: Path, fix: str = "") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise refuse(f"must hold a mapping of sections, got {type(data).__name__}", "e.g. `optim:\n  lr: 0.001`")
     return data
+
+
+def check_overrides(overrides: Any) -> None:
+    """Refuse overrides that are not a list (or tuple) of strings: a lone string would be read letter by letter."""
+    if overrides is None or (isinstance(overrides, list | tuple) and all(isinstance(o, str) for o in overrides)):
+        return
+    given = repr(overrides) if len(repr(overrides)) <= 60 else f"a {type(overrides).__name__}"
+    raise ConfigError(f"overrides must be a list of 'section.key=value' strings, e.g. ['train.epochs=2']; got {given}")
 
 
 def _parse_override(item: str) -> dict[str, Any]:

@@ -85,7 +85,18 @@ ENTRY_POINT_GROUPS = {
 
 def register(kind: str, name: str, component: Any = None) -> Any:
     """Register `component` under `name` (a decorator without `component`); a later registration replaces it."""
-    _check_kind(kind)
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ConfigError(
+            f"register: kind {kind!r} is not one of {', '.join(KINDS)}; call register(kind, name, obj), e.g. "
+            "register('model', 'mine', factory)"
+        )
+    if callable(name):  # register("model", my_factory): the name left out
+        raise ConfigError(
+            f"register({kind!r}, {getattr(name, '__name__', type(name).__name__)}) gives no name; call "
+            f"register(kind, name, obj) or decorate with @register(kind, name), e.g. register({kind!r}, 'mine', obj)"
+        )
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"register({kind!r}, {name!r}, ...): the name must be a non-empty string, e.g. 'mine'")
 
     def add(obj: Any) -> Any:
         _REGISTERED[kind][name] = obj
@@ -190,5 +201,5 @@ def _import(path: str, where: str) -> Any:
 
 
 def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"registry kind {kind!r} is not one of {', '.join(KINDS)}")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ConfigError(f"registry kind {kind!r} is not one of {', '.join(KINDS)}")

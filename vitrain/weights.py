@@ -3,6 +3,7 @@ imports."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitrain import registry
 from vitrain.config import Config, ModelConfig, to_yaml
-from vitrain.errors import CheckpointError
+from vitrain.errors import CheckpointError, ConfigError
 from vitrain.files import atomic_write, check_output_folder
 from vitrain.onnx_export import ONNX_FILES
 
@@ -69,6 +71,7 @@ def export(
 
     from safetensors.torch import save_file
 
+    _check_arguments(model, cfg, out_dir)
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format {fmt} is unknown; choose one of: {', '.join(FORMATS)}")
     if fmt == "onnx":
@@ -90,6 +93,8 @@ def export(
             "export --format timm writes timm's VisionTransformer, which has no distillation token; this student was "
             "trained with train.distill: use --format vitrain"
         )
+    if fmt == "timm":
+        _check_timm_model(model, cfg.model)
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
     check_output_folder(out_dir, overwrite, EXPORT_FILES[fmt], "export", CheckpointError)
@@ -109,6 +114,51 @@ def export(
             f"export: cannot write to {out_dir} ({error.strerror}); choose a writable folder"
         ) from None
     return path
+
+
+def _check_arguments(model: Any, cfg: Any, out_dir: Any) -> None:
+    """export(model, cfg, out_dir)'s arguments, before anything is written: one line naming the one that is wrong."""
+    call = "export(model, cfg, out_dir, fmt)"
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{call}: model is {_what(model)}, not a torch.nn.Module; pass the model first")
+    if isinstance(cfg, ModelConfig):
+        raise ConfigError(
+            f"{call}: cfg is a ModelConfig (the model section), not the whole Config; pass the Config it came from "
+            "(vitrain.load_config(...)), not cfg.model"
+        )
+    if not isinstance(cfg, Config):
+        raise ConfigError(
+            f"{call}: cfg is {_what(cfg)}, not a vitrain Config; pass the model's config, e.g. "
+            "vitrain.load_config('digits', [...])"
+        )
+    if not isinstance(out_dir, str | os.PathLike):
+        raise ConfigError(f"{call}: out_dir is {_what(out_dir)}; give a folder path (str or Path)")
+
+
+def _what(value: Any) -> str:
+    return f"{value!r:.40}" if isinstance(value, str) or value is None else f"a {type(value).__name__}"
+
+
+def _check_timm_model(model: nn.Module, cfg: ModelConfig) -> None:
+    """timm.json describes the model by `cfg`: refuse a model that is not vitrain's ViT, or whose weights have other
+    shapes than the ViT `cfg` describes (another depth or width), in one line."""
+    with torch.device("meta"):  # vitrain's ViT as `cfg` describes it, by the registry (models import this module)
+        reference = registry.lookup("model", "vit")(cfg)
+    if not isinstance(model, type(reference)):
+        raise CheckpointError(
+            f"export --format timm is for vitrain's ViT (model.name=vit); the model is a {type(model).__name__}: use "
+            "--format vitrain (fmt='vitrain')"
+        )
+    described = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    held = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for key in [*described, *(k for k in held if k not in described)]:
+        if held.get(key) != described.get(key):
+            shown = lambda shape: "absent" if shape is None else "x".join(map(str, shape)) or "a scalar"  # noqa: E731
+            raise CheckpointError(
+                f"export --format timm: the model's weights do not match the config (model.depth={cfg.depth}, "
+                f"model.width={cfg.width}): {key} is {shown(held.get(key))} in the model, {shown(described.get(key))} "
+                "by the config; pass the config the model was built from"
+            )
 
 
 def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, torch.Tensor]:

@@ -170,6 +170,28 @@ def read_run_file(run_dir: Path) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
+def check_arguments(cfg: Any, resume: Any) -> None:
+    """A Trainer's `cfg` and `resume` as the library takes them, before anything is made: one line where not."""
+    if not isinstance(cfg, Config):
+        what = f"{cfg!r:.40}" if isinstance(cfg, str) else f"a {type(cfg).__name__}"
+        raise ConfigError(
+            f"Trainer(cfg): cfg is {what}, not a vitrain Config; make one with vitrain.load_config(source, overrides), "
+            "e.g. vitrain.Trainer(vitrain.load_config('digits', ['train.epochs=2']))"
+        )
+    check_resume(resume)
+
+
+def check_resume(resume: Any) -> None:
+    """`resume`: True/False, "auto", or a run or checkpoint folder (a str or Path); anything else refused in one
+    line (a list of overrides handed in its place included)."""
+    if isinstance(resume, bool | str | os.PathLike):
+        return
+    hint = "; overrides go to vitrain.load_config(source, overrides)" if isinstance(resume, list | tuple) else ""
+    raise ConfigError(
+        f"resume={resume!r:.40} must be True, False, 'auto', or a run or checkpoint folder (str or Path){hint}"
+    )
+
+
 def resume_choice(run_dir: Path, resume: bool | str, env: Mapping[str, str] = os.environ) -> bool | str:
     """What `resume` means for this launch, before any folder is chosen: `auto` continues `run_dir` when it holds
     a run (a checkpoint or run.json), else starts it; without a flag, the newest of `run_dir`, `run_dir-1`, ...

@@ -59,6 +59,8 @@ class Trainer:
         changes: dict[str, tuple] | None = None,
     ):
         self.started = time.perf_counter()  # the run's wall clock (train.time_limit_s, wall_s): setup counts
+        runs.check_arguments(cfg, resume)
+        self.used = False  # fit() runs once per Trainer (a second would find its own run folder taken)
         runs.check_run_home(cfg)
         self.cfg, self.run_dir = cfg, cfg.run_dir
         torch.manual_seed(cfg.train.seed)
@@ -162,6 +164,7 @@ class Trainer:
         """Let go of the model, optimizer and data before the process group is destroyed: a DDP wrapper freed after
         its group joins gloo's threads holding the GIL, a deadlock at exit (an error's traceback keeps the trainer).
         A model's linear layers that an engine swapped to the CPU kernel's class are nn.Linear again."""
+        self.used = True
         if self.model is not None:
             unfuse_linear_bias(self.model)
         self.model = self.forward = self.precision = self.head = self.engine = self.train_step = None
@@ -201,6 +204,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
+        if self.used:
+            raise ConfigError("this Trainer already ran fit() (or was closed); make a new Trainer")
+        self.used = True
         r = self.cfg.run
         log: RunLog | None = None
         status = "failed"  # how the trackers' runs end
@@ -245,8 +251,9 @@ class Trainer:
 
     def _stop_before_start(self) -> None:
         """Collective: a stop signal that came while the run was being set up (the checkpoint's load) stops it
-        before anything in its folder changes: nothing new to save, the checkpoint resumed from stays the resume
-        point, SLURM requeue where asked; then `Stopped` (the CLI exits 75)."""
+        before its first step: nothing new to save, the checkpoint resumed from stays the resume point, run.json
+        marked stopped (the only change to the folder), SLURM requeue where asked; then `Stopped` (the CLI exits
+        75)."""
         signal_name = self.signals.agreed()
         self.signals.starting = False
         if signal_name is None:

@@ -5,6 +5,7 @@ model = build_model(cfg.model, embed_dim=0)   # model.name: vit, timm:NAME, or m
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -48,15 +49,53 @@ def build_model(cfg: ModelConfig, embed_dim: int = 0, model: Any = None) -> nn.M
     """The single-device model `model.name` names (the registry's), or `model` itself: an nn.Module, or a factory
     called with the model config. A factory from the registry or an import path is called with the model config
     (and `embed_dim` where one is asked for)."""
+    if model is not None:
+        _check_handed_in(model, embed_dim)
     made = model if model is not None else registry.lookup("model", cfg.name)
     if isinstance(made, nn.Module):
         return made
     built = made(cfg, embed_dim) if embed_dim else made(cfg)
     if not isinstance(built, nn.Module):
-        raise ConfigError(
-            f"model.name={cfg.name} returned a {type(built).__name__}, not a torch.nn.Module; fix the factory"
-        )
+        where = "model=" if model is not None else f"model.name={cfg.name}"
+        raise ConfigError(f"{where} returned a {type(built).__name__}, not a torch.nn.Module; fix the factory")
     return built
+
+
+_HANDED_IN = "give a module (model=Net(...)) or a function of the model config returning one (model=lambda cfg: ...)"
+
+
+def _check_handed_in(model: Any, embed_dim: int) -> None:
+    """`model=` handed to the library: a module, or a function it can call with the model config (and `embed_dim`
+    where one is asked for); anything else refused in one line before it is called."""
+    if isinstance(model, nn.Module):
+        return
+    arguments = ("cfg", embed_dim) if embed_dim else ("cfg",)
+    if inspect.isclass(model) and not (issubclass(model, nn.Module) and _takes(model, arguments)):
+        name = model.__name__
+        raise ConfigError(
+            f"model={name} is a class, not a module; pass an instance, model={name}(...), or a function of the model "
+            f"config, model=lambda cfg: {name}(...)"
+        )
+    if not callable(model):
+        hint = f" (to name a model, set model.name={model} in the config)" if isinstance(model, str) else ""
+        kind = type(model).__name__
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ConfigError(f"model={model!r:.40} is {article} {kind}, not a module; {_HANDED_IN}{hint}")
+    if not _takes(model, arguments):
+        what = "the model config and embed_dim" if embed_dim else "the model config"
+        raise ConfigError(f"model= is a function that cannot be called with {what}; {_HANDED_IN}")
+
+
+def _takes(function: Any, arguments: tuple) -> bool:
+    """Whether `function` (a class: its constructor) can be called with `arguments`; True where no signature can
+    be read (a builtin: called as it is)."""
+    try:
+        inspect.signature(function).bind(*arguments)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def model_complexity(model: nn.Module, kept_patches: int | None = None) -> Complexity | None:
