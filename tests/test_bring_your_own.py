@@ -19,6 +19,7 @@ from torch import nn
 from tests.conftest import run_cli
 from tests.distributed_helpers import run_two_ranks, tiny_config
 from vitrain.cli import main
+from vitrain.config import Config
 from vitrain.data import ImageSet, build_loaders
 from vitrain.errors import ConfigError, DataError
 from vitrain.models import build_model, plan_of
@@ -205,6 +206,13 @@ def test_a_model_handed_in_that_is_not_a_module_or_a_function_of_the_config_is_o
     assert isinstance(build_model(tiny_model_cfg, model=user_net), UserNet)  # a factory of the model config
     assert isinstance(build_model(tiny_model_cfg, model=FlatNet), FlatNet)  # a class built from the model config
     assert isinstance(build_model(tiny_model_cfg, 8, model=lambda cfg, embed_dim: UserNet(1, embed_dim)), UserNet)
+
+
+def test_build_model_takes_the_model_section_and_says_so_in_one_line():
+    with pytest.raises(ConfigError, match=r"^build_model\(cfg\) takes a ModelConfig .*not the whole Config: pass "):
+        build_model(Config())
+    with pytest.raises(ConfigError, match=r"^build_model\(cfg\) takes a ModelConfig .*, not str$"):
+        build_model("vit")
 
 
 def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):

@@ -49,6 +49,9 @@ def build_model(cfg: ModelConfig, embed_dim: int = 0, model: Any = None) -> nn.M
     """The single-device model `model.name` names (the registry's), or `model` itself: an nn.Module, or a factory
     called with the model config. A factory from the registry or an import path is called with the model config
     (and `embed_dim` where one is asked for)."""
+    if not isinstance(cfg, ModelConfig):
+        what = "the whole Config: pass its model section, cfg.model" if isinstance(cfg, Config) else type(cfg).__name__
+        raise ConfigError(f"build_model(cfg) takes a ModelConfig (a config's model section), not {what}")
     if model is not None:
         _check_handed_in(model, embed_dim)
     made = model if model is not None else registry.lookup("model", cfg.name)
