@@ -436,11 +436,19 @@ def test_data_handed_in_that_is_not_a_train_val_pair_of_datasets_is_one_line_nam
         ),
         (
             ImageSet(torch.zeros(4, 1, 16, 16, dtype=torch.uint8), torch.zeros(4, dtype=torch.long), ["a", "b"]),
-            r"^data=: the val set has 2 classes but the train set 10 \(model.num_classes=10\)",
+            r"^data=: the val set's 2 class names differ from the train set's 10 \(a label is an index into them\)",
+        ),
+        (
+            ImageSet(
+                torch.zeros(4, 1, 16, 16, dtype=torch.uint8),
+                torch.zeros(4, dtype=torch.long),
+                [str(k) for k in reversed(range(10))],
+            ),
+            r"^data=: the val set's 10 class names differ from the train set's 10 .* in the same order$",
         ),
         (image_set(0), r"^data= gives an empty val set; every run is evaluated on it: give it samples$"),
     ],  # fmt: skip
-    ids=["channels", "classes", "empty"],
+    ids=["channels", "classes", "class-order", "empty"],
 )
 def test_a_val_set_handed_in_is_checked_like_the_train_set_before_training(tmp_path, val, pattern):
     """A val set the model cannot read failed at the first evaluation (all training before it lost); an empty one
@@ -463,8 +471,8 @@ def test_a_val_set_handed_in_is_checked_like_the_train_set_before_training(tmp_p
         ),
         (
             image_set(images=torch.rand(32, 1, 16, 16)),
-            r"^data=: the train set's images are torch.float32; vitrain "
-            r"reads uint8 images in 0-255",
+            r"^data=: the train set's images are torch.float32 in \[0, 1\]; vitrain "
+            r"reads images in 0-255",
         ),
         (
             image_set(images=torch.zeros(32, 16, 16, 1, dtype=torch.uint8)),
@@ -478,6 +486,38 @@ def test_samples_handed_in_are_uint8_channels_first_images_with_class_index_labe
     """One read at set-up: float labels, labels past the classes and HWC images failed in the step with torch's
     message (HWC: "set model.in_chans=16"), float images in [0, 1] trained silently near black."""
     refused(tmp_path, DataError, pattern, data=(train, image_set(16)))
+
+
+def test_integer_labels_of_any_width_and_float_pixels_in_0_255_train_as_they_did(tmp_path):
+    """What the checks above must not refuse: uint8 or int32 class indices (ImageSet makes them int64, as the loss,
+    mixup and padding take) and float images in 0-255."""
+    import vitrain
+
+    train = image_set(images=image_set().images.float(), labels=(torch.arange(32) % 10).to(torch.uint8))
+    val = image_set(16, labels=(torch.arange(16) % 10).to(torch.int32))
+    assert train.labels.dtype == val.labels.dtype == torch.int64
+    summary = vitrain.train("digits", [*HANDED, f"log.out_dir={tmp_path}"], data=(train, val))
+    assert summary["steps"] == 1
+
+
+class DrawingSet(ImageSet):
+    """An ImageSet that draws from the global generator as it reads (as random clips do)."""
+
+    def read(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.rand(1)
+        return super().read(index)
+
+
+def test_the_set_up_read_of_a_handed_in_set_leaves_the_global_generator_as_it_was():
+    """The model's initial weights, drawn after the data is built, stay those of the seed."""
+    import vitrain
+    from vitrain.data.sources import build_datasets
+
+    cfg = vitrain.load_config("digits", HANDED)
+    sets = tuple(DrawingSet(s.images, s.labels, s.classes) for s in (image_set(), image_set(16)))
+    before = torch.get_rng_state()
+    build_datasets(cfg, sets)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 class Outputs(nn.Module):

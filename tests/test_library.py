@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,10 @@ def test_a_trainer_runs_fit_once_and_not_after_close(tmp_path):
 def test_a_trainer_refuses_a_cfg_that_is_not_a_config_and_a_resume_that_is_not_one(cfg, resume, line, tiny_cfg):
     with pytest.raises(vitrain.errors.ConfigError, match=line):
         vitrain.Trainer(tiny_cfg if cfg is None else cfg, resume)
+
+
+def test_resume_none_is_a_new_run_as_before():
+    from vitrain.engine.runs import check_resume
+
+    for value in (None, False, True, "auto", "runs/x", Path("runs/x")):
+        check_resume(value)  # no refusal

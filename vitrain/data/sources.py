@@ -52,6 +52,20 @@ class ImageSet:
     classes: list[str]
     skipped: Skipped = field(default_factory=Skipped)  # what the source passed over (the train set carries it)
 
+    def __post_init__(self) -> None:
+        # Class indices of another integer dtype (uint8, int32) are the same labels; the loss, mixup's one-hot and
+        # padding take int64.
+        if (
+            isinstance(self.labels, torch.Tensor)
+            and not self.labels.is_floating_point()
+            and self.labels.dtype
+            not in (
+                torch.int64,
+                torch.bool,
+            )
+        ):
+            self.labels = self.labels.long()
+
     def __len__(self) -> int:
         return self.labels.shape[0]
 
@@ -119,13 +133,16 @@ def _check_val(train: Any, val: Any, where: str) -> None:
                 f"{where}: the val set has {ours}{what} but the train set {theirs}{what} (model.{_MODEL_KEYS[of]}="
                 f"{theirs}); give both the same"
             )
-    if len(val.classes) != len(train.classes):
+    if list(val.classes) != list(train.classes):
         raise DataError(
-            f"{where}: the val set has {len(val.classes)} classes but the train set {len(train.classes)} "
-            f"(model.num_classes={len(train.classes)}); give both the same class names"
+            f"{where}: the val set's {len(val.classes)} class names differ from the train set's {len(train.classes)} "
+            "(a label is an index into them); give both the same class names in the same order"
         )
     if len(val) == 0:
-        raise DataError(f"{where} gives an empty val set; every run is evaluated on it: give it samples")
+        fix = (
+            "give it samples" if where == "data=" else "give it samples (data.val_root, or a larger data.val_fraction)"
+        )
+        raise DataError(f"{where} gives an empty val set; every run is evaluated on it: {fix}")
 
 
 _MODEL_KEYS = {"channels": "in_chans", "num_frames": "num_frames"}
@@ -176,11 +193,12 @@ def _what(obj: Any) -> str:
 
 
 def _check_sample(data: Any, split: str, where: str, in_chans: int) -> None:
-    """The first sample a handed-in dataset reads is a uint8 (1, C, H, W) image with a torch.long label, and its
+    """The first sample a handed-in dataset reads is a (1, C, H, W) image in 0-255 with a torch.long label, and its
     labels (all of them where it holds a `labels` tensor, as ImageSet does) are class indices: once, at set-up."""
     if getattr(data, "streamed", False) or len(data) == 0:
         return
-    images, labels = data.read(torch.zeros(1, dtype=torch.long))
+    with torch.random.fork_rng(devices=[]):  # a set that draws as it reads (random clips) leaves the seed's draws be
+        images, labels = data.read(torch.zeros(1, dtype=torch.long))
     shape = tuple(images.shape) if isinstance(images, torch.Tensor) else None
     if shape is None or len(shape) != 4:
         got = f"shape {shape[1:]}" if shape is not None else f"a {type(images).__name__}"
@@ -190,10 +208,13 @@ def _check_sample(data: Any, split: str, where: str, in_chans: int) -> None:
             f"{where}: the {split} set's images are channels-last ({', '.join(map(str, shape[1:]))}) per sample; "
             "images must be channels-first (N, C, H, W): images.permute(0, 3, 1, 2)"
         )
-    if images.dtype != torch.uint8:
+    held = getattr(data, "images", None)  # the whole set where it holds one tensor (ImageSet), else the sample
+    pixels = held if isinstance(held, torch.Tensor) else images
+    if pixels.is_floating_point() and pixels.numel() and float(pixels.max()) <= 1.0:
         raise DataError(
-            f"{where}: the {split} set's images are {images.dtype}; vitrain reads uint8 images in 0-255 (data.mean and "
-            "data.std are in that scale): convert them, e.g. (images * 255).round().to(torch.uint8) for [0, 1] floats"
+            f"{where}: the {split} set's images are {images.dtype} in [0, 1]; vitrain reads images in 0-255 (data.mean "
+            "and data.std are in that scale, so these would train near black): give uint8 images, e.g. "
+            "(images * 255).round().to(torch.uint8)"
         )
     held = getattr(data, "labels", None)
     labels = held if isinstance(held, torch.Tensor) else labels

@@ -184,7 +184,7 @@ def check_arguments(cfg: Any, resume: Any) -> None:
 def check_resume(resume: Any) -> None:
     """`resume`: True/False, "auto", or a run or checkpoint folder (a str or Path); anything else refused in one
     line (a list of overrides handed in its place included)."""
-    if isinstance(resume, bool | str | os.PathLike):
+    if resume is None or isinstance(resume, bool | str | os.PathLike):  # None: a new run, as False
         return
     hint = "; overrides go to vitrain.load_config(source, overrides)" if isinstance(resume, list | tuple) else ""
     raise ConfigError(
