@@ -479,13 +479,33 @@ def test_a_val_set_handed_in_is_checked_like_the_train_set_before_training(tmp_p
             r"^data=: the train set's images are "
             r"channels-last \(16, 16, 1\) per sample; images must be channels-first \(N, C, H, W\)",
         ),
+        (
+            image_set(images=torch.zeros(32, 16, 16, 3, dtype=torch.uint8)),
+            r"^data=: the train set's images are channels-last \(16, 16, 3\) per sample",
+        ),
     ],  # fmt: skip
-    ids=["float-labels", "labels-past-classes", "float-images", "channels-last"],
+    ids=["float-labels", "labels-past-classes", "float-images", "channels-last", "channels-last-rgb"],
 )
 def test_samples_handed_in_are_uint8_channels_first_images_with_class_index_labels(tmp_path, train, pattern):
     """One read at set-up: float labels, labels past the classes and HWC images failed in the step with torch's
     message (HWC: "set model.in_chans=16"), float images in [0, 1] trained silently near black."""
     refused(tmp_path, DataError, pattern, data=(train, image_set(16)))
+
+
+def unit_float_source(cfg):  # noqa: ANN001, ANN201
+    """`data.source=tests.test_bring_your_own:unit_float_source`: images as floats in [0, 1]."""
+    return image_set(images=torch.rand(32, 1, 16, 16)), image_set(16)
+
+
+def test_a_source_named_by_import_path_is_checked_like_data_handed_in(tmp_path):
+    import vitrain
+
+    with pytest.raises(DataError, match=r"^data.source=tests.test_bring_your_own:unit_float_source: the train set's "
+                       r"images are torch.float32 in \[0, 1\]"):  # fmt: skip
+        vitrain.train(
+            "digits", [*HANDED, f"log.out_dir={tmp_path}", "data.source=tests.test_bring_your_own:unit_float_source"]
+        )
+    assert not any(tmp_path.iterdir())
 
 
 def test_integer_labels_of_any_width_and_float_pixels_in_0_255_train_as_they_did(tmp_path):

@@ -98,9 +98,8 @@ def build_datasets(cfg: Config, source: Any = None) -> tuple[ImageSet | Prepared
         _check_takes_config(made, where)
         made = made(cfg)
     train, val = _pair(made, where)
-    if handed_in:  # vitrain's own sources make uint8 (N, C, H, W) images and class indices; a user's may not
-        for split, data in (("train", train), ("val", val)):
-            _check_sample(data, split, where, cfg.model.in_chans)
+    for split, data in (("train", train), ("val", val)):  # a user's source (data=, an import path) as vitrain's
+        _check_sample(data, split, where, cfg.model.in_chans)
     source = cfg.data.source if not handed_in else "(given)"
     m = cfg.model
     channels = train.channels
@@ -193,7 +192,7 @@ def _what(obj: Any) -> str:
 
 
 def _check_sample(data: Any, split: str, where: str, in_chans: int) -> None:
-    """The first sample a handed-in dataset reads is a (1, C, H, W) image in 0-255 with a torch.long label, and its
+    """The first sample a dataset reads is a (1, C, H, W) image in 0-255 with a torch.long label, and its
     labels (all of them where it holds a `labels` tensor, as ImageSet does) are class indices: once, at set-up."""
     if getattr(data, "streamed", False) or len(data) == 0:
         return
@@ -203,7 +202,7 @@ def _check_sample(data: Any, split: str, where: str, in_chans: int) -> None:
     if shape is None or len(shape) != 4:
         got = f"shape {shape[1:]}" if shape is not None else f"a {type(images).__name__}"
         raise DataError(f"{where}: the {split} set's images are {got} per sample; give a uint8 tensor (N, C, H, W)")
-    if shape[1] != in_chans and shape[-1] == in_chans:
+    if shape[1] != in_chans and shape[-1] in (in_chans, 1, 3) and shape[1] not in (1, 3):
         raise DataError(
             f"{where}: the {split} set's images are channels-last ({', '.join(map(str, shape[1:]))}) per sample; "
             "images must be channels-first (N, C, H, W): images.permute(0, 3, 1, 2)"
