@@ -84,6 +84,20 @@ def test_a_trainer_runs_fit_once_and_not_after_close(tmp_path):
     assert json.loads((cfg.run_dir / "summary.json").read_text())["steps"] == 1
 
 
+def test_a_resume_refuses_a_handed_in_config_whose_values_it_would_ignore(tmp_path):
+    """The run continues with its own config.yaml and the overrides: a Config handed in with another train.max_steps
+    was silently trained to the run's; the same Config (its auto values resolved by the run) resumes."""
+    cfg = vitrain.load_config(None, tiny_overrides(tmp_path, "train.max_steps=2", "train.threads=1"))
+    assert vitrain.train(cfg)["steps"] == 2
+    more = vitrain.load_config(cfg, ["train.max_steps=3"])
+    with pytest.raises(vitrain.errors.ConfigError, match=r"^resume: a run continues with its own config.yaml and the "
+                       r"overrides, but the config handed in differs in train.max_steps=3 \(the run's 2\); pass "
+                       r"changes as overrides, e.g. vitrain.train\(source, \['train.max_steps=3'\]"):  # fmt: skip
+        vitrain.train(more, resume=True)
+    assert vitrain.train(cfg, ["train.max_steps=3"], resume=True)["steps"] == 3  # as an override
+    assert vitrain.train(vitrain.load_config(cfg, ["train.max_steps=3"]), resume=True)["steps"] == 3  # the same
+
+
 @pytest.mark.parametrize(
     "cfg, resume, line",
     [

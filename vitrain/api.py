@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vitrain.config import DEFAULT_RECIPE, Config, check_overrides, load_config, resolve_config_path, to_dict
-from vitrain.engine.runs import check_resume, resume_choice, resumed_config
+from vitrain.engine.runs import check_handed_config, check_resume, resume_choice, resumed_config
 from vitrain.engine.trainer import Trainer
 from vitrain.parallel import shutdown
 
@@ -56,7 +56,10 @@ def train(
     # auto, a requeued SLURM job, a run stopped by a signal: continue the run folder when it holds a run
     resume = resume_choice(config(source, overrides, check=False).run_dir, resume)
     if resume:  # the run's own config, the command line's overrides on top (each change said and logged)
-        cfg, changes = resumed_config(config(source, overrides, check=False), resume, overrides or [])
+        given = config(source, overrides, check=False)
+        cfg, changes = resumed_config(given, resume, overrides or [])
+        if isinstance(source, Config | dict):  # a recipe is the run's by name; a config handed in says more
+            check_handed_config(given, cfg)
     else:
         cfg = config(source, overrides)
     trainer = None

@@ -435,6 +435,23 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
     return resumed, {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
 
 
+def check_handed_config(given: Config, resumed: Config) -> None:
+    """The library's resume with a Config (or dict) handed in: the run continues with its own config.yaml and the
+    overrides, so a value of the handed-in config that differs from the run's (and is not `auto`, which the run
+    resolved) would be ignored; refused in one line naming the keys, to be passed as overrides instead."""
+    mine, theirs = flatten(to_dict(given)), flatten(to_dict(resumed))
+    located = ("name", "log.out_dir")  # where the run lives, found by them or by the resume path
+    differ = [k for k, v in mine.items() if v != theirs.get(k) and v != "auto" and k not in located]
+    if differ:
+        shown = ", ".join(f"{k}={_shown(mine[k])} (the run's {_shown(theirs.get(k))})" for k in differ[:4])
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        first = f"{differ[0]}={_shown(mine[differ[0]])}"
+        raise ConfigError(
+            f"resume: a run continues with its own config.yaml and the overrides, but the config handed in differs in "
+            f"{shown}{more}; pass changes as overrides, e.g. vitrain.train(source, ['{first}'], resume=...)"
+        )
+
+
 def change_lines(changes: dict[str, tuple]) -> list[str]:
     return [f"{key}: {_shown(old)} -> {_shown(new)} (command line)" for key, (old, new) in changes.items()]
 
