@@ -153,17 +153,34 @@ def test_malformed_override():
         load_config(None, ["model.depth"])
 
 
-def test_yaml_that_is_not_a_mapping(tmp_path):
-    path = tmp_path / "bad.yaml"
-    path.write_text("- just\n- a list\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml must hold a mapping"):
-        load_config(path)
-
-
-def test_yaml_syntax_error_names_file_and_line(tmp_path):
-    path = tmp_path / "broken.yaml"
-    path.write_text("model:\n  depth: [1, 2\n")
-    with pytest.raises(ConfigError, match=r"broken\.yaml line \d+ is not valid YAML"):
+@pytest.mark.parametrize(
+    ("name", "content", "pattern"),
+    [
+        ("bad.yaml", b"- just\n- a list\n", r"bad\.yaml must hold a mapping"),
+        ("broken.yaml", b"model:\n  depth: [1, 2\n", r"broken\.yaml line \d+ is not valid YAML"),
+        ("random.yaml", bytes(range(128, 256)) * 2, r"random\.yaml is not a YAML file \(not UTF-8 text\)"),
+        (
+            "control.yaml",
+            b"optim:\n  lr: 1\x00\x01\n",
+            r"control\.yaml is not a YAML file \(special characters are not allowed\)",
+        ),
+        (
+            "twice.yaml",
+            b"optim:\n  lr: 0.1\n  lr: 0.2\n",
+            r"twice\.yaml line 3 is not valid YAML: key lr is given twice \(lines 2 and 3\); keep one",
+        ),
+        (
+            "twice.yaml",
+            b"optim:\n  lr: 0.1\ntrain:\n  epochs: 2\noptim:\n  eps: 1.0e-6\n",
+            r"key optim is given twice \(lines 1 and 5\)",
+        ),
+    ],
+    ids=["a-list", "bad-syntax", "binary", "control-characters", "key-twice", "section-twice"],
+)
+def test_a_config_file_that_is_not_a_yaml_mapping_is_refused_naming_file_and_why(tmp_path, name, content, pattern):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=pattern):
         load_config(path)
 
 
@@ -234,36 +251,6 @@ def test_estimate_with_a_directory_as_its_config_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"vitrain: error: config file {tmp_path} is a directory, not a YAML file; give a .yaml file or a recipe name"
     ]
-
-
-def test_a_binary_config_file_is_refused_as_not_yaml(tmp_path):
-    path = tmp_path / "random.yaml"
-    path.write_bytes(bytes(range(128, 256)) * 2)
-    with pytest.raises(ConfigError, match=r"random\.yaml is not a YAML file \(not UTF-8 text\)"):
-        load_config(path)
-
-
-def test_a_config_file_with_control_characters_is_refused_as_not_yaml(tmp_path):
-    path = tmp_path / "control.yaml"
-    path.write_bytes(b"optim:\n  lr: 1\x00\x01\n")
-    with pytest.raises(ConfigError, match=r"control\.yaml is not a YAML file \(special characters are not allowed\)"):
-        load_config(path)
-
-
-def test_a_key_given_twice_in_a_config_file_is_refused_naming_key_and_lines(tmp_path):
-    path = tmp_path / "twice.yaml"
-    path.write_text("optim:\n  lr: 0.1\n  lr: 0.2\n")
-    with pytest.raises(
-        ConfigError, match=r"twice\.yaml line 3 is not valid YAML: key lr is given twice \(lines 2 and 3\); keep one"
-    ):
-        load_config(path)
-
-
-def test_a_section_given_twice_in_a_config_file_is_refused(tmp_path):
-    path = tmp_path / "twice.yaml"
-    path.write_text("optim:\n  lr: 0.1\ntrain:\n  epochs: 2\noptim:\n  eps: 1.0e-6\n")
-    with pytest.raises(ConfigError, match=r"key optim is given twice \(lines 1 and 5\)"):
-        load_config(path)
 
 
 def test_a_yaml_merge_key_may_still_be_overridden_beside_it(tmp_path):
