@@ -85,11 +85,7 @@ ENTRY_POINT_GROUPS = {
 
 def register(kind: str, name: str, component: Any = None) -> Any:
     """Register `component` under `name` (a decorator without `component`); a later registration replaces it."""
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ConfigError(
-            f"register: kind {kind!r} is not one of {', '.join(KINDS)}; call register(kind, name, obj), e.g. "
-            "register('model', 'mine', factory)"
-        )
+    _check_kind(kind, "register: kind", "; call register(kind, name, obj), e.g. register('model', 'mine', factory)")
     if callable(name):  # register("model", my_factory): the name left out
         raise ConfigError(
             f"register({kind!r}, {getattr(name, '__name__', type(name).__name__)}) gives no name; call "
@@ -172,13 +168,20 @@ def _checked_kind(kind: str, name: str, component: Any) -> Any:
     expected = f"{article} {kind} class with the methods of the {protocol.__name__} protocol ({protocol.__module__})"
     if not inspect.isclass(component):
         raise ConfigError(f"{where} is {_what(component)}, not {expected}")
-    methods = [
-        n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))
-    ]
-    missing = [n for n in methods if n not in _OPTIONAL.get(kind, ()) and not hasattr(component, n)]
+    missing = missing_members(protocol, component, optional=_OPTIONAL.get(kind, ()))
     if missing:
         raise ConfigError(f"{where} is a class without {', '.join(missing)}; give {expected}")
     return component
+
+
+def missing_members(protocol: type, component: Any, optional: tuple = (), attributes: bool = False) -> list[str]:
+    """The public methods and properties of `protocol` (with `attributes`, its annotated attributes too: an
+    instance's) that `component` lacks, other than the `optional` ones."""
+    members = [
+        n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    ]
+    members += list(getattr(protocol, "__annotations__", {})) if attributes else []
+    return [n for n in members if n not in optional and not hasattr(component, n)]
 
 
 def _what(component: Any) -> str:
@@ -200,6 +203,6 @@ def _import(path: str, where: str) -> Any:
         raise ConfigError(f"{where}: {module_name} has no attribute {attribute}") from None
 
 
-def _check_kind(kind: str) -> None:
+def _check_kind(kind: str, what: str = "registry kind", fix: str = "") -> None:
     if not isinstance(kind, str) or kind not in KINDS:
-        raise ConfigError(f"registry kind {kind!r} is not one of {', '.join(KINDS)}")
+        raise ConfigError(f"{what} {kind!r} is not one of {', '.join(KINDS)}{fix}")

@@ -64,9 +64,7 @@ def checked_task(task: Any) -> Task:
         raise ConfigError(
             f"task= is the class {task.__name__}, not an instance of it; give {task.__name__}(cfg, model, data)"
         )
-    wanted = [name for name in vars(Task) if not name.startswith("_") and callable(vars(Task)[name])]
-    wanted += list(Task.__annotations__)
-    missing = [name for name in wanted if not hasattr(task, name)]
+    missing = registry.missing_members(Task, task, attributes=True)
     if isinstance(task, str):
         raise ConfigError(f"task= is the str {task!r}, not a task object; to name one, set task.name={task} instead")
     if missing:
