@@ -174,6 +174,18 @@ def _checked_kind(kind: str, name: str, component: Any) -> Any:
     return component
 
 
+def takes(function: Any, *arguments: Any) -> bool:
+    """Whether `function` (a class: its constructor) can be called with `arguments`, by its signature; True where
+    none can be read (a builtin: calling it tells)."""
+    try:
+        inspect.signature(function).bind(*arguments)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
 def missing_members(protocol: type, component: Any, optional: tuple = (), attributes: bool = False) -> list[str]:
     """The public methods and properties of `protocol` (with `attributes`, its annotated attributes too: an
     instance's) that `component` lacks, other than the `optional` ones."""

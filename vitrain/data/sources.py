@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import re
 import zipfile
 from collections.abc import Callable, Iterator
@@ -153,15 +152,11 @@ DATASET_NEEDS = ("classes", "channels", "__len__", "read")
 
 def _check_takes_config(made: Callable, where: str) -> None:
     """A data source function can be called with the config (one positional argument), else a DataError."""
-    try:
-        inspect.signature(made).bind(None)
-    except TypeError:
+    if not registry.takes(made, None):
         raise DataError(
             f"{where} is a function that cannot be called with the config alone; give a function of the config "
             "(data=lambda cfg: (train, val)) or the (train, val) pair itself"
-        ) from None
-    except ValueError:  # no signature to read (some builtins): calling it tells
-        pass
+        )
 
 
 def _pair(made: Any, where: str) -> tuple[Any, Any]:

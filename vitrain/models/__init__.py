@@ -73,7 +73,7 @@ def _check_handed_in(model: Any, embed_dim: int) -> None:
     if isinstance(model, nn.Module):
         return
     arguments = ("cfg", embed_dim) if embed_dim else ("cfg",)
-    if inspect.isclass(model) and not (issubclass(model, nn.Module) and _takes(model, arguments)):
+    if inspect.isclass(model) and not (issubclass(model, nn.Module) and registry.takes(model, *arguments)):
         name = model.__name__
         raise ConfigError(
             f"model={name} is a class, not a module; pass an instance, model={name}(...), or a function of the model "
@@ -84,21 +84,9 @@ def _check_handed_in(model: Any, embed_dim: int) -> None:
         kind = type(model).__name__
         article = "an" if kind[0] in "aeiou" else "a"
         raise ConfigError(f"model={model!r:.40} is {article} {kind}, not a module; {_HANDED_IN}{hint}")
-    if not _takes(model, arguments):
+    if not registry.takes(model, *arguments):
         what = "the model config and embed_dim" if embed_dim else "the model config"
         raise ConfigError(f"model= is a function that cannot be called with {what}; {_HANDED_IN}")
-
-
-def _takes(function: Any, arguments: tuple) -> bool:
-    """Whether `function` (a class: its constructor) can be called with `arguments`; True where no signature can
-    be read (a builtin: called as it is)."""
-    try:
-        inspect.signature(function).bind(*arguments)
-    except TypeError:
-        return False
-    except ValueError:
-        return True
-    return True
 
 
 def model_complexity(model: nn.Module, kept_patches: int | None = None) -> Complexity | None:
