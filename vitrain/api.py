@@ -54,9 +54,9 @@ def train(
     changes: dict[str, tuple[Any, Any]] = {}
     check_resume(resume)
     # auto, a requeued SLURM job, a run stopped by a signal: continue the run folder when it holds a run
-    resume = resume_choice(config(source, overrides, check=False).run_dir, resume)
+    given = config(source, overrides, check=False)
+    resume = resume_choice(given.run_dir, resume)
     if resume:  # the run's own config, the command line's overrides on top (each change said and logged)
-        given = config(source, overrides, check=False)
         cfg, changes = resumed_config(given, resume, overrides or [])
         if isinstance(source, Config | dict):  # a recipe is the run's by name; a config handed in says more
             check_handed_config(given, cfg)
