@@ -29,7 +29,7 @@ from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
 from vitrain.engine.trackers import open_sinks
 from vitrain.errors import ConfigError, VitrainError
-from vitrain.models import VisionTransformer
+from vitrain.models import VisionTransformer, not_the_vit_line
 from vitrain.models.kernels import unfuse_linear_bias
 from vitrain.models.plan import auto_wrap
 from vitrain.optim import Schedule, scaled_lr
@@ -499,12 +499,8 @@ def check_anatomy(model: Any, p: Any) -> None:
     for a module handed in whole (built already: nothing is left to draw shard by shard)."""
     if not (p.pipeline_stages > 1 or p.sharded_init):
         return
-    what = f"parallel.pipeline_stages={p.pipeline_stages}" if p.pipeline_stages > 1 else "parallel.sharded_init"
     if not isinstance(model, VisionTransformer):
-        raise ConfigError(
-            f"{what} splits or draws vitrain's ViT by its anatomy; the model handed in ({type(model).__name__}) is not "
-            "it: set parallel.pipeline_stages=1 and parallel.sharded_init=false"
-        )
+        raise ConfigError(not_the_vit_line(p, f"the model handed in ({type(model).__name__})"))
     if p.sharded_init and not is_on_meta(model):
         raise ConfigError(
             "parallel.sharded_init builds the model on the meta device and draws only this rank's shards, but the "

@@ -124,8 +124,14 @@ def check(cfg: Config) -> None:
             )
         return
     if p.pipeline_stages > 1 or p.sharded_init:
-        what = f"parallel.pipeline_stages={p.pipeline_stages}" if p.pipeline_stages > 1 else "parallel.sharded_init"
-        raise ConfigError(
-            f"{what} splits or draws vitrain's ViT by its anatomy; model.name={m.name} is not it: set "
-            "parallel.pipeline_stages=1 and parallel.sharded_init=false"
-        )
+        raise ConfigError(not_the_vit_line(p, f"model.name={m.name}"))
+
+
+def not_the_vit_line(p: Any, model: str) -> str:
+    """The refusal of pipeline stages or sharded init (parallel section `p`) for `model`, which is not vitrain's ViT:
+    both cut or draw the ViT by its anatomy."""
+    what = f"parallel.pipeline_stages={p.pipeline_stages}" if p.pipeline_stages > 1 else "parallel.sharded_init"
+    return (
+        f"{what} splits or draws vitrain's ViT by its anatomy; {model} is not it: set parallel.pipeline_stages=1 and "
+        "parallel.sharded_init=false"
+    )
