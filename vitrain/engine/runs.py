@@ -421,8 +421,7 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
     saved = load_config(base=saved_raw, check=False)  # what the run had; the config that runs is checked below
     # The run folder's config names no code or command that the user's config and command line do not (trust.py).
     resumed = load_config(base=saved_raw, overrides=overrides, untrusted=saved_file, trusted=trusted_values(cfg))
-    before, after = flatten(to_dict(saved)), flatten(to_dict(resumed))
-    changes = {key: (before.get(key), after[key]) for key in after if after[key] != before.get(key)}
+    changes = config_changes(saved, resumed)
     for key, (old, new) in changes.items():
         if key == "optim.name":
             raise CheckpointError(optimizer_change_line(old, new, str(saved_file), run_dir))
@@ -439,17 +438,26 @@ def check_handed_config(given: Config, resumed: Config) -> None:
     """The library's resume with a Config (or dict) handed in: the run continues with its own config.yaml and the
     overrides, so a value of the handed-in config that differs from the run's (and is not `auto`, which the run
     resolved) would be ignored; refused in one line naming the keys, to be passed as overrides instead."""
-    mine, theirs = flatten(to_dict(given)), flatten(to_dict(resumed))
     located = ("name", "log.out_dir")  # where the run lives, found by them or by the resume path
-    differ = [k for k, v in mine.items() if v != theirs.get(k) and v != "auto" and k not in located]
+    differ = {k: (run, mine) for k, (run, mine) in config_changes(resumed, given).items()
+              if mine != "auto" and k not in located}  # fmt: skip
     if differ:
-        shown = ", ".join(f"{k}={_shown(mine[k])} (the run's {_shown(theirs.get(k))})" for k in differ[:4])
+        shown = ", ".join(
+            f"{k}={_shown(mine)} (the run's {_shown(run)})" for k, (run, mine) in list(differ.items())[:4]
+        )
         more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
-        first = f"{differ[0]}={_shown(mine[differ[0]])}"
+        key = next(iter(differ))
+        first = f"{key}={_shown(differ[key][1])}"
         raise ConfigError(
             f"resume: a run continues with its own config.yaml and the overrides, but the config handed in differs in "
             f"{shown}{more}; pass changes as overrides, e.g. vitrain.train(source, ['{first}'], resume=...)"
         )
+
+
+def config_changes(before: Config, after: Config) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (before's value, after's)} for every key whose value `after` changes."""
+    old, new = flatten(to_dict(before)), flatten(to_dict(after))
+    return {key: (old.get(key), value) for key, value in new.items() if value != old.get(key)}
 
 
 def change_lines(changes: dict[str, tuple]) -> list[str]:
