@@ -143,11 +143,10 @@ def shutdown() -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         for obj in gc.get_objects():
-            try:
-                is_mesh = isinstance(obj, DeviceMesh)
-            except ReferenceError:  # a weakref.proxy whose object is gone (torch.compile's caches leave them)
-                continue
-            if is_mesh:
+            # type(), not isinstance(): DeviceMesh's metaclass reads the object's own attributes, which warns on
+            # torch.distributed.reduce_op (a FutureWarning per rank in every run) and raises on a weakref.proxy
+            # whose object is gone (torch.compile's caches leave them).
+            if issubclass(type(obj), DeviceMesh):
                 getattr(obj, "_pg_registry", {}).clear()
     gc.collect()
 
