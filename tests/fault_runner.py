@@ -13,6 +13,7 @@ FAULT is one of (RANK: the process's rank; counts start at 1 and restart with ea
   term_twice:WHO:STEP    as term (MS=0), and a second SIGTERM as the stop checkpoint's save begins
   term_kill:WHO:STEP:OP  as term (MS=0), then SIGKILL at the OP-th durable file operation of the stop save
   term_load:WHO          on WHO (a rank, or all), SIGTERM as a resume's checkpoint load begins
+  term_setup:WHO         on WHO (a rank, or all), SIGTERM as the trainer's set-up builds the engine (before fit)
   stall:RANK:STEP:S      on RANK, optimizer step STEP sleeps S seconds (a stuck rank)
 When a fault fires, its time is written to $VITRAIN_FAULT_LOG (if set), so a test can time what follows.
 """
@@ -33,7 +34,11 @@ _REAL_FSYNC = os.fsync  # the faults below replace os.fsync; recording a fault m
 def main() -> int:
     fault, argv = sys.argv[1], sys.argv[2:]
     kind, *values = fault.split(":")
-    numbers = numbers_of(values) if kind not in ("term", "term_twice", "term_kill", "term_load", "stall") else []
+    numbers = (
+        numbers_of(values)
+        if kind not in ("term", "term_twice", "term_kill", "term_load", "term_setup", "stall")
+        else []
+    )
     rank = int(os.environ.get("RANK", "0"))
     if kind == "enospc" and rank == numbers[0]:
         _fail_save_with_enospc(numbers[1])
@@ -49,6 +54,8 @@ def main() -> int:
         _term_after_step(kind, *numbers_of(values[1:]))
     elif kind == "term_load" and values[0] in ("all", str(rank)):
         _term_on_load()
+    elif kind == "term_setup" and values[0] in ("all", str(rank)):
+        _term_on_engine_build()
     elif kind == "stall" and rank == int(values[0]):
         _stall_in_step(int(values[1]), float(values[2]))
     elif kind not in (
@@ -60,6 +67,7 @@ def main() -> int:
         "term_twice",
         "term_kill",
         "term_load",
+        "term_setup",
         "stall",
     ):
         raise SystemExit(f"unknown fault {fault}")
@@ -244,6 +252,20 @@ def _term_on_load() -> None:
         return original(*args, **kwargs)
 
     runs.restore = restore
+
+
+def _term_on_engine_build() -> None:
+    """SIGTERM as the trainer's set-up starts building the engine (after the data and the autotune race)."""
+    from vitrain.engine import trainer
+
+    original = trainer.build_engine
+
+    def build_engine(*args, **kwargs):
+        _sigterm()
+        _fired("term_setup")
+        return original(*args, **kwargs)
+
+    trainer.build_engine = build_engine
 
 
 def _stall_in_step(target_step: int, seconds: float) -> None:

@@ -148,12 +148,33 @@ def test_a_run_stopped_while_its_checkpoint_loads_is_marked_stopped_so_another_j
     assert on_load.returncode == cluster.EXIT_STOPPED, on_load.stderr
     assert "SIGTERM: stopping before the first step (nothing new to save)" in on_load.stderr
     assert json.loads((tmp_path / "victim" / "run.json").read_text())["stopped"]["signal"] == "SIGTERM"
+    # Preempted again earlier, while the trainer is set up (before fit): stopped there, the folder as it was.
+    files = {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file()}
+    in_setup = run("term_setup:0", {**job, "SLURM_RESTART_COUNT": "2"})
+    assert in_setup.returncode == cluster.EXIT_STOPPED, in_setup.stderr
+    assert "stopped by SIGTERM at step 4 (checkpoint" in in_setup.stderr.strip().splitlines()[-1]
+    assert {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file()} == files
     again = run("none", {"SLURM_JOB_ID": "5555", "SLURM_RESTART_COUNT": "0"})
     assert again.returncode == 0, again.stderr
     assert "was stopped by SIGTERM after step" in again.stderr and not (tmp_path / "victim-1").exists()
     assert str(cluster.Stopped("SIGTERM", 0, None)) == (
         "stopped by SIGTERM before the first step (nothing saved); run the same command again to start the run"
     )
+
+
+def test_a_new_run_preempted_while_it_is_set_up_writes_nothing_and_requeues(tmp_path):
+    """Before fit(): the data, the autotune race and the engine's build. Without the set-up's stop signals the
+    process died of the SIGTERM (-15), and the job was not requeued."""
+    env, calls = fake_scontrol(tmp_path)
+    command = [sys.executable, str(RUNNER), "term_setup:0", "train", *SYNTHETIC, "parallel.strategy=single",
+               f"log.out_dir={tmp_path}", "name=fresh", "run.requeue=true"]  # fmt: skip
+    stopped = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **env})
+    assert stopped.returncode == cluster.EXIT_STOPPED, stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        "vitrain: stopped by SIGTERM before the first step (nothing saved); run the same command again to start the run"
+    )
+    assert calls.read_text().splitlines() == ["show job 4242", "requeue 4242"]
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_resume_auto_starts_a_missing_run_and_continues_an_existing_one(tmp_path):

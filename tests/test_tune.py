@@ -35,11 +35,11 @@ def auto_cfg(tmp_path, *extra):
     return load_config(None, tiny_overrides(tmp_path, "precision.mode=auto", "model.attention=auto", *extra))
 
 
-def run_autotune(cfg):
+def run_autotune(cfg, stop=None):
     """Autotune on one process, candidates stepping on the task's first batch."""
     task = build_task(cfg)
     loader = task.build_data(CPU, 0, 1)
-    return tune.autotune(cfg, task, DistInfo(0, 1, 0, CPU), lambda: next(iter(loader.epoch(0))))
+    return tune.autotune(cfg, task, DistInfo(0, 1, 0, CPU), lambda: next(iter(loader.epoch(0))), stop=stop)
 
 
 def fake_steps(monkeypatch, seconds):
@@ -153,6 +153,22 @@ def test_a_load_passing_over_one_step_of_the_fastest_does_not_drop_it(tmp_path, 
     decision = run_autotune(auto_cfg(tmp_path, "model.attention=sdpa"))
     assert decision.values == {"precision.mode": "amp_o1"}
     assert decision.notes == {"fp32": "dropped after two timed steps: over 1.5x the best"}
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_a_stop_signal_ends_the_race_after_its_round_deciding_and_caching_nothing(
+    tmp_path, autotune_on, monkeypatch, interleave
+):
+    ran = fake_steps(monkeypatch, {("fp32", None): 0.01, ("amp_o1", None): 0.01, ("amp_o2", None): 0.01})
+    cfg = auto_cfg(tmp_path, "model.attention=sdpa")
+    if not interleave:  # each fits, three together do not: one candidate at a time
+        monkeypatch.setattr(tune, "available_bytes", lambda device: 2 * tune._memory_check(cfg, None)[1]("fp32"))
+    asked = []
+    assert run_autotune(cfg, stop=lambda: asked.append(len(ran)) or len(asked) == 2) is None
+    # Interleaved: every candidate's first step, then their second, then asked again; one at a time: after each.
+    assert asked == ([3, 3] if interleave else [1, 2]) and len(ran) == (3 if interleave else 2)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    assert run_autotune(cfg, stop=lambda: False).values == {"precision.mode": "fp32"}
 
 
 def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypatch):

@@ -89,6 +89,10 @@ class _NonFinite(Exception):
     """A candidate's step went inf/NaN in its loss or gradients: not safe for this model here, whatever its speed."""
 
 
+class _Stopping(Exception):
+    """A stop signal came during the race (`autotune`'s `stop`): the race ends, deciding nothing."""
+
+
 @dataclass
 class Decision:
     values: dict[str, str]  # config key -> the value auto became
@@ -142,10 +146,13 @@ def autotune(
     sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     pipelined: bool = False,
     steps: int = 3,
+    stop: Callable[[], bool] | None = None,
 ) -> Decision | None:
     """Collective: time the candidates of every auto key (or read rank 0's cached decision); None when nothing is
     tuned. `task` is the run's, its data built (a head such as the face task's needs its identities); `sample()`
-    gives the batch every candidate steps on (the run's first one)."""
+    gives the batch every candidate steps on (the run's first one). `stop` (collective, the same answer on every
+    rank) is asked after each round of the race: where it says True the race ends there, and autotune returns None
+    and caches nothing (the trainer's stop signals: a preempted run stops before its first step)."""
     device = dist.device
     options = candidates(cfg, device, pipelined)
     if not options or not enabled():
@@ -185,8 +192,11 @@ def autotune(
     together *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     interleave = broadcast_object(device.type == "cpu" and (available is None or together < available))
     with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
-        race = _Race(cfg, task, dist, sample())
-        values = _race(race, labels, steps, seconds, notes, rounds, interleave)
+        race = _Race(cfg, task, dist, sample(), stop)
+        try:
+            values = _race(race, labels, steps, seconds, notes, rounds, interleave)
+        except _Stopping:
+            return None
     values, kept = _rule_within_noise(values, seconds, cfg)
     batch = cfg.train.batch_size
     images_per_s = {label: batch / s for label, s in seconds.items()}
@@ -209,10 +219,23 @@ class _Race:
     """Builds a candidate's step: a native engine (one device per process) over the task's model and head as the
     candidate's config builds them, and the run's training step over one fixed batch; times one step of it."""
 
-    def __init__(self, cfg: Config, task: Any, dist: DistInfo, batch: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(
+        self,
+        cfg: Config,
+        task: Any,
+        dist: DistInfo,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        stop: Callable[[], bool] | None = None,
+    ):
         self.cfg, self.task, self.dist, self.device = cfg, task, dist, dist.device
         self.batch = [batch]
         self.norms_compiled = False  # an amp_o2 candidate's compiled norms have stepped once in this race
+        self.stop = stop
+
+    def round_done(self) -> None:
+        """Collective, between rounds (every rank runs the same rounds): raise _Stopping where `stop` says so."""
+        if self.stop is not None and self.stop():
+            raise _Stopping
 
     def candidate(self, values: dict[str, str]) -> Callable[[], float]:
         cfg = self.cfg
@@ -322,6 +345,7 @@ def _race(
         run = _unless_nonfinite(label, functools.partial(race.candidate, values), notes)
         if run is not None and (step_s := _unless_nonfinite(label, run, notes)) is not None:
             runs[label], first[label] = run, step_s
+    race.round_done()
     _some_finite(first, race.cfg)
     slow = max(first.values()) > SLOW_STEP_S
     for label in list(runs):  # slow steps: a first step twice the best one's is not worth timing further
@@ -332,6 +356,7 @@ def _race(
         for label, run in list(runs.items()):
             if _unless_nonfinite(label, run, notes) is None:
                 del runs[label]
+        race.round_done()
     times: dict[str, list[float]] = {label: [] for label in runs}
     for round_ in range(1 if slow else steps):
         for label, run in list(runs.items()):
@@ -339,6 +364,7 @@ def _race(
                 del runs[label], times[label]
             else:
                 times[label].append(step_s)
+        race.round_done()
         if not runs:  # the rest went inf/NaN: the fastest finite one dropped for its speed wins below
             break
         if round_ == 1:
@@ -386,6 +412,7 @@ def _one_at_a_time(
 
         if (best := _unless_nonfinite(label, timed, notes)) is not None:
             measured[label] = best
+        race.round_done()
         gc.collect()
         if race.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -62,6 +62,27 @@ class Trainer:
         runs.check_arguments(cfg, resume)
         self.used = False  # fit() runs once per Trainer (a second would find its own run folder taken)
         runs.check_run_home(cfg)
+        self.model = self.engine = None  # built below (close() after a stop during the set-up)
+        # Stop signals are caught from here: a preemption while the run is set up (the autotune race, the engine's
+        # build: minutes for a large model) stops it before its first step at the next check below, requeued where
+        # asked, rather than ending the process with the signal's status. fit() catches them again.
+        with cluster.StopSignals(cfg.run.stop_signals, starting=True) as signals:
+            try:
+                self._set_up(cfg, resume, model, data, task, changes, signals)
+            except cluster.Stopped:
+                self.close()  # a model handed in leaves as it came
+                raise
+
+    def _set_up(
+        self,
+        cfg: Config,
+        resume: bool | str,
+        model: Any,
+        data: Any,
+        task: Task | None,
+        changes: dict[str, tuple[Any, Any]] | None,
+        signals: cluster.StopSignals,
+    ) -> None:
         self.cfg, self.run_dir = cfg, cfg.run_dir
         torch.manual_seed(cfg.train.seed)
         if cfg.train.threads:
@@ -71,6 +92,7 @@ class Trainer:
         device, p = resolve_device(cfg.train.device), cfg.parallel
         self.dist = init_distributed(device, p.strategy, p.backend, timeout_s=cfg.run.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
+        signals.group = side_group("control")  # every rank agrees on a stop at the checks below
         if self.device.type == "cpu" and cfg.train.reuse_host_memory:
             reuse_freed_host_memory()  # process-wide, from here on (vitrain/device.py)
         resume = runs.resume_choice(cfg.run_dir, resume)  # auto, a requeued SLURM job, a stopped run
@@ -99,7 +121,10 @@ class Trainer:
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
         # auto values (precision, attention): every rank times this run's own step per candidate (engine/autotune.py).
         sample = lambda: first_batch(self.train_loader)  # noqa: E731
-        self.tuned = autotune(cfg, self.task, self.dist, sample, pipelined=self.pipeline is not None)
+        self._stop_before_start(signals)
+        stop = lambda: signals.agreed() is not None  # noqa: E731  (asked after each round of the race)
+        self.tuned = autotune(cfg, self.task, self.dist, sample, pipelined=self.pipeline is not None, stop=stop)
+        self._stop_before_start(signals)
         if self.tuned is not None and not self.tuned.from_cache and self.device.type == "cpu":
             # The race's candidates are garbage, some of it in reference cycles (modules and their hooks): collect
             # it, then hand its pages back; the heap kept for reuse (above) would otherwise hold them all run.
@@ -159,6 +184,7 @@ class Trainer:
         self.log: RunLog | None = None
         self.signals: cluster.StopSignals | None = None  # run.stop_signals, caught while fit() runs
         self.watchdog: cluster.Watchdog | None = None
+        self._stop_before_start(signals)
 
     def close(self) -> None:
         """Let go of the model, optimizer and data before the process group is destroyed: a DDP wrapper freed after
@@ -220,7 +246,8 @@ class Trainer:
                 # continues it.
                 if self.resume_path is not None:
                     runs.restore(self, self.resume_path)
-                self._stop_before_start()
+                self._stop_before_start(self.signals, self.step)
+                self.signals.starting = False
                 with all_or_none(f"writing to the run folder {self.run_dir}"):
                     if self.is_main:
                         if self.resume_path is not None:
@@ -249,25 +276,26 @@ class Trainer:
             # where a thread still inside torch aborts the process.
             getattr(self.epoch_batches, "close", lambda: None)()
 
-    def _stop_before_start(self) -> None:
-        """Collective: a stop signal that came while the run was being set up (the checkpoint's load) stops it
-        before its first step: nothing new to save, the checkpoint resumed from stays the resume point, run.json
-        marked stopped (the only change to the folder), SLURM requeue where asked; then `Stopped` (the CLI exits
-        75)."""
-        signal_name = self.signals.agreed()
-        self.signals.starting = False
+    def _stop_before_start(self, signals: cluster.StopSignals, step: int | None = None) -> None:
+        """Collective: a stop signal that came while the run was being set up (the Trainer's set-up, the checkpoint's
+        load) stops it before its first step: nothing new to save, the checkpoint resumed from stays the resume
+        point, run.json marked stopped (the only change to the folder), SLURM requeue where asked; then `Stopped`
+        (the CLI exits 75). `step`: the run's; None before fit() has loaded the checkpoint (the step it holds)."""
+        signal_name = signals.agreed()
         if signal_name is None:
             return
+        if step is None:
+            step = ckpt.read_meta(self.resume_path)["step"] if self.resume_path is not None else 0
         requeued = None
         with all_or_none(f"stopping {self.run_dir} before its first step"):
             if self.is_main and self.resume_path is not None and "stopped" not in runs.read_run_file(self.run_dir):
-                runs.mark_stopped(self.run_dir, self.step, signal_name)  # so that the same command continues it
+                runs.mark_stopped(self.run_dir, step, signal_name)  # so that the same command continues it
             if self.is_main and self.cfg.run.requeue:
                 requeued = cluster.requeue()
         if requeued:
             cluster.say(f"vitrain: {requeued}")
-        stopped = cluster.Stopped(signal_name, self.step, self.resume_path, requeued)
-        self.signals.stopped = stopped  # from here a stop signal ends the process with EXIT_STOPPED (StopSignals)
+        stopped = cluster.Stopped(signal_name, step, self.resume_path, requeued)
+        signals.stopped = stopped  # from here a stop signal ends the process with EXIT_STOPPED (StopSignals)
         raise stopped
 
     def _fit(self, log: RunLog) -> dict[str, Any]:
