@@ -178,6 +178,13 @@ def batch_generator(seed: int, epoch: int, batch: int, rank: int = 0) -> torch.G
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + batch + rank * 1_000_000_007)
 
 
+def loader_generator(seed: int, epoch: int, rank: int = 0) -> torch.Generator:
+    """A DataLoader's own generator (torch draws its workers' base seed from it as it starts iterating, with no
+    workers too). Without one it draws from the global RNG, which dropout and drop-path draw from: the DataLoader a
+    resume makes for the rest of an epoch would shift every mask after it. Per rank, as the global RNG is."""
+    return torch.Generator().manual_seed(hash((seed, epoch, rank)) & (2**63 - 1))
+
+
 class PermutationPosition:
     """The resume arithmetic of a loader over one seeded permutation per epoch (needs data, seed, shuffle, rank,
     world_size, batch_size, drop_last): where it stands, and what it has left from a start."""
