@@ -281,6 +281,21 @@ def test_plain_loader_yields_the_same_batches_as_the_fast_path(prepared_tree):
         assert torch.equal(y, py)
 
 
+def test_plain_loader_mixes_each_ranks_batches_as_the_fast_path_does(prepared_tree):
+    # Mixup's weight and cutmix's box are drawn per batch and rank: ranks that mixed alike would add less variety.
+    src, out = prepared_tree
+    common = ["train.batch_size=4", "data.loader_workers=0", "data.source=folder", "data.mixup_alpha=0.4",
+              "data.cutmix_alpha=1.0"]  # fmt: skip
+    for rank in range(2):
+        fast, _ = build_loaders(_cfg(*common, f"data.root={out}"), CPU, rank, 2)
+        plain, _ = build_loaders(_cfg(*common, f"data.root={src}", "data.loader=plain"), CPU, rank, 2)
+        pairs = list(zip(fast.epoch(1), plain.epoch(1), strict=True))
+        assert pairs
+        for (x, y), (px, py) in pairs:
+            torch.testing.assert_close(x, px)
+            torch.testing.assert_close(y, py)
+
+
 def test_plain_loader_shards_validation_like_the_fast_path(prepared_tree):
     src, out = prepared_tree
     common = ["train.batch_size=3", "data.loader_workers=1", "data.source=folder"]

@@ -163,7 +163,7 @@ class PlainLoader(PermutationPosition):
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             if self.mixer is not None:
-                images, labels = self.mixer.mix(images, labels, batch_generator(self.seed, epoch, b))
+                images, labels = self.mixer.mix(images, labels, batch_generator(self.seed, epoch, b, self.rank))
             yield images, labels
 
 
