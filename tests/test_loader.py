@@ -17,7 +17,15 @@ from tests.data_helpers import TREE_MODEL, make_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
 from vitrain.data.augment import pad_crop_flip, random_resized_crop
-from vitrain.data.loader import PAD_LABEL, epoch_order, from_workers, wait_for_end, worker_start
+from vitrain.data.loader import (
+    PAD_LABEL,
+    TRACE_ENV,
+    epoch_order,
+    first_batch,
+    from_workers,
+    wait_for_end,
+    worker_start,
+)
 from vitrain.data.prepare import prepare
 from vitrain.data.prepared import PreparedSet
 from vitrain.engine import Trainer
@@ -122,6 +130,16 @@ def test_stopping_early_ends_the_prefetch_thread():
     assert prefetching() - others
     batches.close()
     assert not prefetching() - others
+
+
+def test_the_sample_trace_leaves_out_the_first_batch_that_autotune_times(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace.txt"))
+    loader = _loader(_image_set(), prefetch=2)
+    first_batch(loader)  # autotune's race steps on it; training does not
+    assert not (tmp_path / "trace.txt").exists()
+    list(loader.epoch(0))
+    traced = [line.split() for line in (tmp_path / "trace.txt").read_text().splitlines()]
+    assert traced == [["train", *map(str, loader.order(0)[b * 8 : (b + 1) * 8].tolist())] for b in range(len(loader))]
 
 
 # ---------------------------------------------------------------------------------------------- prepared reads
