@@ -17,7 +17,15 @@ from tests.data_helpers import TREE_MODEL, make_tree
 from vitrain.config import load_config
 from vitrain.data import BatchAugment, BatchLoader, ImageSet, build_datasets, build_loaders, open_prepared
 from vitrain.data.augment import pad_crop_flip, random_resized_crop
-from vitrain.data.loader import PAD_LABEL, epoch_order, from_workers, wait_for_end, worker_start
+from vitrain.data.loader import (
+    PAD_LABEL,
+    TRACE_ENV,
+    epoch_order,
+    first_batch,
+    from_workers,
+    wait_for_end,
+    worker_start,
+)
 from vitrain.data.prepare import prepare
 from vitrain.data.prepared import PreparedSet
 from vitrain.engine import Trainer
@@ -122,6 +130,16 @@ def test_stopping_early_ends_the_prefetch_thread():
     assert prefetching() - others
     batches.close()
     assert not prefetching() - others
+
+
+def test_the_sample_trace_leaves_out_the_first_batch_that_autotune_times(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace.txt"))
+    loader = _loader(_image_set(), prefetch=2)
+    first_batch(loader)  # autotune's race steps on it; training does not
+    assert not (tmp_path / "trace.txt").exists()
+    list(loader.epoch(0))
+    traced = [line.split() for line in (tmp_path / "trace.txt").read_text().splitlines()]
+    assert traced == [["train", *map(str, loader.order(0)[b * 8 : (b + 1) * 8].tolist())] for b in range(len(loader))]
 
 
 # ---------------------------------------------------------------------------------------------- prepared reads
@@ -279,6 +297,21 @@ def test_plain_loader_yields_the_same_batches_as_the_fast_path(prepared_tree):
     for (x, y), (px, py) in zip(fast.epoch(2), plain.epoch(2), strict=True):
         torch.testing.assert_close(x, px)
         assert torch.equal(y, py)
+
+
+def test_plain_loader_mixes_each_ranks_batches_as_the_fast_path_does(prepared_tree):
+    # Mixup's weight and cutmix's box are drawn per batch and rank: ranks that mixed alike would add less variety.
+    src, out = prepared_tree
+    common = ["train.batch_size=4", "data.loader_workers=0", "data.source=folder", "data.mixup_alpha=0.4",
+              "data.cutmix_alpha=1.0"]  # fmt: skip
+    for rank in range(2):
+        fast, _ = build_loaders(_cfg(*common, f"data.root={out}"), CPU, rank, 2)
+        plain, _ = build_loaders(_cfg(*common, f"data.root={src}", "data.loader=plain"), CPU, rank, 2)
+        pairs = list(zip(fast.epoch(1), plain.epoch(1), strict=True))
+        assert pairs
+        for (x, y), (px, py) in pairs:
+            torch.testing.assert_close(x, px)
+            torch.testing.assert_close(y, py)
 
 
 def test_plain_loader_shards_validation_like_the_fast_path(prepared_tree):

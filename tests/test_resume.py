@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed_helpers import losses, run_two_ranks, tiny_config
+from tests.data_helpers import make_tree, write_shards
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config, whole_and_resumed
 from tests.test_checkpoint import TEN_STEPS
 from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
@@ -35,6 +36,23 @@ def test_resume_with_random_masks_continues_bit_for_bit(tmp_path):
     expected, got = losses(whole.run_dir), losses(part.run_dir)
     assert sorted(got) == list(range(1, 11))
     assert [got[s] for s in range(6, 11)] == [expected[s] for s in range(6, 11)]  # exactly, not approximately
+
+
+@pytest.mark.parametrize("loader", ["shards", "plain"])
+def test_a_torch_dataloader_source_resumed_mid_epoch_with_random_masks_continues_bit_for_bit(tmp_path, loader):
+    # A DataLoader made for the rest of the epoch after a resume must not draw from the RNG the masks draw from.
+    if loader == "shards":
+        write_shards(tmp_path / "data", [7, 7, 6])  # 20% of each held out: 17 train, 4 steps of 4 an epoch
+        data = {"source": "shards", "shuffle_buffer": 6}
+    else:
+        make_tree(tmp_path / "data", {"train": 16, "test": 4})
+        data = {"source": "folder", "loader": "plain"}
+    data |= {"root": str(tmp_path / "data"), "loader_workers": 0, "hflip": 0.5, "crop_padding": 1}
+    model = {**RANDOM_MASKS, "num_classes": 2}
+    whole, part, _ = whole_and_resumed(tmp_path, {**TEN_STEPS, "batch_size": 4}, stop_at=5, data=data, model=model)
+    expected, got = losses(whole.run_dir), losses(part.run_dir)
+    assert sorted(got) == list(range(1, 11))
+    assert [got[s] for s in range(6, 11)] == [expected[s] for s in range(6, 11)]  # stopped after epoch 1's first step
 
 
 def test_resume_path_continues_in_the_checkpoints_own_run_folder(tmp_path):

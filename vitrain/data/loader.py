@@ -6,6 +6,7 @@ PreparedSet. A background thread reads, pins, copies and augments the next batch
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import multiprocessing
 import os
@@ -65,13 +66,15 @@ class Position:
 
 
 TRACE_ENV = "VITRAIN_SAMPLE_TRACE"  # a file: each consumed batch's sample keys appended as one line (tests, audits)
+# Set while first_batch takes a batch that no step trains on (autotune's race): the trace lists training's batches.
+_UNTRACED: contextvars.ContextVar[bool] = contextvars.ContextVar("vitrain_untraced", default=False)
 
 
 def trace(batches: Iterator[tuple[Any, Any, list]], what: str) -> Iterator[tuple[Any, Any]]:
     """(images, labels) of (images, labels, keys) batches; with VITRAIN_SAMPLE_TRACE set, each batch's keys are
     appended to that file, after `what` (train or val), as the consumer takes it (what a training step consumed,
     not what prefetch read ahead)."""
-    path = os.environ.get(TRACE_ENV)
+    path = None if _UNTRACED.get() else os.environ.get(TRACE_ENV)
     try:
         for images, labels, keys in batches:
             if path:
@@ -176,6 +179,13 @@ def resume_order(
 def batch_generator(seed: int, epoch: int, batch: int, rank: int = 0) -> torch.Generator:
     """One generator per batch (and rank), so augmentation after a resume matches the uninterrupted run."""
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + batch + rank * 1_000_000_007)
+
+
+def loader_generator(seed: int, epoch: int, rank: int = 0) -> torch.Generator:
+    """A DataLoader's own generator (torch draws its workers' base seed from it as it starts iterating, with no
+    workers too). Without one it draws from the global RNG, which dropout and drop-path draw from: the DataLoader a
+    resume makes for the rest of an epoch would shift every mask after it. Per rank, as the global RNG is."""
+    return torch.Generator().manual_seed(hash((seed, epoch, rank)) & (2**63 - 1))
 
 
 class PermutationPosition:
@@ -435,9 +445,11 @@ def endless(loader: Any) -> Iterator[Any]:
 
 
 def first_batch(loader: Any) -> Any:
-    """The loader's first batch of epoch 0 (its prefetch thread stopped after)."""
+    """The loader's first batch of epoch 0 (its prefetch thread stopped after), left out of VITRAIN_SAMPLE_TRACE."""
     batches = loader.epoch(0)
+    untraced = _UNTRACED.set(True)
     try:
         return next(iter(batches))
     finally:
+        _UNTRACED.reset(untraced)
         getattr(batches, "close", lambda: None)()

@@ -25,6 +25,7 @@ from vitrain.data.loader import (
     batch_generator,
     batches_per_epoch,
     from_workers,
+    loader_generator,
     mask_padding,
     worker_start,
 )
@@ -154,6 +155,7 @@ class PlainLoader(PermutationPosition):
             sampler=keys,
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
+            generator=loader_generator(self.seed, epoch, self.rank),
             **worker_start(self.workers),
         )
         for b, (images, labels) in enumerate(from_workers(loader), start=start_batch):
@@ -161,7 +163,7 @@ class PlainLoader(PermutationPosition):
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             if self.mixer is not None:
-                images, labels = self.mixer.mix(images, labels, batch_generator(self.seed, epoch, b))
+                images, labels = self.mixer.mix(images, labels, batch_generator(self.seed, epoch, b, self.rank))
             yield images, labels
 
 

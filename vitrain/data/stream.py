@@ -35,6 +35,7 @@ from vitrain.data.loader import (
     batch_generator,
     from_workers,
     in_background,
+    loader_generator,
     trace,
     worker_start,
 )
@@ -288,6 +289,7 @@ class StreamLoader:
             batch_size=None,
             num_workers=workers,
             prefetch_factor=2 if workers else None,
+            generator=loader_generator(self.seed, epoch, self.rank),
             **worker_start(workers),
         )
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(from_workers(loader)))

@@ -153,8 +153,9 @@ class Trainer:
             model = self.pipeline.split(model)
         if not cfg.parallel.sharded_init:
             model = model.to(self.device)
-        # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order
-        # and augmentation have their own generators, functions of (seed, epoch, batch, rank).
+        # Dropout and drop-path draw from seed + rank: each rank masks its own samples differently. Data order,
+        # augmentation and the DataLoaders have their own generators, functions of (seed, epoch, batch, rank), so
+        # nothing a resumed epoch's loader does moves this stream from the checkpoint's state.
         torch.manual_seed(cfg.train.seed + self.dist.rank)
         # Parameters outside the backbone (the face task's identity head): fp32, this rank's rows, own optimizer.
         self.head = self.task.build_head(self.device)
