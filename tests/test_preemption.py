@@ -130,9 +130,11 @@ def test_a_stopped_run_requeues_once_and_the_same_command_continues_it_to_the_un
     assert same_weights(tmp_path / "reference", tmp_path / "victim")
 
 
-def test_a_run_stopped_while_its_checkpoint_loads_is_marked_stopped_so_another_job_continues_it(tmp_path):
-    """Killed in SLURM job 4242, requeued, preempted while loading: run.json had only the job's id, so a later job of
-    another id running the same command would have started a new run; the stop marks the run stopped."""
+@pytest.mark.parametrize("fault", ["term_load:0", "term_setup:0"])
+def test_a_run_preempted_before_its_first_step_is_marked_stopped_so_another_job_continues_it(tmp_path, fault):
+    """Killed in SLURM job 4242, requeued, preempted while the trainer is set up (term_setup) or its checkpoint
+    loads (term_load): run.json had only the job's id, so a later job of another id running the same command would
+    have started a new run; the stop marks the run stopped, at the checkpoint's step, and changes nothing else."""
     common = [*SYNTHETIC, "parallel.strategy=single", "train.checkpoint_every_steps=2", f"log.out_dir={tmp_path}",
               "name=victim"]  # fmt: skip
 
@@ -143,20 +145,23 @@ def test_a_run_stopped_while_its_checkpoint_loads_is_marked_stopped_so_another_j
     job = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}
     killed = run("kill_step:0:5", job)
     assert killed.returncode == -9, killed.stderr
-    assert "stopped" not in json.loads((tmp_path / "victim" / "run.json").read_text())
-    on_load = run("term_load:0", {**job, "SLURM_RESTART_COUNT": "1"})
-    assert on_load.returncode == cluster.EXIT_STOPPED, on_load.stderr
-    assert "SIGTERM: stopping before the first step (nothing new to save)" in on_load.stderr
-    assert json.loads((tmp_path / "victim" / "run.json").read_text())["stopped"]["signal"] == "SIGTERM"
-    # Preempted again earlier, while the trainer is set up (before fit): stopped there, the folder as it was.
-    files = {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file()}
-    in_setup = run("term_setup:0", {**job, "SLURM_RESTART_COUNT": "2"})
-    assert in_setup.returncode == cluster.EXIT_STOPPED, in_setup.stderr
-    assert "stopped by SIGTERM at step 4 (checkpoint" in in_setup.stderr.strip().splitlines()[-1]
-    assert {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file()} == files
+    run_file = json.loads((tmp_path / "victim" / "run.json").read_text())
+    assert "stopped" not in run_file
+    files = {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file() and p.name != "run.json"}
+    preempted = run(fault, {**job, "SLURM_RESTART_COUNT": "1"})
+    assert preempted.returncode == cluster.EXIT_STOPPED, preempted.stderr
+    assert "SIGTERM: stopping before the first step (nothing new to save)" in preempted.stderr
+    assert "stopped by SIGTERM at step 4 (checkpoint" in preempted.stderr.strip().splitlines()[-1]
+    assert json.loads((tmp_path / "victim" / "run.json").read_text()) == {
+        **run_file,
+        "stopped": {"step": 4, "signal": "SIGTERM"},
+    }
+    assert {p: p.read_bytes() for p in (tmp_path / "victim").rglob("*") if p.is_file() and p.name != "run.json"} == (
+        files
+    )
     again = run("none", {"SLURM_JOB_ID": "5555", "SLURM_RESTART_COUNT": "0"})
     assert again.returncode == 0, again.stderr
-    assert "was stopped by SIGTERM after step" in again.stderr and not (tmp_path / "victim-1").exists()
+    assert "was stopped by SIGTERM after step 4" in again.stderr and not (tmp_path / "victim-1").exists()
     assert str(cluster.Stopped("SIGTERM", 0, None)) == (
         "stopped by SIGTERM before the first step (nothing saved); run the same command again to start the run"
     )
@@ -334,16 +339,50 @@ print("still running")
 """
 
 
-@pytest.mark.parametrize("stop, said", [("stop", "unsaid"), ("stop", "said"), ("no-stop", "unsaid")])
-def test_a_stop_signal_after_the_stop_ends_the_process_with_the_stops_code_and_one_line(stop, said):
+@pytest.mark.parametrize(
+    "stop, said, launched", [("stop", "unsaid", True), ("stop", "said", True), ("no-stop", "unsaid", True),
+                             ("stop", "said", False)]
+)  # fmt: skip
+def test_a_stop_signal_after_the_stop_ends_the_process_with_the_stops_code_and_one_line(stop, said, launched):
     # torchrun signals the ranks still tearing down as soon as one exits: after a stop that must not end them by the
-    # signal's default action (no stop line, the signal's status); without a stop the previous handler is back.
-    done = subprocess.run([sys.executable, "-c", AFTER_STOP, stop, said], capture_output=True, text=True, timeout=60)
-    if stop == "no-stop":
-        assert done.returncode == -signal.SIGUSR1 and "stopped by" not in done.stderr, done.stderr[-2000:]
+    # signal's default action (no stop line, the signal's status); without a stop the previous handler is back, and
+    # so it is after a stop in a process no launcher runs (a notebook's kernel: its Ctrl-C must not end it).
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
+    if launched:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    done = subprocess.run(
+        [sys.executable, "-c", AFTER_STOP, stop, said], capture_output=True, text=True, timeout=60, env=env
+    )
+    if stop == "no-stop" or not launched:
+        assert done.returncode == -signal.SIGUSR1 and done.stderr.count("stopped by") == (not launched)
         return
     assert done.returncode == cluster.EXIT_STOPPED and "still running" not in done.stdout, done.stderr[-2000:]
     assert done.stderr.count("vitrain: stopped by SIGUSR1 at step 3 (nothing new to save)") == 1, done.stderr
+
+
+SET_UP_INTERRUPTED = """
+import signal, sys
+from vitrain.engine.cluster import StopSignals
+try:
+    with StopSignals(("SIGTERM", "SIGINT"), starting=True, interrupt_again=True) as signals:
+        for name in sys.argv[1:]:
+            signal.raise_signal(signal.Signals[name])
+        print("set up", signals.received.name)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.parametrize(
+    "sent, printed",
+    [("SIGINT", "set up SIGINT"), ("SIGTERM SIGTERM", "set up SIGTERM"), ("SIGINT SIGINT", "interrupted"),
+     ("SIGTERM SIGINT", "interrupted")],
+)  # fmt: skip
+def test_ctrl_c_twice_interrupts_the_set_up_at_once_and_other_signals_twice_stop_it(sent, printed):
+    # The set-up writes nothing, so a second Ctrl-C need not wait for its next check; a preemption's SIGTERM may come
+    # from both the launcher and SLURM, and must still stop the run (exit 75, requeued) at that check.
+    done = subprocess.run([sys.executable, "-c", SET_UP_INTERRUPTED, *sent.split()], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == printed, done.stderr
 
 
 @pytest.mark.slow

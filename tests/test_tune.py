@@ -164,9 +164,10 @@ def test_a_stop_signal_ends_the_race_after_its_round_deciding_and_caching_nothin
     if not interleave:  # each fits, three together do not: one candidate at a time
         monkeypatch.setattr(tune, "available_bytes", lambda device: 2 * tune._memory_check(cfg, None)[1]("fp32"))
     asked = []
-    assert run_autotune(cfg, stop=lambda: asked.append(len(ran)) or len(asked) == 2) is None
-    # Interleaved: every candidate's first step, then their second, then asked again; one at a time: after each.
-    assert asked == ([3, 3] if interleave else [1, 2]) and len(ran) == (3 if interleave else 2)
+    assert run_autotune(cfg, stop=lambda: asked.append(len(ran)) or len(asked) == 3) is None
+    # Asked before the race, then interleaved: after every candidate's first step, after their second; one at a
+    # time: after each candidate.
+    assert asked == ([0, 3, 3] if interleave else [0, 1, 2]) and len(ran) == (3 if interleave else 2)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
     assert run_autotune(cfg, stop=lambda: False).values == {"precision.mode": "fp32"}
 

@@ -192,7 +192,10 @@ def autotune(
     together *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     interleave = broadcast_object(device.type == "cpu" and (available is None or together < available))
     with torch.random.fork_rng(devices=[]):  # the run's own random stream is left where it was
-        race = _Race(cfg, task, dist, sample(), stop)
+        batch = sample()
+        if stop is not None and stop():  # also where the batch's read failed for the stop signal (the trainer's)
+            return None
+        race = _Race(cfg, task, dist, batch, stop)
         try:
             values = _race(race, labels, steps, seconds, notes, rounds, interleave)
         except _Stopping:

@@ -73,15 +73,22 @@ class StopSignals:
     Once the stop path has raised `stopped`, the process is on its way out, and a launcher signals the ranks still
     tearing down as soon as the first one exits (torchrun sends SIGTERM). The signal's default action would end them
     there, without their stop line and with the signal's status instead of EXIT_STOPPED. So leaving the context
-    after a stop does not restore the previous handlers: a stop signal from then on says the stop's line (unless it
-    was said) and ends the process with EXIT_STOPPED at once, its checkpoint being written. A library caller whose
-    `fit` raised `Stopped` keeps that behaviour for the rest of the process.
+    after a stop does not restore the previous handlers where a launcher runs the process (several ranks, torchrun,
+    SLURM): a stop signal from then on says the stop's line (unless it was said) and ends the process with
+    EXIT_STOPPED at once, its checkpoint being written. A process of its own (a notebook) gets its handlers back.
+
+    `interrupt_again` (the trainer's set-up, where nothing is written yet): a SIGINT after a received signal raises
+    KeyboardInterrupt at once, so Ctrl-C twice interrupts a slow set-up. Other signals twice do not: a launcher and
+    SLURM may both deliver one preemption.
     """
 
-    def __init__(self, names: tuple[str, ...], group: Any = None, starting: bool = False):
+    def __init__(
+        self, names: tuple[str, ...], group: Any = None, starting: bool = False, interrupt_again: bool = False
+    ):
         self.signals = [signal.Signals[name] for name in names]
         self.group = group  # a gloo group of all ranks (None: one process)
         self.starting = starting  # before the first step (a resume's checkpoint load): there is nothing to save
+        self.interrupt_again = interrupt_again
         self.received: signal.Signals | None = None
         self.stopping = False
         self.stopped: Stopped | None = None  # what the stop path raised: the process is ending (see above)
@@ -94,8 +101,9 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        launched = self.group is not None or any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
         for sig, previous in self._previous.items():
-            ending = self.stopped is not None and sig in self.signals
+            ending = self.stopped is not None and sig in self.signals and launched
             signal.signal(sig, self._exit_stopped if ending else previous)
         self._previous.clear()
 
@@ -123,6 +131,9 @@ class StopSignals:
                 else "after this step, writing a checkpoint"
             )
             say(f"vitrain: {name}: stopping {now}, then exiting {EXIT_STOPPED}")
+        elif self.interrupt_again and signum == signal.SIGINT:
+            say(f"vitrain: {name} again: interrupting the set-up (nothing of the run was written)")
+            raise KeyboardInterrupt
         else:
             what = (
                 "stopping before the first step" if self.starting

@@ -66,12 +66,14 @@ class Trainer:
         # Stop signals are caught from here: a preemption while the run is set up (the autotune race, the engine's
         # build: minutes for a large model) stops it before its first step at the next check below, requeued where
         # asked, rather than ending the process with the signal's status. fit() catches them again.
-        with cluster.StopSignals(cfg.run.stop_signals, starting=True) as signals:
+        # Nothing is written before fit(), so a second signal here interrupts at once (KeyboardInterrupt).
+        with cluster.StopSignals(cfg.run.stop_signals, starting=True, interrupt_again=True) as signals:
             try:
                 self._set_up(cfg, resume, model, data, task, changes, signals)
             except cluster.Stopped:
-                self.close()  # a model handed in leaves as it came
+                self.close()  # a handed-in model's linear layers are nn.Linear again
                 raise
+        self.setup_signal = signals.received  # one that came after the set-up's last check: fit() stops for it
 
     def _set_up(
         self,
@@ -120,7 +122,15 @@ class Trainer:
         peak_lr = scaled_lr(cfg.optim.lr, cfg.schedule, t.batch_size * t.accum_steps * self.dist.data_size)
         self.schedule = Schedule(cfg.schedule, peak_lr, self.total_steps, self.steps_per_epoch)
         # auto values (precision, attention): every rank times this run's own step per candidate (engine/autotune.py).
-        sample = lambda: first_batch(self.train_loader)  # noqa: E731
+
+        def sample() -> Any:
+            try:
+                return first_batch(self.train_loader)
+            except Exception:
+                if signals.received is None:
+                    raise
+                return None  # the loader's workers died of the stop signal: autotune's first check stops every rank
+
         self._stop_before_start(signals)
         stop = lambda: signals.agreed() is not None  # noqa: E731  (asked after each round of the race)
         self.tuned = autotune(cfg, self.task, self.dist, sample, pipelined=self.pipeline is not None, stop=stop)
@@ -242,6 +252,7 @@ class Trainer:
             # stops the run where it was, requeued where asked, rather than killing it with the signal's status.
             # They are let go before the clean-up below, so a signal after a stop ends the process at once (exit 75).
             with cluster.StopSignals(r.stop_signals, side_group("control"), starting=True) as self.signals:
+                self.signals.received = self.signals.received or self.setup_signal
                 # The checkpoint is loaded before anything in the run folder changes: a resume it refuses leaves the
                 # run as it was (its config.yaml included), and the same command without the refused change
                 # continues it.
@@ -285,10 +296,10 @@ class Trainer:
         signal_name = signals.agreed()
         if signal_name is None:
             return
-        if step is None:
-            step = ckpt.read_meta(self.resume_path)["step"] if self.resume_path is not None else 0
         requeued = None
         with all_or_none(f"stopping {self.run_dir} before its first step"):
+            if step is None:
+                step = ckpt.read_meta(self.resume_path)["step"] if self.resume_path is not None else 0
             if self.is_main and self.resume_path is not None and "stopped" not in runs.read_run_file(self.run_dir):
                 runs.mark_stopped(self.run_dir, step, signal_name)  # so that the same command continues it
             if self.is_main and self.cfg.run.requeue:
