@@ -100,6 +100,33 @@ def test_resume_with_another_model_is_refused_and_keeps_the_checkpoint(tmp_path)
     assert snapshot(cfg.run_dir / "checkpoints") == before
 
 
+def test_a_max_steps_stop_on_an_epochs_last_step_counts_the_epoch_and_a_resume_finds_nothing_left(tmp_path):
+    whole = Trainer(load_config(None, tiny_overrides(tmp_path, "name=whole")))
+    steps = whole.steps_per_epoch
+    whole.close()
+    cfg = load_config(None, tiny_overrides(tmp_path, "name=run", f"train.max_steps={steps}"))
+    summary = Trainer(cfg).fit()
+    assert summary["epochs"] == 1  # it read 0: the epoch's last step was also the stop
+    more = load_config(None, tiny_overrides(tmp_path, "name=run", f"train.max_steps={2 * steps}"))
+    again = Trainer(more, resume=True)
+    assert again.fit() == summary  # its one epoch is trained: nothing left (it trained an empty epoch, evaluated
+    # the same weights again and wrote images_per_s=0 over the summary)
+    assert "finished its 1 epochs" in (cfg.run_dir / "log.txt").read_text()
+
+
+def test_the_first_step_of_a_resumed_process_is_not_timed(tmp_path, monkeypatch):
+    from vitrain.engine.runlog import Speed
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "train.epochs=2", "train.max_steps=2"))
+    Trainer(cfg).fit()
+    flags, add = [], Speed.add
+    monkeypatch.setattr(Speed, "add", lambda self, *args, timed: flags.append(timed) or add(self, *args, timed=timed))
+    more = load_config(None, tiny_overrides(tmp_path, "train.epochs=2", "train.max_steps=4"))
+    summary = Trainer(more, resume=True).fit()
+    assert flags == [False, True]  # the resumed process's first step is its warm-up, as a new run's is
+    assert summary["images_per_s"] > 0
+
+
 @pytest.mark.parametrize("impl", ["fused", "flat"])
 def test_resume_after_max_steps_continues_exactly(tmp_path, impl):
     """Stop at step 30 and resume: steps 31.. equal the uninterrupted run (loss, lr and data order)."""

@@ -69,11 +69,14 @@ def progress_bar(total: int, initial: int, desc: str, enabled: bool) -> tqdm:
 
 class Speed:
     """Images/s and time spent waiting for data: over the run's timed steps (the summary) and over the window of
-    steps since the last log record. The first step of a process (warm-up, or torch.compile) is not timed."""
+    steps since the last log record. The first step of a process (warm-up, or torch.compile) is not timed; where a
+    process ran no other, the summary reads that one (a resume with one step left)."""
 
     def __init__(self) -> None:
         self.train_s = self.wait_s = 0.0
         self.train_images = 0
+        self.steps = 0
+        self.untimed_s, self.untimed_images = 0.0, 0
         self.compile_s: float | None = None
         self.open_window()
 
@@ -81,10 +84,14 @@ class Speed:
         self.window_start, self.window_images, self.window_wait_s, self.window_steps = time.perf_counter(), 0, 0.0, 0
 
     def add(self, step_s: float, images: int, wait_s: float, timed: bool) -> None:
+        self.steps += 1
         if timed:
             self.train_s += step_s
             self.train_images += images
             self.wait_s += wait_s
+        else:
+            self.untimed_s += step_s
+            self.untimed_images += images
         self.window_images += images
         self.window_wait_s += wait_s
         self.window_steps += 1
@@ -101,7 +108,9 @@ class Speed:
         return fields
 
     def images_per_s(self) -> float:
-        return self.train_images / self.train_s if self.train_s else 0.0
+        if self.train_s:
+            return self.train_images / self.train_s
+        return self.untimed_images / self.untimed_s if self.untimed_s else 0.0
 
     def data_wait(self) -> dict[str, float]:
         return {"data_wait_s": self.wait_s, "data_wait_frac": self.wait_s / self.train_s if self.train_s else 0.0}

@@ -336,7 +336,8 @@ class Trainer:
             self.epoch_batches = self.train_loader.epoch(self.epoch, self.resume_at)
             speed.open_window()  # the last epoch's evaluation is not in this epoch's images/s
             batches = WaitTimer(itertools.islice(self.epoch_batches, remaining))
-            for _ in range(remaining // t.accum_steps):
+            steps_left = remaining // t.accum_steps
+            for _ in range(steps_left):
                 step_start = time.perf_counter()
                 if self.setup_s is None:
                     self.setup_s = max_over_ranks(self.wall_s(), self.device)
@@ -351,9 +352,10 @@ class Trainer:
                         log.info(f"step {self.step}: {line}")
                     log.record(step=self.step, epoch=self.epoch, skipped=True, **fields)
                 first_compiled = t.compile and speed.compile_s is None
-                timed = not first_compiled and (self.step > 1 or self.resume_path is not None)
                 step_s = time.perf_counter() - step_start
-                speed.add(step_s, result.images * self.dist.data_size, batches.take(), timed)
+                # The process's first step (warm-up, a resume's too) is not timed: Speed.
+                speed.add(step_s, result.images * self.dist.data_size, batches.take(), timed=speed.steps > 0)
+                steps_left -= 1
                 self.watchdog.beat(step_s)
                 if first_compiled:
                     speed.compile_s = time.perf_counter() - step_start
@@ -381,7 +383,7 @@ class Trainer:
                 if stop:
                     break
             bar.close()
-            if not stop:
+            if steps_left == 0:  # the epoch's last step ran (a train.max_steps stop there included)
                 self.epoch += 1
                 self.batch_in_epoch, self.resume_at = 0, None
             final = stop or self.epoch == t.epochs
