@@ -12,6 +12,7 @@ from torch import nn
 from tests.conftest import TRUNK_FIELDS, model_overrides
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config
 from vitrain import checkpoint as ckpt
+from vitrain import precision as precision_module
 from vitrain.config import PrecisionConfig, load_config
 from vitrain.device import BF16_UNITS_ENV
 from vitrain.engine import Trainer
@@ -181,31 +182,44 @@ def test_amp_o2_is_accepted_with_every_strategy(strategy):
     assert cfg.precision.mode == "amp_o2"
 
 
-@pytest.mark.parametrize(("o1_s", "o2_s", "expected"), [(2.0, 1.0, "amp_o2"), (1.0, 2.0, "amp_o1")])
-def test_auto_under_zero3_on_bf16_units_picks_the_faster_measured_mode_and_says_why(monkeypatch, o1_s, o2_s, expected):
-    monkeypatch.setenv(BF16_UNITS_ENV, "1")
-    resolved = resolve(PrecisionConfig(), torch.device("cpu"), "zero3", lambda: {"amp_o1": o1_s, "amp_o2": o2_s})
-    assert (resolved.mode, resolved.dtype) == (expected, torch.bfloat16)
-    assert f"amp_o1 {o1_s * 1e3:.1f} ms" in resolved.reason and f"amp_o2 {o2_s * 1e3:.1f} ms" in resolved.reason
-    assert "parallel.strategy=zero3" in resolved.reason
+@pytest.mark.parametrize("units", ["1", "0"])
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [((3.0, 2.0, 1.0), ("amp_o2", torch.bfloat16)), ((3.0, 1.0, 2.0), ("amp_o1", torch.bfloat16)),
+     ((1.0, 2.0, 3.0), ("fp32", torch.float32))],
+)  # fmt: skip
+def test_auto_under_zero3_where_bf16_is_not_emulated_picks_the_fastest_measured_mode_and_says_why(
+    monkeypatch, units, seconds, expected
+):
+    # With AMX units, or without them where bf16 runs at native speed (avx512_bf16: Zen 4 and 5, where the rule
+    # picked fp32 at half bf16's speed): measured, fp32 among the modes.
+    monkeypatch.setenv(BF16_UNITS_ENV, units)
+    monkeypatch.setattr(precision_module, "bf16_emulated_here", lambda device_type: None)
+    timed = dict(zip(("fp32", "amp_o1", "amp_o2"), seconds, strict=True))
+    resolved = resolve(PrecisionConfig(), torch.device("cpu"), "zero3", lambda: timed)
+    assert (resolved.mode, resolved.dtype) == expected
+    assert all(f"{mode} {s * 1e3:.1f} ms" in resolved.reason for mode, s in timed.items())
+    assert "parallel.strategy=zero3" in resolved.reason and f"the fastest, {expected[0]}" in resolved.reason
 
 
-def test_auto_without_bf16_units_stays_fp32_and_measures_nothing(monkeypatch):
+def test_auto_where_bf16_is_emulated_stays_fp32_and_measures_nothing(monkeypatch):
     monkeypatch.setenv(BF16_UNITS_ENV, "0")
+    monkeypatch.setattr(precision_module, "bf16_emulated_here", lambda device_type: "bf16 emulated (a test)")
 
     def probe():
-        raise AssertionError("no probe without bf16 units")
+        raise AssertionError("no probe where bf16 is emulated")
 
-    assert resolve(PrecisionConfig(), torch.device("cpu"), "zero3", probe).mode == "fp32"
+    resolved = resolve(PrecisionConfig(), torch.device("cpu"), "zero3", probe)
+    assert resolved.mode == "fp32" and "bf16 emulated (a test) -> fp32" in resolved.reason
 
 
-def test_the_probe_times_both_modes_on_a_copy_of_the_block():
+def test_the_probe_times_each_mode_on_a_copy_of_the_block():
     cfg = load_config(overrides=model_overrides(fields=(*TRUNK_FIELDS, "image_size")))
     model = create_model(cfg.model)
     plan = model.parallel_plan("block")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     seconds = time_block_modes(plan.checkpoint_units[0], plan.block_input_shape(4), repeats=1)
-    assert set(seconds) == {"amp_o1", "amp_o2"} and all(s > 0 for s in seconds.values())
+    assert set(seconds) == {"fp32", "amp_o1", "amp_o2"} and all(s > 0 for s in seconds.values())
     assert all(p.grad is None and torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 

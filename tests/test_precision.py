@@ -402,7 +402,9 @@ def test_auto_selects_fp32_on_a_cpu_without_bf16_units_and_says_why(monkeypatch)
     monkeypatch.setenv("VITRAIN_CPU_BF16_UNITS", "0")
     chosen = resolve(PrecisionConfig(mode="auto"), CPU)
     assert chosen.mode == "fp32" and chosen.dtype == torch.float32
-    assert "CPU without AMX bf16 matmul units" in chosen.reason and "slower than fp32" in chosen.reason
+    assert "CPU without AMX bf16 matmul units" in chosen.reason
+    # Why, on this CPU: its bf16 emulated, or (avx512_bf16) no race decided it; it said bf16 was slower on both.
+    assert "emulated" in chosen.reason or "no race decided it" in chosen.reason
 
 
 def test_auto_selects_bf16_o1_on_a_cpu_with_bf16_units_and_says_why(monkeypatch):

@@ -111,9 +111,9 @@ def resolve(
     Pipeline stages hold no low-dtype working copy, so `pipelined` outside zero2/zero3 keeps fp32 weights (amp_o1).
 
     `decided`: autotune's measured choice, which auto becomes where it is given (vitrain/engine/autotune.py); without
-    it the rules below apply. On a CPU with bf16 matrix units under zero2/zero3, `time_modes` (seconds of one
-    block's forward and backward under amp_o1 and amp_o2, see `time_block_modes`) decides between autocast and
-    low-precision sharded compute.
+    it the rules below apply. On a CPU whose bf16 matmuls are not emulated, under zero2/zero3, `time_modes`
+    (seconds of one block's forward and backward in fp32, amp_o1 and amp_o2, see `time_block_modes`) picks the
+    fastest.
     """
     if cfg.mode != "auto":
         dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
@@ -137,26 +137,26 @@ def resolve(
         return Resolved("amp_o1", torch.float16, "auto: CUDA without bf16 -> fp16 O1 with dynamic loss scaling")
     if device.type == "cpu":
         forced = f", forced by {BF16_UNITS_ENV}" if BF16_UNITS_ENV in os.environ else ""
-        if cpu_has_bf16_matmul_units() and strategy in SHARDED and time_modes is not None:
+        units = cpu_has_bf16_matmul_units()
+        # Without AMX, bf16 may still be the faster (avx512_bf16: Zen 4 and 5 run its GEMMs about twice fp32's) or
+        # emulated (an AVX2 CPU: ~17x slower); measured, as autotune does, not read from the CPU's flags.
+        emulated = None if units else bf16_emulated_here(device.type)
+        has = f"AMX bf16 matmul units{forced}" if units else f"bf16 matmuls not emulated, no AMX{forced}"
+        if strategy in SHARDED and time_modes is not None and emulated is None:
             seconds = time_modes()
             mode = min(seconds, key=seconds.get)
             measured = ", ".join(f"{m} {seconds[m] * 1e3:.1f} ms" for m in sorted(seconds))
             return Resolved(
                 mode,
-                torch.bfloat16,
-                f"auto: CPU with AMX bf16 matmul units{forced}, parallel.strategy={strategy}: one block's forward and "
-                f"backward at this run's shape measured {measured} -> the faster, bf16 {mode}",
+                torch.float32 if mode == "fp32" else torch.bfloat16,
+                f"auto: CPU with {has}, parallel.strategy={strategy}: one block's forward and backward at this run's "
+                f"shape measured {measured} -> the fastest, {mode}",
             )
-        if cpu_has_bf16_matmul_units():
+        if units:
             # AMX CPUs run bf16 matmuls faster than fp32; autocast keeps fp32 weights.
-            return Resolved("amp_o1", torch.bfloat16, f"auto: CPU with AMX bf16 matmul units{forced} -> bf16 O1")
-        avx = "with" if torch.cpu._is_avx512_bf16_supported() else "without"
-        return Resolved(
-            "fp32",
-            torch.float32,
-            f"auto: CPU without AMX bf16 matmul units{forced} ({avx} avx512_bf16 conversion instructions): "
-            "bf16/fp16 matmuls are slower than fp32 here -> fp32",
-        )
+            return Resolved("amp_o1", torch.bfloat16, f"auto: CPU with {has} -> bf16 O1")
+        why = emulated or "no race decided it (autotune's race decides under single, ddp and zero1)"
+        return Resolved("fp32", torch.float32, f"auto: CPU without AMX bf16 matmul units{forced}: {why} -> fp32")
     return Resolved("fp32", torch.float32, f"auto: device type {device.type} -> fp32")
 
 
@@ -168,8 +168,8 @@ def time_block_modes(
     compile_norms: bool = False,
 ) -> dict[str, float]:
     """Seconds (best of `repeats`, after a warm-up) of one forward and backward of a copy of `block` on an input
-    of `shape`: under bf16 autocast on fp32 weights (amp_o1) and with bf16 weights, norms fp32 (amp_o2; with
-    `compile_norms` as the run computes them, their compile in the warm-up call)."""
+    of `shape`: in fp32, under bf16 autocast on fp32 weights (amp_o1) and with bf16 weights, norms fp32 (amp_o2;
+    with `compile_norms` as the run computes them, their compile in the warm-up call)."""
     device = device or next(block.parameters()).device
     draw = torch.Generator(device).manual_seed(0)  # the run's own random stream is left alone
     fp32 = copy.deepcopy(block)
@@ -179,7 +179,7 @@ def time_block_modes(
             nn.init.normal_(param, std=0.02, generator=draw)
     low, _ = _working_copy(fp32, torch.bfloat16, compile_norms=compile_norms)
     x = torch.randn(shape, device=device, generator=draw)
-    runs = {"amp_o1": (fp32, x, True), "amp_o2": (low, x.to(torch.bfloat16), False)}
+    runs = {"fp32": (fp32, x, False), "amp_o1": (fp32, x, True), "amp_o2": (low, x.to(torch.bfloat16), False)}
     seconds = {}
     for mode, (module, inputs, autocast) in runs.items():
         timings = []

@@ -267,8 +267,8 @@ class Frozen:
 
 
 def time_modes(cfg: Config, model: nn.Module, dist: DistInfo) -> dict[str, float]:
-    """auto precision's probe under zero2/zero3 on bf16 CPUs: one block's forward and backward per mode, timed on
-    rank 0 for every rank (precision.resolve picks the faster)."""
+    """auto precision's probe under zero2/zero3 on CPUs whose bf16 is not emulated: one block's forward and backward
+    per mode, timed on rank 0 for every rank (precision.resolve picks the fastest)."""
     plan = plan_of(model, cfg.parallel.wrap, cfg.parallel.block)
     shape = plan.block_input_shape(cfg.train.batch_size)
     timed = None
