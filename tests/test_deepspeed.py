@@ -10,6 +10,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -108,6 +109,35 @@ def test_a_run_from_a_user_json_gets_vitrains_values_and_the_files_own_keys_on_t
     config = meta["precision"]["deepspeed_config"]
     assert config["zero_optimization"] == {"stage": 2, "overlap_comm": False, "reduce_bucket_size": 1000000}
     assert config["train_micro_batch_size_per_gpu"] * 2 == config["train_batch_size"]
+
+
+def _train_command(out_dir):
+    """`vitrain train` under ZeRO-3 as torchrun would run it, each rank's stdout and stderr (its file descriptors,
+    where DeepSpeed's and torch's own writes land too) in files of its own."""
+    rank = os.environ["RANK"]
+    with open(out_dir / f"rank{rank}.out", "w") as out, open(out_dir / f"rank{rank}.err", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        args = ["train", "digits", f"log.out_dir={out_dir}", "name=command", "train.engine=deepspeed"]
+        args += ["parallel.strategy=zero3", "train.max_steps=3", "train.threads=1", "precision.mode=fp32"]
+        args += ["model.width=64", "model.depth=2", "log.progress=false"]
+        try:
+            assert main(args) == 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+@pytest.fixture(scope="module")
+def command(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("deepspeed_command")
+    run_two_ranks(_train_command, out_dir)
+    return {name: (out_dir / name).read_text() for name in ("rank0.out", "rank0.err", "rank1.out", "rank1.err")}
+
+
+def test_a_zero3_run_prints_no_deprecation_of_the_torch_collectives_deepspeed_calls(command):
+    assert "is deprecated" not in command["rank0.err"] + command["rank1.err"]
+    assert "precision fp32" in command["rank0.err"]  # rank 0's log is in the file
 
 
 PROBE_SEED = 7  # the fixed images whose logits the exported weights must reproduce

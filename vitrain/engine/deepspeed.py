@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,16 @@ class DeepSpeedEngine:
         # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
         optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")
         self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
+        # DeepSpeed's ZeRO collectives call these deprecated torch functions: DeepSpeed's to change, not the user's.
+        # Filtered for the whole process, as DeepSpeed calls them from its hooks on every step; shown once they would
+        # not stay once, since DeepSpeed's per-step numactl subprocess enters warnings.catch_warnings, which resets
+        # the shown-once registry (a line per rank per step under ZeRO-3).
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+            category=FutureWarning,
+            module=r"torch\.distributed\.",
+        )
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         self.model = model  # the ds engine's module: under ZeRO-3 its parameters are partitioned
         self.fp16 = _enabled(self.config, "fp16")
