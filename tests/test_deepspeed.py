@@ -113,8 +113,21 @@ def test_a_run_from_a_user_json_gets_vitrains_values_and_the_files_own_keys_on_t
 
 def _train_command(out_dir):
     """`vitrain train` under ZeRO-3 as torchrun would run it, each rank's stdout and stderr (its file descriptors,
-    where DeepSpeed's and torch's own writes land too) in files of its own."""
+    where DeepSpeed's and torch's own writes land too) in files of its own, and the number of numactl probes of
+    DeepSpeed's CPU accelerator after deepspeed.initialize in a third."""
+    import deepspeed
+    import deepspeed.utils.numa as numa
+
     rank = os.environ["RANK"]
+    probes, probe, initialize = [], numa.get_numa_cores, deepspeed.initialize
+    numa.get_numa_cores = lambda: probes.append(1) or probe()
+
+    def initialize_then_count(*args, **kwargs):
+        engine = initialize(*args, **kwargs)
+        probes.clear()
+        return engine
+
+    deepspeed.initialize = initialize_then_count  # this spawned process only
     with open(out_dir / f"rank{rank}.out", "w") as out, open(out_dir / f"rank{rank}.err", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
@@ -126,18 +139,32 @@ def _train_command(out_dir):
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+    (out_dir / f"rank{rank}.numactl").write_text(str(len(probes)))
+
+
+SHM = Path("/dev/shm")
 
 
 @pytest.fixture(scope="module")
 def command(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("deepspeed_command")
+    shm_before = set(SHM.glob("deepspeed_*")) if SHM.is_dir() else set()
     run_two_ranks(_train_command, out_dir)
-    return {name: (out_dir / name).read_text() for name in ("rank0.out", "rank0.err", "rank1.out", "rank1.err")}
+    files = {path.name: path.read_text() for path in out_dir.glob("rank*")}
+    files["new shm"] = set(SHM.glob("deepspeed_*")) - shm_before if SHM.is_dir() else set()
+    for path in files["new shm"]:  # a failure's 66 MB per rank of memory, freed
+        path.unlink()
+    return files
 
 
 def test_a_zero3_run_prints_no_deprecation_of_the_torch_collectives_deepspeed_calls(command):
     assert "is deprecated" not in command["rank0.err"] + command["rank1.err"]
     assert "precision fp32" in command["rank0.err"]  # rank 0's log is in the file
+
+
+def test_zero3_steps_start_no_numactl_subprocess_and_leave_no_shared_memory(command):
+    assert command["rank0.numactl"] == command["rank1.numactl"] == "0"
+    assert command["new shm"] == set()  # DeepSpeed's shm op, had it started with LOCAL_SIZE set, never unlinks it
 
 
 PROBE_SEED = 7  # the fixed images whose logits the exported weights must reproduce

@@ -288,6 +288,13 @@ class DeepSpeedEngine:
             module=r"torch\.distributed\.",
         )
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU accelerator counts a node's devices with a numactl subprocess on every call unless
+            # LOCAL_SIZE gives the count (DeepSpeed's launcher sets it, torchrun does not), and ZeRO-3 asks on every
+            # gradient reduction. Set only after initialize: a LOCAL_SIZE equal to the world size when DeepSpeed's
+            # communication starts makes its shm op map a 66 MB /dev/shm segment per rank, never unlinked, for an
+            # inference all-reduce vitrain does not use.
+            os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.model = model  # the ds engine's module: under ZeRO-3 its parameters are partitioned
         self.fp16 = _enabled(self.config, "fp16")
         low = self.fp16 or _enabled(self.config, "bf16")
