@@ -162,6 +162,11 @@ def test_a_zero3_run_prints_no_deprecation_of_the_torch_collectives_deepspeed_ca
     assert "precision fp32" in command["rank0.err"]  # rank 0's log is in the file
 
 
+def test_the_stdout_of_a_deepspeed_train_command_is_rank_0s_json_summary_alone(command):
+    assert json.loads(command["rank0.out"])["engine"] == "deepspeed"
+    assert command["rank1.out"] == ""
+
+
 def test_zero3_steps_start_no_numactl_subprocess_and_leave_no_shared_memory(command):
     assert command["rank0.numactl"] == command["rank1.numactl"] == "0"
     assert command["new shm"] == set()  # DeepSpeed's shm op, had it started with LOCAL_SIZE set, never unlinks it

@@ -287,7 +287,9 @@ class DeepSpeedEngine:
             category=FutureWarning,
             module=r"torch\.distributed\.",
         )
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        # DeepSpeed prints that it built its shm communication op on stdout, where `vitrain train` writes its JSON.
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         if not torch.cuda.is_available():
             # DeepSpeed's CPU accelerator counts a node's devices with a numactl subprocess on every call unless
             # LOCAL_SIZE gives the count (DeepSpeed's launcher sets it, torchrun does not), and ZeRO-3 asks on every
