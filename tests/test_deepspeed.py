@@ -227,6 +227,20 @@ def test_export_turns_a_deepspeed_checkpoint_into_fp32_weights_with_the_same_log
         torch.testing.assert_close(model(_probe_images()), probe["logits"], rtol=0, atol=1e-6)
 
 
+def test_export_of_a_zero_checkpoint_shows_deepspeeds_progress_only_when_the_conversion_fails(
+    checkpointed, tmp_path, capsys
+):
+    run = checkpointed / "export_zero3"
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    assert capsys.readouterr().err == ""
+    step_dir = next((run / "checkpoints").glob("step_*"))
+    shutil.copytree(step_dir, tmp_path / step_dir.name)
+    (tmp_path / step_dir.name / ckpt.DEEPSPEED_DIR / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ValueError, match=r"Expected 2 of '\*_optim_states.pt'"):
+        consolidated_state_dict(tmp_path / step_dir.name, ckpt.read_meta(step_dir))
+    assert "Processing zero checkpoint" in capsys.readouterr().err
+
+
 def test_a_resumed_deepspeed_run_continues_the_losses_of_an_uninterrupted_one(checkpointed):
     straight, resumed = losses(checkpointed / "straight"), losses(checkpointed / "resumed")
     assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5, 6]

@@ -548,9 +548,15 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        # DeepSpeed's converter prints its progress to stdout, where `vitrain eval` writes its JSON: send it to stderr.
-        with contextlib.redirect_stdout(sys.stderr):
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)
+        # DeepSpeed's converter prints its progress (on stdout, where `vitrain eval` writes its JSON) and tqdm bars:
+        # not vitrain's log, but what it got through tells where a failed conversion stopped.
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)
+        except Exception:
+            sys.stderr.write(printed.getvalue())
+            raise
     weights = {}
     for name, tensor in state.items():
         tensor = tensor.detach().to("cpu", torch.float32)
