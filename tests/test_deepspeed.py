@@ -10,6 +10,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -110,6 +111,67 @@ def test_a_run_from_a_user_json_gets_vitrains_values_and_the_files_own_keys_on_t
     assert config["train_micro_batch_size_per_gpu"] * 2 == config["train_batch_size"]
 
 
+def _train_command(out_dir):
+    """`vitrain train` under ZeRO-3 as torchrun would run it, each rank's stdout and stderr (its file descriptors,
+    where DeepSpeed's and torch's own writes land too) in files of its own, and the number of numactl probes of
+    DeepSpeed's CPU accelerator after deepspeed.initialize in a third."""
+    import deepspeed
+    import deepspeed.utils.numa as numa
+
+    rank = os.environ["RANK"]
+    probes, probe, initialize = [], numa.get_numa_cores, deepspeed.initialize
+    numa.get_numa_cores = lambda: probes.append(1) or probe()
+
+    def initialize_then_count(*args, **kwargs):
+        engine = initialize(*args, **kwargs)
+        probes.clear()
+        return engine
+
+    deepspeed.initialize = initialize_then_count  # this spawned process only
+    with open(out_dir / f"rank{rank}.out", "w") as out, open(out_dir / f"rank{rank}.err", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        args = ["train", "digits", f"log.out_dir={out_dir}", "name=command", "train.engine=deepspeed"]
+        args += ["parallel.strategy=zero3", "train.max_steps=3", "train.threads=1", "precision.mode=fp32"]
+        args += ["model.width=64", "model.depth=2", "log.progress=false"]
+        try:
+            assert main(args) == 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+    (out_dir / f"rank{rank}.numactl").write_text(str(len(probes)))
+
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module")
+def command(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("deepspeed_command")
+    shm_before = set(SHM.glob("deepspeed_*")) if SHM.is_dir() else set()
+    run_two_ranks(_train_command, out_dir)
+    files = {path.name: path.read_text() for path in out_dir.glob("rank*")}
+    files["new shm"] = set(SHM.glob("deepspeed_*")) - shm_before if SHM.is_dir() else set()
+    for path in files["new shm"]:  # a failure's 66 MB per rank of memory, freed
+        path.unlink()
+    return files
+
+
+def test_a_zero3_run_prints_no_deprecation_of_the_torch_collectives_deepspeed_calls(command):
+    assert "is deprecated" not in command["rank0.err"] + command["rank1.err"]
+    assert "precision fp32" in command["rank0.err"]  # rank 0's log is in the file
+
+
+def test_the_stdout_of_a_deepspeed_train_command_is_rank_0s_json_summary_alone(command):
+    assert json.loads(command["rank0.out"])["engine"] == "deepspeed"
+    assert command["rank1.out"] == ""
+
+
+def test_zero3_steps_start_no_numactl_subprocess_and_leave_no_shared_memory(command):
+    assert command["rank0.numactl"] == command["rank1.numactl"] == "0"
+    assert command["new shm"] == set()  # DeepSpeed's shm op, had it started with LOCAL_SIZE set, never unlinks it
+
+
 PROBE_SEED = 7  # the fixed images whose logits the exported weights must reproduce
 
 
@@ -163,6 +225,20 @@ def test_export_turns_a_deepspeed_checkpoint_into_fp32_weights_with_the_same_log
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(_probe_images()), probe["logits"], rtol=0, atol=1e-6)
+
+
+def test_export_of_a_zero_checkpoint_shows_deepspeeds_progress_only_when_the_conversion_fails(
+    checkpointed, tmp_path, capsys
+):
+    run = checkpointed / "export_zero3"
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    assert capsys.readouterr().err == ""
+    step_dir = next((run / "checkpoints").glob("step_*"))
+    shutil.copytree(step_dir, tmp_path / step_dir.name)
+    (tmp_path / step_dir.name / ckpt.DEEPSPEED_DIR / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ValueError, match=r"Expected 2 of '\*_optim_states.pt'"):
+        consolidated_state_dict(tmp_path / step_dir.name, ckpt.read_meta(step_dir))
+    assert "Processing zero checkpoint" in capsys.readouterr().err
 
 
 def test_a_resumed_deepspeed_run_continues_the_losses_of_an_uninterrupted_one(checkpointed):

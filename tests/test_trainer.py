@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from tests.conftest import REPO, run_cli, tiny_overrides
 from vitrain import checkpoint as ckpt
 from vitrain.config import load_config
 from vitrain.engine import Trainer
+from vitrain.engine.runlog import progress_bar
 from vitrain.errors import CheckpointError
 from vitrain.models import create_model
 
@@ -31,6 +34,32 @@ def read_metrics(run_dir) -> list[dict]:
 def step_records(run_dir) -> dict[int, dict]:
     """Last record logged for each training step (a killed run may have logged steps it did not save)."""
     return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("stream", "jupyter", "enabled", "drawn"),
+    [
+        (_Terminal, False, True, True),
+        (_Terminal, False, False, False),  # log.progress=false
+        (io.StringIO, False, True, False),  # a file or a CI log
+        (io.StringIO, True, True, True),  # a notebook's output, not a terminal either
+    ],
+)
+def test_the_progress_bar_draws_only_where_its_redraws_render(monkeypatch, stream, jupyter, enabled, drawn):
+    monkeypatch.setattr(sys, "stderr", stream())
+    if jupyter:
+        monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    else:
+        monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    bar = progress_bar(3, 0, "epoch 1/1", enabled)
+    bar.update(3)
+    bar.close()
+    assert bool(sys.stderr.getvalue()) == drawn
 
 
 def test_short_run_writes_summary_logs_and_checkpoints(tmp_path):

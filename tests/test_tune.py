@@ -12,6 +12,7 @@ from vitrain import device
 from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.engine import autotune as tune
+from vitrain.engine.report import header_lines
 from vitrain.parallel import DistInfo
 from vitrain.tasks import build_task
 from vitrain.tasks.classification import ClassificationTask
@@ -370,8 +371,15 @@ def test_real_candidates_are_timed_and_the_run_uses_the_decision(tmp_path, autot
     saved = json.loads((trainer.run_dir / "autotune.json").read_text())
     assert saved["values"] == decision.values
     log = (trainer.run_dir / "log.txt").read_text()
-    assert f"autotune: precision.mode={mode}, model.attention={attention}" in log
+    # Once, in the precision line, with the race's figures.
+    assert log.count(f"precision.mode={mode}, model.attention={attention}") == 1 and decision.reason in log
     assert summary["steps"] == 2
+    again = Trainer(cfg)  # the same shape: the cached decision
+    try:
+        assert f"autotune: decision read from its cache, {decision.cached_at}" in header_lines(again)
+        assert again.tuned.values == decision.values
+    finally:
+        again.close()
 
 
 def test_candidates_step_through_the_runs_own_step_and_the_tasks_loss(tmp_path, autotune_on, monkeypatch):
@@ -551,7 +559,8 @@ def _zero3_wrap_auto_on_two_ranks(out_dir, cache):
     finally:
         trainer.close()
     assert summary["steps"] == 2
-    assert f"autotune: model.attention={attention}, parallel.wrap={wrap}" in (trainer.run_dir / "log.txt").read_text()
+    log = (trainer.run_dir / "log.txt").read_text()
+    assert log.count(f"model.attention={attention}, parallel.wrap={wrap}") == 1 and decision.reason in log
     (out_dir / f"wrap{torch.distributed.get_rank()}.json").write_text(json.dumps(decision.values))
 
 

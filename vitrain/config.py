@@ -364,7 +364,7 @@ class ParallelConfig:
 class LogConfig:
     out_dir: str = "runs"  # runs are written to out_dir/<name>/
     every_steps: int = 10  # a metrics record (loss, lr, images/s) every this many steps
-    progress: bool = True  # a progress bar per epoch on stderr
+    progress: bool = True  # a progress bar per epoch on stderr, drawn on a terminal or in a notebook (not into files)
     # Also write every metrics.jsonl record as TensorBoard scalars under RUN/tensorboard (pip install
     # 'vitrain[tensorboard]'); `vitrain plot RUN` draws the same curves without it.
     tensorboard: bool = False

@@ -99,7 +99,7 @@ def check_box(box: Box, record: ImageRecord, bad: BadAnnotations, degenerate: li
         bad(box.annotation, f"box width {w:g} and height {h:g}: a negative size (x2 < x1 or y2 < y1)")
         return False
     if w == 0 or h == 0:
-        degenerate.append((box.annotation, f"zero-size box (width {w:g}, height {h:g}) skipped"))
+        degenerate.append((box.annotation, f"zero-size box (width {w:g}, height {h:g})"))
         return False
     slack = OUTSIDE_SLACK_PX
     if box.x1 < -slack or box.y1 < -slack or box.x2 > record.width + slack or box.y2 > record.height + slack:

@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -276,7 +277,26 @@ class DeepSpeedEngine:
         # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
         optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")
         self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        # DeepSpeed's ZeRO collectives call these deprecated torch functions: DeepSpeed's to change, not the user's.
+        # Filtered for the whole process, as DeepSpeed calls them from its hooks on every step; shown once they would
+        # not stay once, since DeepSpeed's per-step numactl subprocess enters warnings.catch_warnings, which resets
+        # the shown-once registry (a line per rank per step under ZeRO-3).
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+            category=FutureWarning,
+            module=r"torch\.distributed\.",
+        )
+        # DeepSpeed prints that it built its shm communication op on stdout, where `vitrain train` writes its JSON.
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU accelerator counts a node's devices with a numactl subprocess on every call unless
+            # LOCAL_SIZE gives the count (DeepSpeed's launcher sets it, torchrun does not), and ZeRO-3 asks on every
+            # gradient reduction. Set only after initialize: a LOCAL_SIZE equal to the world size when DeepSpeed's
+            # communication starts makes its shm op map a 66 MB /dev/shm segment per rank, never unlinked, for an
+            # inference all-reduce vitrain does not use.
+            os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.model = model  # the ds engine's module: under ZeRO-3 its parameters are partitioned
         self.fp16 = _enabled(self.config, "fp16")
         low = self.fp16 or _enabled(self.config, "bf16")
@@ -528,9 +548,15 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        # DeepSpeed's converter prints its progress to stdout, where `vitrain eval` writes its JSON: send it to stderr.
-        with contextlib.redirect_stdout(sys.stderr):
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)
+        # DeepSpeed's converter prints its progress (on stdout, where `vitrain eval` writes its JSON) and tqdm bars:
+        # not vitrain's log, but what it got through tells where a failed conversion stopped.
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)
+        except Exception:
+            sys.stderr.write(printed.getvalue())
+            raise
     weights = {}
     for name, tensor in state.items():
         tensor = tensor.detach().to("cpu", torch.float32)

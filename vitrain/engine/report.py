@@ -51,9 +51,10 @@ def header_lines(trainer: Trainer) -> list[str]:
         lines.append(describe_distillation(cfg))
     tuned = trainer.tuned
     if tuned is not None:
-        cached = f" (cached decision: {tuned.cached_at})" if tuned.from_cache else ""
-        lines.append(f"autotune: {', '.join(f'{k}={v}' for k, v in tuned.values.items())}{cached}")
-        if "precision.mode" not in tuned.values:  # else the precision line gives the reason
+        if tuned.from_cache:
+            lines.append(f"autotune: decision read from its cache, {tuned.cached_at}")
+        # The race's figures and the values it chose; where it chose the precision, the precision line gives them.
+        if "precision.mode" not in tuned.values:
             lines.append(tuned.reason)
     return lines + trainer.engine.describe()
 

@@ -62,8 +62,11 @@ class RunLog:
 
 
 def progress_bar(total: int, initial: int, desc: str, enabled: bool) -> tqdm:
-    """One epoch's progress bar on stderr (off with log.progress=false and on ranks other than 0)."""
-    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
+    """One epoch's progress bar on stderr (off with log.progress=false and on ranks other than 0), drawn only where
+    its redraws render: a terminal or a Jupyter kernel's output. In a file or a CI log each redraw stays as text,
+    about a kilobyte an epoch, with the next log line glued onto it."""
+    drawn = enabled and (sys.stderr.isatty() or "ipykernel" in sys.modules)
+    return tqdm(total=total, initial=initial, desc=desc, disable=not drawn, file=sys.stderr, dynamic_ncols=True,
                 leave=False)  # fmt: skip
 
 
