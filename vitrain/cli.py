@@ -577,11 +577,16 @@ def _data_prepare(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vitrain.data.prepare import FAILED, prepare
+    from vitrain.engine.runlog import bars_render
 
     bars: list[tqdm] = []  # made once the number of images is known, so a bad SRC prints only its error
 
     def start_bar(total: int) -> None:
-        bars.append(tqdm(total=total, desc="prepare", unit="img", file=sys.stderr, dynamic_ncols=True))
+        bars.append(
+            tqdm(
+                total=total, desc="prepare", unit="img", file=sys.stderr, dynamic_ncols=True, disable=not bars_render()
+            )
+        )
 
     try:
         result = prepare(

@@ -61,11 +61,16 @@ class RunLog:
                     closing.callback(sink.close, status)
 
 
+def bars_render() -> bool:
+    """Whether a progress bar's redraws render on stderr: a terminal or a Jupyter kernel's output. In a file or a CI
+    log each redraw stays as text (about a kilobyte an epoch), with the next line glued onto it."""
+    return sys.stderr.isatty() or "ipykernel" in sys.modules
+
+
 def progress_bar(total: int, initial: int, desc: str, enabled: bool) -> tqdm:
     """One epoch's progress bar on stderr (off with log.progress=false and on ranks other than 0), drawn only where
-    its redraws render: a terminal or a Jupyter kernel's output. In a file or a CI log each redraw stays as text,
-    about a kilobyte an epoch, with the next log line glued onto it."""
-    drawn = enabled and (sys.stderr.isatty() or "ipykernel" in sys.modules)
+    its redraws render (`bars_render`)."""
+    drawn = enabled and bars_render()
     return tqdm(total=total, initial=initial, desc=desc, disable=not drawn, file=sys.stderr, dynamic_ncols=True,
                 leave=False)  # fmt: skip
 
