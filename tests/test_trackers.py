@@ -57,10 +57,18 @@ def _history(client, run_id: str, name: str) -> dict[int, float]:
 
 def _wandb_records(run_dir: Path) -> list:
     """Every record of the run's offline W&B files, oldest first, once the last run's exit record is on disk: W&B's
-    own process writes them, and one CI run under load read the file before its records were there."""
+    own process writes them, and one CI run under load read the file before its records were there; another read a
+    record half written (a protobuf DecodeError), which is read again too."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + 30
     while True:
-        records = _read_wandb_records(run_dir)
+        try:
+            records = _read_wandb_records(run_dir)
+        except DecodeError:
+            if time.monotonic() > deadline:
+                raise
+            records = []
         if _of_kind(records, "run") and _of_kind(records, "exit") or time.monotonic() > deadline:
             return records
         time.sleep(0.2)
