@@ -126,3 +126,17 @@ def test_eval_of_a_file_that_is_not_a_checkpoint_exits_2(tmp_path):
 
 def test_eval_of_missing_checkpoint_exits_2(tmp_path):
     assert_one_line_error(run_cli("eval", str(tmp_path / "none.pt")), r"none\.pt does not exist")
+
+
+def test_a_warning_says_whose_it_is_in_one_line(capsys):
+    import torch
+
+    from vitrain import cli, models
+
+    torch_file = torch.distributed.distributed_c10d.__file__
+    cli._one_line_warning("`x` is deprecated", FutureWarning, torch_file, 1)
+    cli._one_line_warning("model.width=100 is not a multiple of 8", UserWarning, models.__file__, 1)
+    assert capsys.readouterr().err.splitlines() == [
+        "vitrain: warning from torch (FutureWarning): `x` is deprecated",  # it read as vitrain's own
+        "vitrain: warning: model.width=100 is not a multiple of 8",
+    ]

@@ -848,4 +848,21 @@ def _config_keys(args: argparse.Namespace) -> int:
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"vitrain: warning: {message}", file=sys.stderr)
+    """A warning as one line on stderr: vitrain's own as `vitrain: warning: ...`; another library's (torch's,
+    DeepSpeed's) names that library and the warning's class too, so that it is not read as vitrain's."""
+    source = _package_of(filename)
+    said = "" if source == "vitrain" else f" from {source} ({category.__name__})"
+    print(f"vitrain: warning{said}: {message}", file=sys.stderr)
+
+
+def _package_of(filename: str) -> str:
+    """The top-level package a source file belongs to (vitrain, or an installed one), else its file name."""
+    from pathlib import Path
+
+    path = Path(filename).resolve()
+    if path.is_relative_to(Path(__file__).resolve().parent):
+        return "vitrain"
+    for installed in ("site-packages", "dist-packages"):
+        if installed in path.parts[:-1]:
+            return Path(path.parts[path.parts.index(installed) + 1]).stem
+    return path.name
