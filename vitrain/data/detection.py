@@ -68,6 +68,8 @@ class ImageRecord:
     height: int
     image_id: int
     boxes: list[Box] = field(default_factory=list)
+    # COCO's crowd regions: never training targets, but COCOeval needs them to ignore the detections that land there
+    ignored: list[Box] = field(default_factory=list)
 
 
 @dataclass
@@ -173,12 +175,10 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
         if ann.get("category_id") not in label_of:
             bad(what, f"names category id {ann.get('category_id')}, which is not in the file's categories")
             continue
-        if ann.get("iscrowd", 0):
-            continue  # crowd regions are COCO's "ignore" areas, not objects to learn
         x, y, w, h = (float(v) for v in ann["bbox"])
         box = Box(x, y, x + w, y + h, label_of[ann["category_id"]], what)
         if check_box(box, record, bad, degenerate):
-            record.boxes.append(box)
+            (record.ignored if ann.get("iscrowd", 0) else record.boxes).append(box)
     if not records:
         raise DataError(f"{where} lists no images; a split needs at least one")
     return Annotations(list(records.values()), [str(c["name"]) for c in categories], bad.found + degenerate)
@@ -359,15 +359,16 @@ class DetectionSet:
         return self.images[index], self.targets[index]
 
     def coco_ground_truth(self) -> dict[str, Any]:
-        """The split's boxes as a COCO-format dict in original image pixels (category ids are class + 1)."""
+        """The split's boxes as a COCO-format dict in original image pixels (category ids are class + 1); ignore
+        regions as `iscrowd: 1`, so that COCOeval counts a detection on one neither as right nor as wrong."""
         images, annotations = [], []
         for record in self.records:
             images.append({"id": record.image_id, "width": record.width, "height": record.height,
                            "file_name": record.name})  # fmt: skip
-            for box in record.boxes:
+            for box, crowd in [(b, 0) for b in record.boxes] + [(b, 1) for b in record.ignored]:
                 w, h = box.x2 - box.x1, box.y2 - box.y1
                 annotations.append(
-                    {"id": len(annotations) + 1, "image_id": record.image_id, "iscrowd": 0,
+                    {"id": len(annotations) + 1, "image_id": record.image_id, "iscrowd": crowd,
                      "category_id": box.label + 1, "bbox": [box.x1, box.y1, w, h], "area": w * h}
                 )  # fmt: skip
         categories = [{"id": i + 1, "name": name} for i, name in enumerate(self.classes)]
