@@ -76,3 +76,12 @@ def test_a_detection_on_a_crowd_region_is_ignored_as_cocoeval_ignores_it(tmp_pat
     assert vitrain_stats(val, detections) == pytest.approx(cocoeval_stats(truth, detections))
     # the crowd region is scored as an ignore region but is no object to learn
     assert (train.targets[0, :, 4] >= 0).sum().item() == 1
+
+
+def test_cocos_area_field_not_the_box_picks_the_size_bucket(tmp_path: Path):
+    # a 40x40 box whose mask covers 900 px is a small object to COCOeval (area < 32^2), not a medium one
+    truth = truth_of(1, [([10, 10, 40, 40], 900.0, 0), ([100, 100, 30, 30], 800.0, 0)])
+    detections = [{"image_id": 1, "category_id": 1, "bbox": [10, 10, 40, 40], "score": 0.9}]
+    write_coco_splits(tmp_path, truth)
+    _, val = detection_source(detection_cfg(tmp_path))
+    assert vitrain_stats(val, detections) == pytest.approx(cocoeval_stats(truth, detections))

@@ -59,6 +59,8 @@ class Box:
     y2: float
     label: int
     annotation: str  # where it came from, for messages: `file annotation id N` / `file object N`
+    # COCO's `area` (a mask's pixels): COCOeval sizes objects by it, not by the box; None: the box's width x height
+    area: float | None = None
 
 
 @dataclass
@@ -176,7 +178,12 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
             bad(what, f"names category id {ann.get('category_id')}, which is not in the file's categories")
             continue
         x, y, w, h = (float(v) for v in ann["bbox"])
-        box = Box(x, y, x + w, y + h, label_of[ann["category_id"]], what)
+        try:
+            area = None if ann.get("area") is None else float(ann["area"])
+        except (TypeError, ValueError):
+            bad(what, f"area {ann['area']!r} is not a number (the object's pixel count, or leave area out)")
+            continue
+        box = Box(x, y, x + w, y + h, label_of[ann["category_id"]], what, area)
         if check_box(box, record, bad, degenerate):
             (record.ignored if ann.get("iscrowd", 0) else record.boxes).append(box)
     if not records:
@@ -369,7 +376,8 @@ class DetectionSet:
                 w, h = box.x2 - box.x1, box.y2 - box.y1
                 annotations.append(
                     {"id": len(annotations) + 1, "image_id": record.image_id, "iscrowd": crowd,
-                     "category_id": box.label + 1, "bbox": [box.x1, box.y1, w, h], "area": w * h}
+                     "category_id": box.label + 1, "bbox": [box.x1, box.y1, w, h],
+                     "area": w * h if box.area is None else box.area}
                 )  # fmt: skip
         categories = [{"id": i + 1, "name": name} for i, name in enumerate(self.classes)]
         return {"images": images, "annotations": annotations, "categories": categories}
