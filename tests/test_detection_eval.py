@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.detection_helpers import drawn_image
+from tests.detection_helpers import drawn_image, voc_xml
 from tests.test_detection_data import coco_image, detection_cfg
 from vitrain.data.detection import detection_source
 from vitrain.tasks.detection import METRICS, coco_metrics
@@ -85,3 +85,22 @@ def test_cocos_area_field_not_the_box_picks_the_size_bucket(tmp_path: Path):
     write_coco_splits(tmp_path, truth)
     _, val = detection_source(detection_cfg(tmp_path))
     assert vitrain_stats(val, detections) == pytest.approx(cocoeval_stats(truth, detections))
+
+
+def test_a_missed_voc_difficult_object_is_ignored_yet_still_trained_on(tmp_path: Path):
+    top = tmp_path / "voc"
+    drawn_image(top / "JPEGImages" / "a.png", 200, 200, [])
+    xml = voc_xml("a.png", 200, 200, [("cell", 11, 11, 50, 50), ("cell", 101, 101, 150, 150)])
+    xml = xml.replace("<bndbox><xmin>101", "<difficult>1</difficult><bndbox><xmin>101")
+    (top / "Annotations").mkdir(parents=True)
+    (top / "Annotations" / "a.xml").write_text(xml)
+    (top / "ImageSets" / "Main").mkdir(parents=True)
+    for split in ("train", "val"):
+        (top / "ImageSets" / "Main" / f"{split}.txt").write_text("a\n")
+    train, val = detection_source(detection_cfg(top))
+    image_id = val.records[0].image_id
+    # VOC's convention (and detectron2's evaluator): a difficult object neither counts as missed nor as matched
+    truth = truth_of(image_id, [([10, 10, 40, 40], 1600, 0), ([100, 100, 50, 50], 2500, 1)])
+    detections = [{"image_id": image_id, "category_id": 1, "bbox": [10, 10, 40, 40], "score": 0.9}]
+    assert vitrain_stats(val, detections) == pytest.approx(cocoeval_stats(truth, detections))
+    assert (train.targets[0, :, 4] >= 0).sum().item() == 2  # trained on, as detectron2 does

@@ -61,6 +61,8 @@ class Box:
     annotation: str  # where it came from, for messages: `file annotation id N` / `file object N`
     # COCO's `area` (a mask's pixels): COCOeval sizes objects by it, not by the box; None: the box's width x height
     area: float | None = None
+    # VOC's <difficult>1</difficult>: trained on (detectron2 does too), but neither found nor missed at evaluation
+    difficult: bool = False
 
 
 @dataclass
@@ -291,7 +293,8 @@ def read_voc(tree: ImageTree, read: Any, skip_bad: int) -> tuple[dict[str, Image
                 check_box(Box(x1, y1, x2, y2, label, what), record, bad, degenerate)
                 continue
             # VOC numbers pixels from 1: pixel columns xmin..xmax are the box, (xmin - 1, xmax) in edges
-            box = Box(x1 - 1, y1 - 1, x2, y2, label, what)
+            difficult = (obj.findtext("difficult") or "0").strip() == "1"
+            box = Box(x1 - 1, y1 - 1, x2, y2, label, what, difficult=difficult)
             if check_box(box, record, bad, degenerate):
                 record.boxes.append(box)
         records[PurePosixPath(name).stem] = record
@@ -366,13 +369,16 @@ class DetectionSet:
         return self.images[index], self.targets[index]
 
     def coco_ground_truth(self) -> dict[str, Any]:
-        """The split's boxes as a COCO-format dict in original image pixels (category ids are class + 1); ignore
-        regions as `iscrowd: 1`, so that COCOeval counts a detection on one neither as right nor as wrong."""
+        """The split's boxes as a COCO-format dict in original image pixels (category ids are class + 1); crowd
+        regions and VOC's difficult objects as `iscrowd: 1`, so that COCOeval counts a detection on one neither as
+        right nor as wrong."""
         images, annotations = [], []
         for record in self.records:
             images.append({"id": record.image_id, "width": record.width, "height": record.height,
                            "file_name": record.name})  # fmt: skip
-            for box, crowd in [(b, 0) for b in record.boxes] + [(b, 1) for b in record.ignored]:
+            # COCOeval's only ignore mark is iscrowd; for a difficult object it also means that a detection lying
+            # inside it is ignored by intersection over the detection's area, a looser test than VOC's IoU >= 0.5
+            for box, crowd in [(b, int(b.difficult)) for b in record.boxes] + [(b, 1) for b in record.ignored]:
                 w, h = box.x2 - box.x1, box.y2 - box.y1
                 annotations.append(
                     {"id": len(annotations) + 1, "image_id": record.image_id, "iscrowd": crowd,
