@@ -104,3 +104,12 @@ def test_a_missed_voc_difficult_object_is_ignored_yet_still_trained_on(tmp_path:
     detections = [{"image_id": image_id, "category_id": 1, "bbox": [10, 10, 40, 40], "score": 0.9}]
     assert vitrain_stats(val, detections) == pytest.approx(cocoeval_stats(truth, detections))
     assert (train.targets[0, :, 4] >= 0).sum().item() == 2  # trained on, as detectron2 does
+
+
+def test_no_detections_score_0_where_objects_are_and_minus_1_for_a_size_without_any(tmp_path: Path):
+    # Two small objects: AP 0 overall and small, -1 (COCO's "no such object") for medium and large; it read 0.0.
+    truth = truth_of(1, [([10, 10, 40, 40], 900.0, 0), ([100, 100, 30, 30], 800.0, 0)])
+    write_coco_splits(tmp_path, truth)
+    _, val = detection_source(detection_cfg(tmp_path))
+    missed = [{"image_id": 1, "category_id": 1, "bbox": [150, 10, 20, 20], "score": 0.9}]  # COCOeval needs a result
+    assert vitrain_stats(val, []) == [0.0, 0.0, 0.0, 0.0, -1.0, -1.0] == pytest.approx(cocoeval_stats(truth, missed))

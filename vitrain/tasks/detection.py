@@ -29,6 +29,7 @@ from vitrain.models.vitdet import ViTDet, check_vitdet, pyramid_strides
 from vitrain.parallel import distributed
 
 METRICS = ("val_ap", "val_ap50", "val_ap75", "val_ap_small", "val_ap_medium", "val_ap_large")  # COCOeval.stats[:6]
+COCO_AREA_RANGES = ((0, 1e10), (0, 1e10), (0, 1e10), (0, 32**2), (32**2, 96**2), (96**2, 1e10))  # METRICS' objects
 LOSS_TERMS = ("cls", "box", "centerness")  # fcos_losses' terms, summed to the training loss
 SHOWN_AT_END = 4  # validation images drawn with their detections after the final evaluation
 
@@ -211,7 +212,11 @@ def coco_metrics(data: DetectionSet, found: list[tuple]) -> dict[str, Any]:
         for b, s, c in zip(boxes.tolist(), scores.tolist(), classes.tolist(), strict=True)
     ]  # fmt: skip
     metrics: dict[str, Any] = dict.fromkeys(METRICS, 0.0) | {"val_detections": len(results)}
-    if not results:
+    if not results:  # COCOeval takes no empty result list: every AP is 0, and -1 where no object is there to find
+        areas = [a["area"] for a in data.coco_ground_truth()["annotations"] if not a["iscrowd"]]
+        for name, (low, high) in zip(METRICS, COCO_AREA_RANGES, strict=True):
+            if not any(low <= area <= high for area in areas):
+                metrics[name] = -1.0
         return metrics
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress and table
         truth = coco_class()
