@@ -140,3 +140,20 @@ def test_model_init_from_starts_the_detector_from_an_image_vit(tmp_path: Path):
     ]
     trainer = Trainer(load_config(None, overrides))
     torch.testing.assert_close(trainer.model.blocks[1].attn.qkv.weight, image_vit.blocks[1].attn.qkv.weight)
+
+
+def test_the_val_loss_is_each_images_own_loss_averaged_whatever_the_eval_batch(tmp_path: Path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    root = write_voc(tmp_path, {"train": 4, "val": 5})
+    overrides = [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={tmp_path}"]
+    trainer = Trainer(load_config(None, overrides))
+    task, forward = trainer.task, trainer.forward
+    losses_at = {}
+    for batch in (1, 2, 5):  # 5 images: a batch of 2 leaves a partial one
+        task.cfg.train.batch_size = batch
+        losses_at[batch] = task.predict(forward, task.val, trainer.device)[1]
+    trainer.close()
+    for batch in (2, 5):  # they moved by a few percent with the batch size
+        assert losses_at[batch] == pytest.approx(losses_at[1], rel=1e-5)
