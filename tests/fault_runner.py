@@ -244,28 +244,26 @@ def _term_on_load() -> None:
     """SIGTERM as the trainer starts loading the checkpoint it resumes from (before the engine reads its files)."""
     from vitrain.engine import runs
 
-    original = runs.restore
-
-    def restore(*args, **kwargs):
-        _sigterm()
-        _fired("term_load")
-        return original(*args, **kwargs)
-
-    runs.restore = restore
+    _term_before(runs, "restore", "term_load")
 
 
 def _term_on_engine_build() -> None:
     """SIGTERM as the trainer's set-up starts building the engine (after the data and the autotune race)."""
     from vitrain.engine import trainer
 
-    original = trainer.build_engine
+    _term_before(trainer, "build_engine", "term_setup")
 
-    def build_engine(*args, **kwargs):
+
+def _term_before(module, name: str, fault: str) -> None:
+    """`module.name` sends SIGTERM (and records `fault`) before it runs."""
+    original = getattr(module, name)
+
+    def signalled(*args, **kwargs):
         _sigterm()
-        _fired("term_setup")
+        _fired(fault)
         return original(*args, **kwargs)
 
-    trainer.build_engine = build_engine
+    setattr(module, name, signalled)
 
 
 def _stall_in_step(target_step: int, seconds: float) -> None:

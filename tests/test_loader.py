@@ -299,6 +299,19 @@ def test_plain_loader_yields_the_same_batches_as_the_fast_path(prepared_tree):
         assert torch.equal(y, py)
 
 
+def assert_same_batches(fast, plain, same_labels) -> None:
+    """Two loaders' epochs give as many batches, at least one, with close images and `same_labels` labels."""
+    pairs = list(zip(fast, plain, strict=True))
+    assert pairs
+    for (x, y), (px, py) in pairs:
+        torch.testing.assert_close(x, px)
+        same_labels(y, py)
+
+
+def _assert_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b)
+
+
 def test_plain_loader_mixes_each_ranks_batches_as_the_fast_path_does(prepared_tree):
     # Mixup's weight and cutmix's box are drawn per batch and rank: ranks that mixed alike would add less variety.
     src, out = prepared_tree
@@ -307,11 +320,7 @@ def test_plain_loader_mixes_each_ranks_batches_as_the_fast_path_does(prepared_tr
     for rank in range(2):
         fast, _ = build_loaders(_cfg(*common, f"data.root={out}"), CPU, rank, 2)
         plain, _ = build_loaders(_cfg(*common, f"data.root={src}", "data.loader=plain"), CPU, rank, 2)
-        pairs = list(zip(fast.epoch(1), plain.epoch(1), strict=True))
-        assert pairs
-        for (x, y), (px, py) in pairs:
-            torch.testing.assert_close(x, px)
-            torch.testing.assert_close(y, py)
+        assert_same_batches(fast.epoch(1), plain.epoch(1), torch.testing.assert_close)  # mixed labels are floats
 
 
 def test_plain_loader_shards_validation_like_the_fast_path(prepared_tree):
@@ -320,11 +329,7 @@ def test_plain_loader_shards_validation_like_the_fast_path(prepared_tree):
     for rank in range(3):
         _, fast = build_loaders(_cfg(*common, f"data.root={out}"), CPU, rank, 3)
         _, plain = build_loaders(_cfg(*common, f"data.root={src}", "data.loader=plain"), CPU, rank, 3)
-        pairs = list(zip(fast.epoch(0), plain.epoch(0), strict=True))
-        assert pairs
-        for (x, y), (px, py) in pairs:
-            torch.testing.assert_close(x, px)
-            assert torch.equal(y, py)
+        assert_same_batches(fast.epoch(0), plain.epoch(0), _assert_equal)
 
 
 def test_plain_loader_applies_the_configured_augmentations(prepared_tree):

@@ -138,11 +138,13 @@ def resolve(
     if device.type == "cpu":
         forced = f", forced by {BF16_UNITS_ENV}" if BF16_UNITS_ENV in os.environ else ""
         units = cpu_has_bf16_matmul_units()
+        measurable = strategy in SHARDED and time_modes is not None
         # Without AMX, bf16 may still be the faster (avx512_bf16: Zen 4 and 5 run its GEMMs about twice fp32's) or
-        # emulated (an AVX2 CPU: ~17x slower); measured, as autotune does, not read from the CPU's flags.
-        emulated = None if units else bf16_emulated_here(device.type)
+        # emulated (an AVX2 CPU: ~17x slower); measured, as autotune does, not read from the CPU's flags. Probed only
+        # where the block's timing would follow: the fp32 rule below needs no probe.
+        emulated = bf16_emulated_here(device.type) if measurable and not units else None
         has = f"AMX bf16 matmul units{forced}" if units else f"bf16 matmuls not emulated, no AMX{forced}"
-        if strategy in SHARDED and time_modes is not None and emulated is None:
+        if measurable and emulated is None:
             seconds = time_modes()
             mode = min(seconds, key=seconds.get)
             measured = ", ".join(f"{m} {seconds[m] * 1e3:.1f} ms" for m in sorted(seconds))

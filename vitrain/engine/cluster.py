@@ -101,7 +101,7 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        launched = self.group is not None or any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
+        launched = self.group is not None or "TORCHELASTIC_RUN_ID" in os.environ or slurm_job() is not None
         for sig, previous in self._previous.items():
             ending = self.stopped is not None and sig in self.signals and launched
             signal.signal(sig, self._exit_stopped if ending else previous)

@@ -91,7 +91,8 @@ class Speed:
     def open_window(self) -> None:
         self.window_start, self.window_images, self.window_wait_s, self.window_steps = time.perf_counter(), 0, 0.0, 0
 
-    def add(self, step_s: float, images: int, wait_s: float, timed: bool) -> None:
+    def add(self, step_s: float, images: int, wait_s: float) -> None:
+        timed = self.steps > 0  # the process's first step is its warm-up (a resume's too)
         self.steps += 1
         if timed:
             self.train_s += step_s

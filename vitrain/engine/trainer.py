@@ -353,8 +353,7 @@ class Trainer:
                     log.record(step=self.step, epoch=self.epoch, skipped=True, **fields)
                 first_compiled = t.compile and speed.compile_s is None
                 step_s = time.perf_counter() - step_start
-                # The process's first step (warm-up, a resume's too) is not timed: Speed.
-                speed.add(step_s, result.images * self.dist.data_size, batches.take(), timed=speed.steps > 0)
+                speed.add(step_s, result.images * self.dist.data_size, batches.take())  # the first step untimed
                 steps_left -= 1
                 self.watchdog.beat(step_s)
                 if first_compiled:

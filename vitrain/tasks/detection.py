@@ -163,7 +163,7 @@ class DetectionTask:
         k, size = self.cfg.task, self.cfg.model.image_size
         normalize = DetectionAugment(self.cfg, train=False)
         points, found = self.points.to(device), []
-        sums = dict.fromkeys(LOSS_TERMS, 0.0)
+        sums: dict[str, Any] = dict.fromkeys(LOSS_TERMS, 0.0)  # tensors once added to: read once, at the end
         was_training = forward.training
         forward.eval()
         with torch.inference_mode():
@@ -177,7 +177,7 @@ class DetectionTask:
                 for i in range(len(rows)):
                     one = tuple(o[i : i + 1] for o in output)
                     for term, value in fcos_losses(one, targets[i : i + 1], points).items():
-                        sums[term] += float(value)
+                        sums[term] = sums[term] + value
                 for (boxes, scores, classes), scale in zip(
                     decode(output, points, size, k.score_threshold, k.nms_iou, k.max_detections),
                     data.scales[rows].tolist(),
@@ -185,7 +185,7 @@ class DetectionTask:
                 ):
                     found.append(((boxes / scale).cpu(), scores.cpu(), classes.cpu()))
         forward.train(was_training)
-        losses = {f"val_loss_{term}": total / len(data) for term, total in sums.items()}
+        losses = {f"val_loss_{term}": float(total) / len(data) for term, total in sums.items()}
         return found, {"val_loss": sum(losses.values())} | losses
 
     def evaluate(self, forward: nn.Module, final: bool, out_dir: Path) -> dict[str, Any]:
