@@ -202,7 +202,12 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_same_step(tmp_path, kill
     assert saved_step % 5 == 0 and saved_step >= 5
     resumed = run_cli("train", *common, "name=killed", "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {last} at step {saved_step}" in resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    per_epoch = summary["steps"] // summary["epochs"]
+    # The lines count epochs from 1, as the progress bar: the one under way mid-epoch, else the last one finished.
+    under_way = -(-saved_step // per_epoch)
+    assert f"resumed from {last} at step {saved_step} (epoch {under_way}/2)" in resumed.stderr
+    assert f"epoch 2/2 step {summary['steps']} (" in resumed.stderr  # the final evaluation's line
     expected, got = step_records(tmp_path / "runs" / "reference"), step_records(run_dir)
     for step in range(saved_step + 1, max(expected) + 1):
         assert got[step]["lr"] == expected[step]["lr"]

@@ -185,11 +185,14 @@ def test_the_cli_trains_the_frame_baseline_and_a_video_vit_that_reports_it(tmp_p
     assert done.returncode == 0, done.stderr
     frames = json.loads((tmp_path / "runs" / "frames" / "summary.json").read_text())
     assert frames["val_samples"] == 4 * 4 and frames["eval_clips"] == 4  # 4 frames of each of 4 videos averaged
+    assert "GFLOPs/image" in done.stderr and "clips_per_s" not in frames  # one frame: an image model
     baseline = f"task.baseline_run={tmp_path / 'runs' / 'frames'}"
     done = run_cli("train", *_cli_overrides(tmp_path, tmp_path / "clips", "name=clips", baseline))
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "runs" / "clips" / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["val_videos"] == 4 and summary["val_samples"] == 8
+    assert all(f in done.stderr for f in ("GFLOPs/clip, ", " train clips / 4 val videos x 2 clips", " clips/s="))
+    assert summary["clips_per_s"] == summary["images_per_s"] > 0  # the key of image runs stays, counting clips
     assert 0.0 <= summary["val_video_top1"] <= 1.0 and "val_top1" in summary
     assert summary["baseline"]["val_video_top1"] == frames["val_video_top1"]
     done = run_cli("eval", str(tmp_path / "runs" / "clips"))  # the latest checkpoint is the final one

@@ -83,6 +83,12 @@ class ModelConfig:
         return (self.num_frames // self.tubelet_size) * (self.image_size // self.patch_size) ** 2
 
     @property
+    def sample_unit(self) -> str:
+        """What one sample is, for the lines a reader sees: a clip of num_frames frames for a video model, else an
+        image (the JSON keeps the `images_per_s` key for both)."""
+        return "clip" if self.num_frames > 1 else "image"
+
+    @property
     def stem(self) -> tuple[tuple[int, int], ...]:
         """patch_embed=conv: (out channels, stride) of each 3x3 conv of the stem; empty for the linear embedding."""
         if self.patch_embed != "conv":

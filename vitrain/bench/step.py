@@ -179,7 +179,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "steps": steps,
         "warmup": warmup,
         "images_per_s": images_per_s,
-        "unit": _unit(cfg),
+        "unit": cfg.model.sample_unit,
         "num_frames": cfg.model.num_frames,
         "step_s": timed_s / steps,
         "step_s_min": min(step_seconds),
@@ -207,11 +207,6 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
     if profile is not None:
         result["profile"] = str(profile)
     return result
-
-
-def _unit(cfg: Config) -> str:
-    """What one sample of the step is: a clip of num_frames frames for a video model, else an image."""
-    return "clip" if cfg.model.num_frames > 1 else "image"
 
 
 def _model_label(cfg: Config) -> str:

@@ -315,7 +315,7 @@ class Trainer:
         for note in self.notes:
             log.info(note)
         if self.resume_path is not None:
-            log.info(f"resumed from {self.resume_path} at step {self.step} (epoch {self.epoch})")
+            log.info(f"resumed from {self.resume_path} at step {self.step} ({self.epoch_label()})")
             if self._trained_all():  # nothing to do, as timm and Lightning do: the run's summary stays as it was
                 log.info(self._nothing_left_line())
                 kept = broadcast_object(self._kept_summary() if self.is_main else None)
@@ -402,7 +402,7 @@ class Trainer:
         log.summary(summary)
         metric = self.task.best_metric
         log.info(
-            f"done: {metric}={summary.get(metric, 0.0):.4f} images/s={summary['images_per_s']:.0f} "
+            f"done: {metric}={summary.get(metric, 0.0):.4f} {cfg.model.sample_unit}s/s={summary['images_per_s']:.0f} "
             f"data_wait={summary['data_wait_frac']:.1%} wall={wall_s:.1f}s -> {self.run_dir / 'summary.json'}"
         )
         return summary
@@ -444,7 +444,7 @@ class Trainer:
         SLURM requeue where asked; then `Stopped` (the CLI exits 75). No evaluation: the scheduler's notice is
         short."""
         self.signals.stopping = True
-        log.info(f"{signal_name}: stopping after step {self.step} (epoch {self.epoch}): writing a checkpoint")
+        log.info(f"{signal_name}: stopping after step {self.step} ({self.epoch_label()}): writing a checkpoint")
         with self.watchdog.paused():
             path = self.save() if self.saved_step != self.step else None
             self.wait_for_save()
@@ -505,6 +505,15 @@ class Trainer:
         d, m = self.cfg.data, self.cfg.model
         return progressive_size(position / self.total_steps, d.min_size, m.image_size, d.size_ramp, m.patch_size)
 
+    def epoch_label(self) -> str:
+        """'epoch E/T' for the log's lines, E 1-based as the progress bar's: the epoch under way mid-epoch, else the
+        last one finished (the records' `epoch` field counts finished epochs)."""
+        at = self.resume_at  # a resume mid-epoch has consumed part of the epoch before this process's first batch
+        under_way = self.batch_in_epoch > 0 or (
+            at is not None and (at.samples > 0 or any(seg.get("batches", 0) for seg in at.segments))
+        )
+        return f"epoch {self.epoch + under_way}/{self.cfg.train.epochs}"
+
     def wall_s(self) -> float:
         """Seconds since this run's setup began (data decoding, autotune and evaluations included)."""
         return time.perf_counter() - self.started
@@ -530,7 +539,7 @@ class Trainer:
         line = self.task.eval_line(self.last_eval)
         if ema is not None:
             line += f" | ema: {self.task.eval_line(averaged)}"
-        log.info(f"epoch {self.epoch} step {self.step} ({begin - self.started:.0f} s): {line}")
+        log.info(f"{self.epoch_label()} step {self.step} ({begin - self.started:.0f} s): {line}")
         self.save(is_best)
 
 
