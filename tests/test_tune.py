@@ -190,11 +190,15 @@ def test_a_second_run_reads_the_cached_decision(tmp_path, autotune_on, monkeypat
     fixed = [auto_cfg(tmp_path, f"precision.mode={mode}") for mode in ("fp32", "amp_o2")]
     paths = {tune.cache_path(c, CPU, tune.candidates(c, CPU, False)) for c in fixed}
     assert len(paths) == 2
-    # Another batch is another shape: measured again.
-    other = auto_cfg(tmp_path, "train.batch_size=32")
-    assert tune.cache_path(other, CPU, tune.candidates(other, CPU, False)) != tune.cache_path(
-        cfg, CPU, tune.candidates(cfg, CPU, False)
-    )
+    # Another batch is another shape, and a step that recomputes, drops tokens or runs a teacher another step:
+    # measured again, each its own decision.
+    others = [("train.batch_size=32",), ("parallel.activation_checkpointing=block",), ("train.token_drop=0.5",)]
+    others += [("model.pool=cls", f"train.distill.teacher={tmp_path / 'teacher'}")]
+    keys = [
+        tune.cache_path(c, CPU, tune.candidates(c, CPU, False))
+        for c in [cfg, *(auto_cfg(tmp_path, *o) for o in others)]
+    ]
+    assert len(set(keys)) == len(keys)
 
 
 def test_a_run_that_raced_collects_and_hands_back_the_candidates_memory_and_a_cached_one_does_not(

@@ -491,6 +491,23 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
         "precision": [cfg.precision.mode, cfg.precision.dtype, _norms_compiled(cfg, device)],
         "options": options,
     }
+    # What else the raced step holds (engine/step.py), where a run sets it: activation checkpointing recomputes
+    # forwards, token dropping shortens the sequence, a teacher adds its forward. Absent at their defaults, so that
+    # the decisions of plain runs keep their keys.
+    step = {
+        "activation_checkpointing": (
+            [cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every_k]
+            if cfg.parallel.activation_checkpointing != "none"
+            else None
+        ),
+        "token_drop": cfg.train.token_drop or None,
+        "teacher": (
+            [cfg.train.distill.teacher, cfg.train.distill.teacher_weights, cfg.train.distill.type]
+            if cfg.train.distill.teacher
+            else None
+        ),
+    }
+    key |= {name: value for name, value in step.items() if value is not None}
     if cfg.parallel.strategy in SHARDED:  # raced over every rank: the sharding and the ranks are part of the shape
         key["parallel"] = [
             cfg.parallel.strategy,
