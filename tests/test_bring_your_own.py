@@ -176,6 +176,11 @@ def test_an_unknown_component_path_is_one_line_naming_the_key(tmp_path):
     ]
 
 
+class ClassesNet(nn.Linear):
+    def __init__(self, num_classes: int, width: int = 8):
+        super().__init__(width, num_classes)
+
+
 _A_MODULE_OR_A_FUNCTION = r"give a module \(model=Net\(\.\.\.\)\) or a function of the model config returning one"
 
 
@@ -196,6 +201,11 @@ _A_MODULE_OR_A_FUNCTION = r"give a module \(model=Net\(\.\.\.\)\) or a function 
             rf"^model= is a function that cannot be called with the model config; {_A_MODULE_OR_A_FUNCTION}",
         ),
         (lambda cfg: None, r"^model= returned a NoneType, not a torch\.nn\.Module; fix the factory$"),
+        (
+            ClassesNet,  # one argument, but not the config: it would be built with the config as its classes
+            rf"^model=ClassesNet is called with the model config, but its first parameter is num_classes: int; "
+            rf"{_A_MODULE_OR_A_FUNCTION}",
+        ),
     ],
 )
 def test_a_model_handed_in_that_is_not_a_module_or_a_function_of_the_config_is_one_line_naming_model(

@@ -87,6 +87,23 @@ def _check_handed_in(model: Any, embed_dim: int) -> None:
     if not registry.takes(model, *arguments):
         what = "the model config and embed_dim" if embed_dim else "the model config"
         raise ConfigError(f"model= is a function that cannot be called with {what}; {_HANDED_IN}")
+    first = _first_parameter(model)
+    said = first.annotation if first is not None else inspect.Parameter.empty
+    if said is not inspect.Parameter.empty and isinstance(said, type) and not issubclass(ModelConfig, said):
+        name = getattr(model, "__name__", "")  # a class or function that says it takes something else first
+        raise ConfigError(
+            f"model={name} is called with the model config, but its first parameter is {first.name}: "
+            f"{said.__name__}; {_HANDED_IN}"
+        )
+
+
+def _first_parameter(model: Any) -> inspect.Parameter | None:
+    """The first parameter of a class's constructor or a function, its annotation resolved where it can be."""
+    try:
+        parameters = list(inspect.signature(model, eval_str=True).parameters.values())
+    except Exception:  # an annotation that does not resolve, or no signature: nothing to tell from it
+        return None
+    return parameters[0] if parameters else None
 
 
 def model_complexity(model: nn.Module, kept_patches: int | None = None) -> Complexity | None:
