@@ -137,6 +137,7 @@ def test_a_users_module_trains_under_zero3_and_amp_o2_on_two_ranks_and_exports(t
     assert exported.keys() == fresh.keys()  # the user's own parameter names, in fp32
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in exported.values())
     assert not torch.equal(exported["classifier.weight"], fresh["classifier.weight"])
+    assert "M params, no FLOP count for this model, device=" in (tmp_path / "runs" / "byo" / "log.txt").read_text()
 
 
 @pytest.mark.slow  # the default suite keeps a user's own module under zero3 (above)

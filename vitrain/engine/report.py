@@ -22,10 +22,10 @@ def header_lines(trainer: Trainer) -> list[str]:
     p = cfg.parallel
     global_batch = cfg.train.batch_size * dist.data_size * cfg.train.accum_steps
     impl = optimizer_kernel(cfg, trainer.device)
-    gflops = f"{cost.flops / 1e9:.3f}" if cost is not None else "? (no FLOP count for this model)"
     unit = cfg.model.sample_unit  # a video model's sample is a clip
+    gflops = f"{cost.flops / 1e9:.3f} GFLOPs/{unit}" if cost is not None else "no FLOP count for this model"
     lines = [
-        f"vitrain: {trainer.parameters / 1e6:.2f}M params, {gflops} GFLOPs/{unit}, "
+        f"vitrain: {trainer.parameters / 1e6:.2f}M params, {gflops}, "
         f"device={trainer.device}, optimizer={cfg.optim.name}[{impl}], "
         f"parallel={p.strategy} x {dist.world_size} (wrap={p.wrap}, offload={p.offload}, "
         f"activation checkpointing={p.activation_checkpointing}), "
