@@ -276,6 +276,34 @@ def _overlapped_and_blocking_gradients(out_dir):
     (out_dir / f"overlap{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
 
 
+def _evaluate_first_then_train(out_dir):
+    """Each rank: zero2 and zero3 models whose first forward is an evaluation under torch.inference_mode (a run
+    resumed after its epoch's last step), then a training step; what each raised, if anything."""
+    init_distributed(torch.device("cpu"), "zero3")
+    said = {}
+    for strategy in ("zero2", "zero3"):
+        cfg = load_config(overrides=[*model_overrides(fields=TRUNK_FIELDS), f"parallel.strategy={strategy}"])
+        model = parallelize(create_model(cfg.model), cfg.parallel, torch.device("cpu"))
+        images = torch.randn(2, cfg.model.in_chans, cfg.model.image_size, cfg.model.image_size)
+        try:
+            with torch.inference_mode():
+                model.eval()
+                model(images)
+            model.train()
+            model(images).square().mean().backward()
+            said[strategy] = "trained"
+        except RuntimeError as exc:
+            said[strategy] = str(exc)[:120]
+    (out_dir / f"first{torch.distributed.get_rank()}.json").write_text(json.dumps(said))
+
+
+def test_a_sharded_model_whose_first_forward_is_an_evaluation_trains_after_it(tmp_path):
+    run_two_ranks(_evaluate_first_then_train, tmp_path)
+    for rank in (0, 1):
+        said = json.loads((tmp_path / f"first{rank}.json").read_text())
+        assert said == {"zero2": "trained", "zero3": "trained"}
+
+
 def test_deferred_reductions_leave_at_most_in_flight_pending():
     """Issuing a deferred reduction beyond `in_flight` pending ones finishes the oldest (its unit's gradient buffer is
     then freed), in the order issued; `wait` finishes the rest."""

@@ -173,7 +173,22 @@ def fully_shard_model(
         # already gathered when its backward starts, prefetches nothing.
         for unit in [*plan.shard_units, model]:
             unit.set_modules_to_backward_prefetch([unit])
+    gather_once(model)
     return model
+
+
+def gather_once(model: nn.Module) -> None:
+    """Gather and free each FSDP2 unit once, unit by unit, outside any inference_mode. FSDP2 makes a unit's
+    gathered-parameter buffers at its first all-gather and keeps them; made under torch.inference_mode (a process
+    whose first forward is an evaluation: a run resumed after its epoch's last step evaluates first) they are
+    inference tensors, which training's next gather may not write into (and one process's gather may not read)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    with torch.no_grad():
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.unshard()
+                unit.reshard()
 
 
 def finish_reductions(module: nn.Module) -> None:
