@@ -194,7 +194,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--image-size", type=positive_int, help="instead of the presets' own")
     estimate.add_argument("--patch-size", type=positive_int, help="instead of the presets' own")
-    estimate.add_argument("--from", dest="first", metavar="PRESET", help="the table starts at this preset")
+    estimate.add_argument(
+        "--from",
+        dest="first",
+        metavar="PRESET",
+        help="the table starts at this preset and keeps to its kind (image or video)",
+    )
     estimate.add_argument(
         "--memory", type=positive_float, nargs="+", default=[80.0], help="GiB per device (several: marks in a grid)"
     )
