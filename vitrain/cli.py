@@ -119,7 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         "task.pairs on its held-out identities)",
     )
     evaluate.add_argument("--root", default=None, help="face models: identity folders (or a .zip) the pairs name")
-    evaluate.add_argument("--out", default=None, help="face models: where verification.json and the ROC plot go")
+    evaluate.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="face models: where verification.json and the ROC plot go; detection, with --show: where the PNGs go "
+        "(default: RUN/eval)",
+    )
     evaluate.add_argument(
         "--show",
         type=non_negative_int,
@@ -452,7 +458,8 @@ def _eval(args: argparse.Namespace) -> int:
         }
     elif args.pairs or args.root or args.out:
         raise ConfigError(
-            f"--pairs, --root and --out verify face models; {path} was trained with task.name={cfg.task.name}"
+            f"--pairs and --root verify face models, --out is for face and detection models; {path} was trained "
+            f"with task.name={cfg.task.name}"
         )
     elif cfg.task.name == "video":  # clip and multi-clip video accuracy (vitrain/tasks/video.py)
         task = build_task(cfg)
