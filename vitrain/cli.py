@@ -217,7 +217,11 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list model presets with their size and cost")
     models.set_defaults(func=_models)
 
-    data = sub.add_parser("data", help="prepare data sets for the fast loader")
+    data_help = (
+        "data set files: memory-mapped shards for the fast loader (prepare), tar shards or RecordIO (pack), the "
+        "sample count of tar shards (index)"
+    )
+    data = sub.add_parser("data", help=data_help, description=data_help)
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser(
         "prepare", help="decode an ImageFolder tree or .zip once into memory-mapped uint8 shards (resumable)"
