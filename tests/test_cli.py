@@ -111,6 +111,12 @@ def test_eval_of_checkpoint_from_another_model_exits_2(trained_run):
     assert snapshot(trained_run) == before
 
 
+def test_eval_of_a_classification_run_refuses_the_face_and_detection_flags(trained_run, tmp_path):
+    result = run_cli("eval", str(trained_run), "--out", str(tmp_path / "ev"))
+    assert_one_line_error(result, r"--out is for face and detection models; .* task\.name=classification")
+    assert not (tmp_path / "ev").exists()
+
+
 def test_resume_with_another_model_exits_2_and_keeps_checkpoint(trained_run, tmp_path):
     before = snapshot(trained_run / "checkpoints")
     result = run_cli("train", *tiny_overrides(tmp_path, "model.depth=3"), "--resume")

@@ -14,7 +14,7 @@ from vitrain.cli import main
 from vitrain.config import load_config
 from vitrain.errors import ConfigError
 from vitrain.models import PRESETS, complexity
-from vitrain.models.memory import activation_bytes, devices_needed, estimate
+from vitrain.models.memory import activation_bytes, devices_needed, estimate, preset_models
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -190,7 +190,14 @@ def test_cli_reads_a_recipes_settings_for_a_grid_of_presets_and_devices(capsys):
     assert "build=sharded" in out  # the recipe sets parallel.sharded_init
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("ViT-")}
     assert list(rows)[0] == "ViT-H/14" and "ViT-B/16" not in rows
+    assert "ViViT" not in out  # the video presets, listed among the image ones, are another kind
     assert rows["ViT-120B/14"][-1] == "40" and rows["ViT-120B/14"][3] == "80"  # 1024 GPUs: 40 GB; 64: 80 GB
+
+
+def test_presets_from_one_keep_to_its_kind():
+    assert list(preset_models("ViT-G/14")) == ["ViT-G/14", "ViT-10B/14", "ViT-22B/14", "ViT-60B/14", "ViT-120B/14"]
+    assert list(preset_models("ViViT-S/16x2")) == ["ViViT-S/16x2", "ViViT-B/16x2"]
+    assert "ViViT-Ti/16x2" in preset_models() and "ViT-Ti/16" in preset_models()  # without --from: every preset
 
 
 def test_cli_names_the_largest_model_that_fits(capsys):

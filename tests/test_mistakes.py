@@ -205,6 +205,14 @@ def test_config_keys_lists_every_key_of_the_typed_config(capsys):
     assert all(row.help for row in config_keys()), [row.key for row in config_keys() if not row.help]
 
 
+def test_config_keys_help_is_a_whole_first_sentence():
+    """A key's help runs on past e.g. and i.e. (they end no sentence) and never stops inside brackets."""
+    helps = {row.key: row.help for row in config_keys()}
+    assert "(e.g. 0.999), evaluated beside the weights" in helps["train.ema"]
+    cut = [key for key, text in helps.items() if text.endswith(("e.g.", "i.e.")) or text.count("(") != text.count(")")]
+    assert not cut, cut
+
+
 @pytest.mark.parametrize(
     "argv, line",
     [

@@ -119,7 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         "task.pairs on its held-out identities)",
     )
     evaluate.add_argument("--root", default=None, help="face models: identity folders (or a .zip) the pairs name")
-    evaluate.add_argument("--out", default=None, help="face models: where verification.json and the ROC plot go")
+    evaluate.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="face models: where verification.json and the ROC plot go; detection, with --show: where the PNGs go "
+        "(default: RUN/eval)",
+    )
     evaluate.add_argument(
         "--show",
         type=non_negative_int,
@@ -194,7 +200,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--image-size", type=positive_int, help="instead of the presets' own")
     estimate.add_argument("--patch-size", type=positive_int, help="instead of the presets' own")
-    estimate.add_argument("--from", dest="first", metavar="PRESET", help="the table starts at this preset")
+    estimate.add_argument(
+        "--from",
+        dest="first",
+        metavar="PRESET",
+        help="the table starts at this preset and keeps to its kind (image or video)",
+    )
     estimate.add_argument(
         "--memory", type=positive_float, nargs="+", default=[80.0], help="GiB per device (several: marks in a grid)"
     )
@@ -206,7 +217,11 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list model presets with their size and cost")
     models.set_defaults(func=_models)
 
-    data = sub.add_parser("data", help="prepare data sets for the fast loader")
+    data_help = (
+        "data set files: memory-mapped shards for the fast loader (prepare), tar shards or RecordIO (pack), the "
+        "sample count of tar shards (index)"
+    )
+    data = sub.add_parser("data", help=data_help, description=data_help)
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser(
         "prepare", help="decode an ImageFolder tree or .zip once into memory-mapped uint8 shards (resumable)"
@@ -447,7 +462,8 @@ def _eval(args: argparse.Namespace) -> int:
         }
     elif args.pairs or args.root or args.out:
         raise ConfigError(
-            f"--pairs, --root and --out verify face models; {path} was trained with task.name={cfg.task.name}"
+            f"--pairs and --root verify face models, --out is for face and detection models; {path} was trained "
+            f"with task.name={cfg.task.name}"
         )
     elif cfg.task.name == "video":  # clip and multi-clip video accuracy (vitrain/tasks/video.py)
         task = build_task(cfg)

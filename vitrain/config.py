@@ -649,6 +649,10 @@ def _type_name(hint: Any) -> str:
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
+# A full stop and a space end a sentence, except after "e.g." and "i.e.", which never end one.
+_SENTENCE_END = re.compile(r"(?<=\.)(?<!\be\.g\.)(?<!\bi\.e\.)\s")
+
+
 def _field_comments(cls: type) -> dict[str, str]:
     """The comment on each field's line, or else the comment lines just above it, first sentence only."""
     comments: dict[str, str] = {}
@@ -662,7 +666,7 @@ def _field_comments(cls: type) -> dict[str, str]:
         if match and not text.startswith(("def ", "return ")):
             beside = text.partition("  # ")[2]
             note = beside or " ".join(above)
-            comments[match.group(1)] = re.split(r"(?<=\.)\s", note, maxsplit=1)[0]
+            comments[match.group(1)] = _SENTENCE_END.split(note, maxsplit=1)[0]
         above = []
     return comments
 

@@ -288,7 +288,11 @@ def _gib(n: int) -> str:
 
 
 def preset_models(first: str | None = None, **fields) -> dict[str, ModelConfig]:
-    """Every preset's model by alias (from `first` up), with `fields` (e.g. image_size) replacing the preset's."""
+    """Every preset's model by alias, with `fields` (e.g. image_size) replacing the preset's.
+
+    With `first`: that preset and those listed after it of the same kind (image or video), so that a table from an
+    image preset up does not take in the video presets listed among the image ones.
+    """
     from vitrain.config import load_config
     from vitrain.models import PRESETS, find_preset
 
@@ -297,7 +301,7 @@ def preset_models(first: str | None = None, **fields) -> dict[str, ModelConfig]:
         start = find_preset(first)
         if start is None:
             raise ConfigError(f"preset {first} is unknown; `vitrain models` lists them")
-        presets = presets[presets.index(start) :]
+        presets = [p for p in presets[presets.index(start) :] if p.is_video == start.is_video]
     return {
         p.alias: load_config(base={"model": {"preset": p.name, **{k: v for k, v in fields.items() if v}}}).model
         for p in presets

@@ -1,7 +1,8 @@
 """Pipeline parallelism on torch.distributed.pipelining: a (pipeline x data) mesh, stages, schedules, the step.
 
 `parallel.pipeline_stages=K` cuts the ViT's blocks into K balanced stages (the patch embedding with the first, the
-final norm and head with the last: `ViTStage` in models/plan.py, which keeps the model's parameter names).
+final norm and head with the last; models/plan.py's `stage_blocks` cuts them, `ViTStage` in models/vit.py holds a
+stage and keeps the model's parameter names).
 gpipe and 1f1b put one stage on each of K pipeline ranks; interleaved_1f1b puts two on each of K/2 (rank r holds
 stages r and r + K/2, torch's looped layout), so K must be even and >= 4 there. The processes left over form the
 data-parallel dimension: rank = pipeline_rank x replicas + data_rank, so the replicas of a stage are neighbours.
