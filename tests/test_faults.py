@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -184,7 +185,7 @@ def test_a_full_disk_on_one_rank_ends_both_ranks_with_one_line_and_keeps_the_las
     assert len(lines) == 1
     (line,) = lines
     assert line.startswith("vitrain: error: saving checkpoint") and "failed on rank 1" in line
-    assert "No space left on device" in line
+    assert "No space left on device; free space on that disk and run the same command again" in line
     run_dir = out / "full"
     assert [p.name for p in ckpt.step_dirs(run_dir)] == ["step_00000002"]
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
@@ -314,3 +315,20 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_interrup
     assert got == expected
     want, have = _final_weights(out / "reference"), _final_weights(out / "victim")
     assert all(torch.equal(have[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize(
+    "error, fix",
+    [
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "the disk is most"),
+        (OSError(errno.EROFS, "Read-only file system"), "; make that folder writable, or point log.out_dir"),
+        (OSError(errno.EACCES, "Permission denied"), "; make that folder writable, or point log.out_dir"),
+        (ValueError("something else"), None),
+    ],
+)
+def test_a_write_the_file_system_refused_says_what_to_do(error, fix):
+    from vitrain.parallel.distributed import _failure_message
+
+    line = _failure_message("saving checkpoint runs/x/checkpoints/step_00000002", error, 0)
+    assert line.startswith("saving checkpoint runs/x/checkpoints/step_00000002 failed: ")
+    assert (fix in line) if fix is not None else line.endswith(": something else")

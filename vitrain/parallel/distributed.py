@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import functools
 import gc
 import os
@@ -204,7 +205,19 @@ def _failure_message(what: str, error: BaseException, failed_rank: int) -> str:
         return str(error)
     where = f" on rank {failed_rank}" if world_size() > 1 else ""
     text = " ".join(str(error).split()) or type(error).__name__
-    return f"{what} failed{where}: {text}"
+    return f"{what} failed{where}: {text}{_fix_for(error, text)}"
+
+
+def _fix_for(error: BaseException, text: str) -> str:
+    """What to do about a write the file system refused (full, read-only, not ours); '' for anything else."""
+    code = getattr(error, "errno", None)
+    # torch.save's zip writer reports a short write (a disk that filled up under it) as an "unexpected pos".
+    if code in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in text:
+        short = " (a short write: the disk is most likely full)" if code is None else ""
+        return f"{short}; free space on that disk and run the same command again (what was written before is kept)"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "; make that folder writable, or point log.out_dir at one that is, then run the command again"
+    return ""
 
 
 @contextlib.contextmanager
