@@ -115,6 +115,8 @@ def test_eval_of_a_classification_run_refuses_the_face_and_detection_flags(train
     result = run_cli("eval", str(trained_run), "--out", str(tmp_path / "ev"))
     assert_one_line_error(result, r"--out is for face and detection models; .* task\.name=classification")
     assert not (tmp_path / "ev").exists()
+    result = run_cli("eval", str(trained_run), "--show", "3")
+    assert_one_line_error(result, r"^vitrain: error: --show draws a detection model's boxes; .* task\.name=classifi")
 
 
 def test_resume_with_another_model_exits_2_and_keeps_checkpoint(trained_run, tmp_path):

@@ -444,6 +444,10 @@ def _eval(args: argparse.Namespace) -> int:
     # whichever engine wrote it: DCP shards or DeepSpeed's partitions (one the config did not pass is refused)
     load_model_weights(path, model, trusted_values(cfg))
     model = model.to(device)
+    if args.show and cfg.task.name != "detection":
+        raise ConfigError(
+            f"--show draws a detection model's boxes; {path} was trained with task.name={cfg.task.name}: leave it out"
+        )
     if cfg.task.name == "face":
         from vitrain.tasks.face import verify
 
