@@ -52,7 +52,8 @@ def zip_tree(root: Path, archive: Path, top: str = "data") -> Path:
 
 def zip_with_bad_images(path: Path, bad: int) -> Path:
     """A zip of train/test splits of 8x8 grey PNGs in classes a and b, `bad` files named .png that are not
-    images (train/a/broken<i>.png), and one file without an image suffix (train/b/notes.txt)."""
+    images (train/a/broken<i>.png), one file without an image suffix (train/b/notes.txt) and one image below its
+    class folder (train/b/more/deep.png)."""
     draw = np.random.default_rng(0)
     with zipfile.ZipFile(path, "w") as archive:
         for split in ("train", "test"):
@@ -64,6 +65,7 @@ def zip_with_bad_images(path: Path, bad: int) -> Path:
         for i in range(bad):
             archive.writestr(f"train/a/broken{i}.png", b"this is not a png")
         archive.writestr("train/b/notes.txt", b"a stray file")
+        archive.writestr("train/b/more/deep.png", buffer.getvalue())  # below its class folder: not read
     return path
 
 

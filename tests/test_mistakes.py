@@ -173,6 +173,8 @@ def test_undecodable_images_are_skipped_up_to_the_limit_named_and_counted(tmp_pa
     for i in range(3):
         assert f"data: skipped {root}:train/a/broken{i}.png: not an image PIL can read" in log
     assert f"1 file(s) without an image suffix not read: {root}:train/b/notes.txt" in log
+    assert "1 image(s) in folders below a class folder not read (the tree is " in log
+    assert f"move them up into their class folder): {root}:train/b/more/deep.png" in log
     summary = json.loads((tmp_path / "runs" / "zip" / "summary.json").read_text())
     assert summary["skipped_files"] == 3 and summary["non_image_files"] == 1
     capsys.readouterr()

@@ -33,13 +33,24 @@ class Skipped:
 
     undecodable: list[tuple[str, str]] = field(default_factory=list)
     non_images: list[str] = field(default_factory=list)
+    deeper: list[str] = field(default_factory=list)  # images in folders below a class folder (locations)
 
     def lines(self) -> list[str]:
         lines = [f"data: skipped {where}: {reason}" for where, reason in self.undecodable]
         if self.non_images:
-            shown = ", ".join(self.non_images[:5]) + (", ..." if len(self.non_images) > 5 else "")
-            lines.append(f"data: {len(self.non_images)} file(s) without an image suffix not read: {shown}")
+            lines.append(
+                f"data: {len(self.non_images)} file(s) without an image suffix not read: {_some(self.non_images)}"
+            )
+        if self.deeper:
+            lines.append(
+                f"data: {len(self.deeper)} image(s) in folders below a class folder not read (the tree is "
+                f"<split>/<class>/<image>; move them up into their class folder): {_some(self.deeper)}"
+            )
         return lines
+
+
+def _some(locations: list[str]) -> str:
+    return ", ".join(locations[:5]) + (", ..." if len(locations) > 5 else "")
 
 
 @dataclass
@@ -287,6 +298,14 @@ class ImageTree:
                 folders.setdefault(rest[0], []).append(name)
         return {k: sorted(v) for k, v in sorted(folders.items())}
 
+    def deeper_images(self, prefix: str) -> list[str]:
+        """Images under `prefix` below their class folder's own level (split/class/sub/image): never read."""
+        return [
+            self.location(n)
+            for n in self.names
+            if n.startswith(prefix) and n[len(prefix) :].count("/") > 1 and n.lower().endswith(IMAGE_SUFFIXES)
+        ]
+
     def location(self, name: str) -> str:
         return location(self.root, self.is_zip, name)
 
@@ -381,6 +400,7 @@ def _read_split(
     if listing is None:
         return None
     names, labels, classes = listing
+    skipped.deeper += tree.deeper_images(tree.split_prefix(split) or "")
     mode = "L" if cfg.model.in_chans == 1 else "RGB"
     images, kept, bad = decode_some(tree.root, tree.is_zip, names, mode, cfg.model.image_size,
                                     cfg.data.decode_workers, cfg.data.skip_bad, len(skipped.undecodable),
