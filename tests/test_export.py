@@ -148,3 +148,14 @@ def test_timm_json_mlp_ratio_gives_timm_exactly_the_model_mlp_dim(tiny_model_cfg
             assert int(width * ratio) == mlp_dim, (width, mlp_dim, ratio)
     cfg.width, cfg.mlp_dim = 192, 768
     assert timm_kwargs(cfg)["mlp_ratio"] == 4.0  # an exact ratio is written as it is
+
+
+def test_timm_export_of_a_convolutional_stem_is_refused_in_one_line(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, "stem", model={"patch_embed": "conv", "stem_channels": [8, 16]}, train={"max_steps": 1})
+    Trainer(cfg).fit()
+    capsys.readouterr()
+    assert main(["export", str(cfg.run_dir), str(tmp_path / "out"), "--format", "timm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.patch_embed=conv (a convolutional stem, channels [8,16]) has no timm" in err[0]
+    assert err[0].endswith("use --format vitrain") and not (tmp_path / "out").exists()
+    assert main(["export", str(cfg.run_dir), str(tmp_path / "out"), "--format", "vitrain"]) == 0

@@ -154,7 +154,8 @@ def _what(value: Any) -> str:
 
 def _check_timm_model(model: nn.Module, cfg: ModelConfig) -> None:
     """timm.json describes the model by `cfg`: refuse a model that is not vitrain's ViT, or whose weights have other
-    shapes than the ViT `cfg` describes (another depth or width), in one line."""
+    shapes than the ViT `cfg` describes (another depth or width), or that has a convolutional stem (timm's
+    VisionTransformer has none), in one line."""
     with torch.device("meta"):  # vitrain's ViT as `cfg` describes it, by the registry (models import this module)
         reference = registry.lookup("model", "vit")(cfg)
     if not isinstance(model, type(reference)):
@@ -172,6 +173,12 @@ def _check_timm_model(model: nn.Module, cfg: ModelConfig) -> None:
                 f"model.width={cfg.width}): {key} is {shown(held.get(key))} in the model, {shown(described.get(key))} "
                 "by the config; pass the config the model was built from"
             )
+    if cfg.stem:  # timm's PatchEmbed is one strided conv: the stem's convs and BatchNorms would be unexpected keys
+        channels = ",".join(str(c) for c, _ in cfg.stem)
+        raise CheckpointError(
+            f"export --format timm: model.patch_embed=conv (a convolutional stem, channels [{channels}]) has no timm "
+            "VisionTransformer equivalent (timm's patch embedding is one strided conv); use --format vitrain"
+        )
 
 
 def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, torch.Tensor]:
