@@ -18,6 +18,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch.multiprocessing.spawn import ProcessRaisedException  # noqa: E402
 
+from tests.conftest import run_cli  # noqa: E402
 from tests.distributed_helpers import free_port, losses, run_two_ranks, torchrun_env  # noqa: E402
 from tests.face.helpers import face_config, make_faces  # noqa: E402
 from vitrain import checkpoint as ckpt  # noqa: E402
@@ -25,7 +26,7 @@ from vitrain.cli import main  # noqa: E402
 from vitrain.config import CONFIG_DIR, load_config  # noqa: E402
 from vitrain.engine import Trainer  # noqa: E402
 from vitrain.engine.deepspeed import UNIVERSAL_DIR, consolidated_state_dict, universal_checkpoint  # noqa: E402
-from vitrain.errors import CheckpointError  # noqa: E402
+from vitrain.errors import CheckpointError, ConfigError  # noqa: E402
 from vitrain.models import create_model  # noqa: E402
 
 # run name -> parallel.strategy, which picks the ZeRO stage. Stage 1 runs DeepSpeed's stage-1-and-2 optimizer like
@@ -324,6 +325,37 @@ def _native_then_deepspeed(out_dir):
     Trainer(digits(out_dir, "native", "parallel.strategy=ddp", "train.max_steps=1")).fit()
     cfg = digits(out_dir, "native", "train.engine=deepspeed", "parallel.strategy=ddp")
     Trainer(cfg, resume=str(out_dir / "native")).fit()
+
+
+def test_a_deepspeed_run_of_one_process_without_torchrun_trains(tmp_path, monkeypatch):
+    # `python -m vitrain train ... train.engine=deepspeed` without a launcher: DeepSpeed asserts that LOCAL_RANK is
+    # set; vitrain sets it as torchrun would for one process, in the one-process group it opens.
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = [
+        "train",
+        "digits",
+        f"log.out_dir={tmp_path}",
+        "name=plain",
+        "train.engine=deepspeed",
+        "parallel.strategy=zero2",
+    ]
+    done = run_cli(*args, "train.max_steps=2", "train.threads=1", "precision.mode=fp32", "model.depth=1")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert (summary["engine"], summary["world_size"], summary["steps"]) == ("deepspeed", 1, 2)
+
+
+def test_deepspeed_on_several_processes_without_local_rank_is_refused_in_one_line(monkeypatch):
+    from vitrain.engine.deepspeed import _local_rank_for_deepspeed
+    from vitrain.parallel.distributed import DistInfo
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK", raising=False)
+    two = DistInfo(1, 2, 0, torch.device("cpu"), data_rank=1, data_size=2)
+    with pytest.raises(ConfigError, match=r"^train.engine=deepspeed on 2 processes needs LOCAL_RANK .*: launch with "):
+        _local_rank_for_deepspeed(two)
+    assert "LOCAL_RANK" not in os.environ
 
 
 def test_a_native_checkpoint_is_refused_by_the_deepspeed_engine(tmp_path):

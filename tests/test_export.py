@@ -75,7 +75,10 @@ def test_init_from_a_missing_file_names_the_field(tmp_path):
         load_pretrained(create_model(tiny_config(tmp_path, "x").model), tmp_path / "nope.safetensors")
 
 
-@pytest.mark.parametrize("variant", [{}, {"pool": "gap", "pos_embed": "sincos", "qkv_bias": False}])
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"pool": "gap", "pos_embed": "sincos", "qkv_bias": False}, {"width": 56, "mlp_dim": 244, "heads": 4}],
+)
 def test_timm_export_loads_strictly_into_timm_with_the_same_logits(tmp_path, variant):
     try:
         timm_vit = import_timm().models.vision_transformer
@@ -133,3 +136,26 @@ def test_timm_export_refuses_a_model_other_than_the_vit_its_config_describes(tin
         vitrain.export(tiny_model, wider, tmp_path / "out", "timm")
     assert not (tmp_path / "out").exists()
     assert vitrain.export(tiny_model, tiny_cfg, tmp_path / "out", "timm").is_file()
+
+
+def test_timm_json_mlp_ratio_gives_timm_exactly_the_model_mlp_dim(tiny_model_cfg):
+    # timm builds int(width * mlp_ratio) hidden features; 244 / 56 * 56 is just below 244 in floating point.
+    cfg = tiny_model_cfg
+    for width in [*range(1, 129), *range(136, 2049, 8), 1408, 1664]:
+        for mlp_dim in [*range(width, 6 * width + 1, max(1, width // 16)), 244, 6144, 8192]:
+            cfg.width, cfg.mlp_dim = width, mlp_dim
+            ratio = timm_kwargs(cfg)["mlp_ratio"]
+            assert int(width * ratio) == mlp_dim, (width, mlp_dim, ratio)
+    cfg.width, cfg.mlp_dim = 192, 768
+    assert timm_kwargs(cfg)["mlp_ratio"] == 4.0  # an exact ratio is written as it is
+
+
+def test_timm_export_of_a_convolutional_stem_is_refused_in_one_line(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, "stem", model={"patch_embed": "conv", "stem_channels": [8, 16]}, train={"max_steps": 1})
+    Trainer(cfg).fit()
+    capsys.readouterr()
+    assert main(["export", str(cfg.run_dir), str(tmp_path / "out"), "--format", "timm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.patch_embed=conv (a convolutional stem, channels [8,16]) has no timm" in err[0]
+    assert err[0].endswith("use --format vitrain") and not (tmp_path / "out").exists()
+    assert main(["export", str(cfg.run_dir), str(tmp_path / "out"), "--format", "vitrain"]) == 0

@@ -54,9 +54,21 @@ def timm_kwargs(cfg: ModelConfig) -> dict[str, Any]:
         "embed_dim": cfg.width,
         "depth": cfg.depth,
         "num_heads": cfg.heads,
-        "mlp_ratio": cfg.hidden_dim / cfg.width,
+        "mlp_ratio": timm_mlp_ratio(cfg.width, cfg.hidden_dim),
         "qkv_bias": cfg.qkv_bias,
     }
+
+
+def timm_mlp_ratio(width: int, mlp_dim: int) -> float:
+    """The mlp_ratio from which timm builds exactly `mlp_dim` hidden features: timm takes int(width * mlp_ratio), and
+    mlp_dim / width can land just below mlp_dim (width 56, mlp_dim 244: 243); then the ratio aims half a feature up."""
+    for ratio in (mlp_dim / width, (mlp_dim + 0.5) / width):
+        if int(width * ratio) == mlp_dim:
+            return ratio
+    raise CheckpointError(  # not reached for any width and mlp_dim a model has; refused rather than written wrong
+        f"export --format timm: no mlp_ratio gives timm int(width * mlp_ratio) = model.mlp_dim={mlp_dim} at "
+        f"model.width={width}; use --format vitrain"
+    )
 
 
 def export(
@@ -95,6 +107,7 @@ def export(
         )
     if fmt == "timm":
         _check_timm_model(model, cfg.model)
+        timm_json = json.dumps(timm_kwargs(cfg.model), indent=2) + "\n"  # any refusal comes before a file is written
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
     check_output_folder(out_dir, overwrite, EXPORT_FILES[fmt], "export", CheckpointError)
@@ -107,7 +120,7 @@ def export(
         tmp.replace(path)
         atomic_write(out_dir / "config.yaml", to_yaml(cfg).encode())
         if fmt == "timm":
-            atomic_write(out_dir / "timm.json", (json.dumps(timm_kwargs(cfg.model), indent=2) + "\n").encode())
+            atomic_write(out_dir / "timm.json", timm_json.encode())
     except OSError as error:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(
@@ -141,7 +154,8 @@ def _what(value: Any) -> str:
 
 def _check_timm_model(model: nn.Module, cfg: ModelConfig) -> None:
     """timm.json describes the model by `cfg`: refuse a model that is not vitrain's ViT, or whose weights have other
-    shapes than the ViT `cfg` describes (another depth or width), in one line."""
+    shapes than the ViT `cfg` describes (another depth or width), or that has a convolutional stem (timm's
+    VisionTransformer has none), in one line."""
     with torch.device("meta"):  # vitrain's ViT as `cfg` describes it, by the registry (models import this module)
         reference = registry.lookup("model", "vit")(cfg)
     if not isinstance(model, type(reference)):
@@ -159,6 +173,12 @@ def _check_timm_model(model: nn.Module, cfg: ModelConfig) -> None:
                 f"model.width={cfg.width}): {key} is {shown(held.get(key))} in the model, {shown(described.get(key))} "
                 "by the config; pass the config the model was built from"
             )
+    if cfg.stem:  # timm's PatchEmbed is one strided conv: the stem's convs and BatchNorms would be unexpected keys
+        channels = ",".join(str(c) for c, _ in cfg.stem)
+        raise CheckpointError(
+            f"export --format timm: model.patch_embed=conv (a convolutional stem, channels [{channels}]) has no timm "
+            "VisionTransformer equivalent (timm's patch embedding is one strided conv); use --format vitrain"
+        )
 
 
 def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ from vitrain.device import bf16_emulated_here, cpu_description, peak_flops, sync
 from vitrain.errors import ConfigError
 from vitrain.models import external
 from vitrain.optim import optimizer_kernel
+from vitrain.weights import timm_mlp_ratio
 
 PEERS_EXTRA = "pip install 'vitrain[peers]'"
 DEFAULT_BASE = [
@@ -143,7 +144,7 @@ def timm_contender(cfg: Config, images, labels, device, warmup: int, bf16: tuple
                     embed_dim=m.width,
                     depth=m.depth,
                     num_heads=m.heads,
-                    mlp_ratio=m.hidden_dim / m.width,
+                    mlp_ratio=timm_mlp_ratio(m.width, m.hidden_dim),  # timm builds int(width * ratio)
                     qkv_bias=m.qkv_bias,
                 ).to(device)
             kwargs = {"fused": True} if kernel == "fused" else {"foreach": True}

@@ -79,6 +79,20 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
+def _local_rank_for_deepspeed(dist: DistInfo) -> None:
+    """deepspeed.initialize asserts that LOCAL_RANK is set, as torchrun and DeepSpeed's launcher set it. One process
+    without a launcher (`python -m vitrain train ... train.engine=deepspeed`) runs in the one-process group vitrain
+    opened, with LOCAL_RANK=0 as torchrun would set it; more processes without it are refused in one line."""
+    if "LOCAL_RANK" in os.environ or "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
+        return
+    if dist.world_size > 1:
+        raise ConfigError(
+            f"train.engine=deepspeed on {dist.world_size} processes needs LOCAL_RANK in each one's environment, which "
+            "this launch did not set: launch with torchrun --nproc_per_node N (or DeepSpeed's launcher)"
+        )
+    os.environ["LOCAL_RANK"] = str(dist.local_rank)
+
+
 def resolve_precision(cfg: Config, device: torch.device) -> Resolved:
     """vitrain's precision for DeepSpeed: auto resolved as the native policy would; pure and fp16 O1 refused."""
     resolved = resolve(cfg.precision, device, cfg.parallel.strategy)
@@ -261,6 +275,7 @@ class DeepSpeedEngine:
         if pipeline is not None:
             raise ConfigError("train.engine=deepspeed does not run pipeline stages; use train.engine=native")
         deepspeed = import_deepspeed()
+        _local_rank_for_deepspeed(dist)
         self.cfg, self.dist = cfg, dist
         self.resolved = resolve_precision(cfg, dist.device)
         if head is not None and self.resolved.mode == "amp_o2" and self.resolved.dtype == torch.float16:
