@@ -225,6 +225,93 @@ def test_training_on_a_changed_prepared_set_stops_before_training(prepared_dir, 
     assert not (tmp_path / "runs" / "digits" / "last.pt").exists()
 
 
+def _rewrite(root: Path, name: str, array: np.ndarray) -> None:
+    """Replace the prepared file `name` with `array` and record its new size and checksum in the manifest."""
+    np.save(root / name, array, allow_pickle=True)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["files"][name] = {
+        "bytes": (root / name).stat().st_size,
+        "sha256": prepared_module.sha256_file(root / name),
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit(root: Path, change) -> None:
+    manifest = json.loads((root / "manifest.json").read_text())
+    change(manifest)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _traverse(manifest):
+    manifest["splits"]["train"]["shards"][0]["images"] = "../out/train-00000.npy"
+    manifest["files"]["../out/train-00000.npy"] = manifest["files"].pop("train-00000.npy")
+
+
+def _object_labels(root):
+    labels = np.empty(8, dtype=object)
+    labels[:] = 0
+    _rewrite(root, "train.labels.npy", labels)
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: (d / "manifest.json").write_text("[1, 2]"), r"manifest\.json holds a JSON list"),
+        (lambda d: _edit(d, lambda m: m.pop("splits")), r"manifest\.json: splits is missing"),
+        (
+            lambda d: _edit(d, lambda m: m["splits"]["train"]["shards"][0].update(count="abc")),
+            r"splits\.train\.shards\[0\]\.count is 'abc', expected a whole number",
+        ),
+        (
+            lambda d: _edit(d, lambda m: m["splits"]["train"]["shards"][0].update(count=9)),
+            r"splits\.train\.count is 8 but its shards' counts add up to 13",
+        ),
+        (
+            lambda d: _edit(
+                d, lambda m: (m["splits"]["train"]["shards"][0].update(count=9), m["splits"]["train"].update(count=13))
+            ),
+            r"train-00000\.npy holds uint8 \(4, 3, 8, 8\) but manifest\.json records uint8 \(9, 3, 8, 8\)",
+        ),
+        (
+            lambda d: _edit(d, lambda m: m.update(size=16)),
+            r"-00000\.npy holds uint8 \(4, 3, 8, 8\) .* \(4, 3, 16, 16\)",
+        ),
+        (
+            lambda d: _edit(d, lambda m: m.update(channels=1)),
+            r"-00000\.npy holds uint8 \(4, 3, 8, 8\) .* \(4, 1, 8, 8\)",
+        ),
+        (
+            lambda d: _rewrite(d, "train-00000.npy", np.zeros((4, 3, 8, 8), np.float32)),
+            r"train-00000\.npy holds float32",
+        ),
+        (
+            lambda d: _rewrite(d, "train.labels.npy", np.zeros(5, np.int64)),
+            r"train\.labels\.npy holds int64 \(5,\) but manifest\.json records 8 integer labels",
+        ),
+        (_object_labels, r"train\.labels\.npy is not a numeric \.npy array"),
+        (lambda d: _edit(d, _traverse), r"files\['\.\./out/train-00000\.npy'\] is not a plain file name"),
+    ],
+    ids=[
+        "list",
+        "no-splits",
+        "count-text",
+        "count-sum",
+        "count-rows",
+        "size",
+        "channels",
+        "float-shard",
+        "short-labels",
+        "object-labels",
+        "outside-folder",
+    ],
+)
+def test_manifest_that_disagrees_with_its_files_is_one_error_naming_it(prepared_dir, damage, match):
+    damage(prepared_dir)
+    with pytest.raises(DataError, match=match) as caught:
+        open_prepared(prepared_dir)
+    assert "prepare the data again" in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_verified_files_are_not_hashed_again_until_they_change(prepared_dir, monkeypatch):
     monkeypatch.setattr(prepared_module, "RACY_WINDOW_NS", 0)
     files = json.loads((prepared_dir / "manifest.json").read_text())["files"]

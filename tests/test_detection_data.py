@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,11 @@ def test_coco_categories_map_to_classes_in_id_order(tmp_path: Path):
         (coco_box(4, 1, [10, 4, -5, 8]), "annotation id 4: box width -5 and height 8: a negative size"),
         (coco_box(5, 2, [10, 4, 5, 8]), "annotation id 5: names image id 2, which is not in the file's images"),
         (coco_box(6, 1, [10, 4, 5, 8], category=3), "annotation id 6: names category id 3, which is not in"),
+        (coco_box(7, 1, ["a", 4, 5, 8]), "annotation id 7: bbox ['a', 4, 5, 8] is not 4 numbers [x, y, width, height]"),
+        (coco_box(8, 1, [10, 4, 5]), "annotation id 8: bbox [10, 4, 5] is not 4 numbers"),
+        (coco_box(9, 1, None), "annotation id 9: bbox None is not 4 numbers"),
+        (coco_box(10, 1, [float("nan"), 4, 5, 8]), "annotation id 10: box (nan, 4, nan, 12) has a corner that is not"),
+        ("oops", "annotations[0]: is 'oops', not an object with image_id, category_id, bbox"),
     ],
 )
 def test_each_bad_coco_annotation_stops_with_one_line_naming_file_and_id(tmp_path: Path, annotation, message):
@@ -84,6 +91,28 @@ def test_each_bad_coco_annotation_stops_with_one_line_naming_file_and_id(tmp_pat
         detection_source(detection_cfg(tmp_path))
     assert str(error.value).startswith(f"{path} {message}")
     assert "data.skip_bad" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda data: [1, 2], " holds a JSON list, not a COCO-format object with images, annotations and"),
+        (lambda data: data["images"][0].pop("id") and data, ": images[0]: id is missing"),
+        (
+            lambda data: data["images"].append(data["images"][0]) or data,
+            ": images[1] (id 1): image id 1 is listed twice",
+        ),
+        (lambda data: data["categories"][0].pop("name") and data, ": categories[0] (id 1): name is missing"),
+    ],
+    ids=["list", "image-without-id", "image-twice", "category-without-name"],
+)
+def test_a_coco_file_of_the_wrong_structure_is_one_line_naming_file_and_entry(tmp_path: Path, damage, message):
+    path = write_coco(tmp_path, "train", [coco_image(1)], [coco_box(3, 1, [1, 1, 5, 5])])
+    write_coco(tmp_path, "val", [coco_image(1)], [])
+    path.write_text(json.dumps(damage(json.loads(path.read_text()))))
+    with pytest.raises(DataError) as error:
+        detection_source(detection_cfg(tmp_path))
+    assert str(error.value).startswith(f"{path}{message}") and "\n" not in str(error.value)
 
 
 def test_skip_bad_counts_the_bad_annotations_and_trains_on_the_rest(tmp_path: Path):
@@ -125,6 +154,24 @@ def test_a_voc_box_outside_its_image_names_the_xml_and_object(tmp_path: Path):
     xml.write_text(xml.read_text().replace("<xmax>", "<xmax>9", 1))
     with pytest.raises(DataError, match=f"^{xml} object 0: box .* lies outside its 80x60 image"):
         detection_source(detection_cfg(root))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "new", "message"),
+    [
+        (r"<xmax>[^<]*</xmax>", "<xmax>nan</xmax>", r"object 0: box \(.*, nan, .*\) has a corner that is not a finite"),
+        (r"<xmax>[^<]*</xmax>", "<xmax>inf</xmax>", r"object 0: box \(.*, inf, .*\) has a corner that is not a finite"),
+        (r"<name>[^<]*</name>", "", r"object 0: has no <name> \(the object's class\)"),
+    ],
+    ids=["nan", "inf", "no-name"],
+)
+def test_a_voc_object_without_finite_corners_or_a_name_names_the_xml(tmp_path: Path, pattern, new, message):
+    root = write_voc(tmp_path, {"train": 1, "val": 1}, size=(80, 60))
+    xml = root / "Annotations" / "img_000.xml"
+    xml.write_text(re.sub(pattern, new, xml.read_text(), count=1))
+    with pytest.raises(DataError, match=f"^{xml} {message}.*; fix the annotation") as error:
+        detection_source(detection_cfg(root))
+    assert "\n" not in str(error.value)
 
 
 def test_hflip_mirrors_boxes_and_leaves_padding_rows_alone():

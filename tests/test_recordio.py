@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -292,3 +293,32 @@ def test_a_pickled_record_file_reads_in_its_copy_and_from_threads(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(copy.payload, [k % 32 for k in range(256)]))
     assert got == [bytes([k % 32]) * (k % 32 + 1) + M for k in range(256)]
+
+
+# ------------------------------------------------------------------------------------------------------ class names
+
+
+@pytest.mark.parametrize("listing", ["classes.txt", "identities.txt"])
+@pytest.mark.parametrize(
+    "labels, prop, says",
+    [
+        ([0, 1, 1], None, None),
+        ([0, 1, 7], None, r"train\.rec: key 2 has label 7, but .*{listing} names 2 classes \(labels 0 to 1\)"),
+        ([0, 1, 1], "5,8,8", r"{listing} names 2 classes but .*property says num_classes 5"),
+    ],
+    ids=["inside", "label-outside", "property-more"],
+)
+def test_a_label_the_class_listing_does_not_name_is_refused_naming_it(tmp_path, jpeg, listing, labels, prop, says):
+    from vitrain.data.records import class_names
+
+    write_set(tmp_path / "train.rec", [(k, ir(float(label), jpeg)) for k, label in enumerate(labels)])
+    (tmp_path / listing).write_text("cat\ndog\n")
+    if prop:
+        (tmp_path / "property").write_text(prop + "\n")
+    records = read_insightface(tmp_path)
+    if says is None:
+        assert class_names(tmp_path, records) == ["cat", "dog"]
+        return
+    with pytest.raises(DataError, match=says.format(listing=re.escape(listing))) as raised:
+        class_names(tmp_path, records)
+    assert "model.num_classes" not in str(raised.value) and "\n" not in str(raised.value)

@@ -20,7 +20,7 @@ from vitrain.config import DataConfig, load_config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.loader import TRACE_ENV, Position
 from vitrain.data.pipeline import build_loaders
-from vitrain.data.shards import ShardIndex, ShardWriter, read_samples, scan_index, shard_urls
+from vitrain.data.shards import ShardIndex, ShardWriter, load_index, read_samples, scan_index, shard_urls
 from vitrain.data.stream import Run, StreamLoader, StreamSet
 from vitrain.errors import DataError
 from vitrain.shard_names import expand_braces
@@ -362,6 +362,37 @@ def test_a_sample_without_a_label_is_one_line_or_skipped_and_counted_with_skip_b
     summary = json.loads((tmp_path / "runs" / "skipping" / "summary.json").read_text())
     assert summary["skipped_samples"] == 1
     assert "skipped sample 00007" in (tmp_path / "runs" / "skipping" / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("skip_bad", [0, 2])
+def test_a_label_past_the_classes_is_a_bad_sample_named_or_skipped(tmp_path, skip_bad):
+    urls = write_shards(tmp_path / "s", [6], classes=3)  # labels 0 1 2 0 1 2; the index names 2 classes
+    loader = _stream(urls, [6], workers=0, shuffle=False, window=1, batch_size=3)
+    loader.data.skip_bad = skip_bad
+    if not skip_bad:
+        with pytest.raises(DataError, match=r"sample 0000[25] .* has label 2, outside the data's 2 classes") as error:
+            list(loader.epoch(0))
+        assert "data.skip_bad=0" in str(error.value) and "\n" not in str(error.value)
+        return
+    labels = torch.cat([batch[1] for batch in loader.epoch(0)])
+    assert len(labels) == 6 and labels.max() < 2
+    assert sorted(where.split()[0] for where in loader.skipped) == ["00002", "00005"]
+
+
+@pytest.mark.parametrize(
+    "saved, says",
+    [
+        ([1], "holds a JSON list, not an object"),
+        ({"format": "vitrain-shards/1", "counts": [3], "classes": ["a"]}, "counts is not an object"),
+        ({"format": "vitrain-shards/1", "counts": {"s-00.tar": 3}}, "classes is not a list of class names"),
+    ],
+    ids=["list", "counts-list", "no-classes"],
+)
+def test_an_index_of_the_wrong_structure_is_one_line_naming_it(tmp_path, saved, says):
+    urls = write_shards(tmp_path, [3])
+    (tmp_path / "index.json").write_text(json.dumps(saved))
+    with pytest.raises(DataError, match=f"^shard index {re.escape(str(tmp_path / 'index.json'))}:? {says}"):
+        load_index(urls, "data.root")
 
 
 def test_a_recordio_file_with_a_wrong_magic_or_an_index_past_its_end_is_one_line_and_exit_2(tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import xml.etree.ElementTree as ET
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -100,6 +101,10 @@ class BadAnnotations:
 def check_box(box: Box, record: ImageRecord, bad: BadAnnotations, degenerate: list[tuple[str, str]]) -> bool:
     """Whether `box` is kept: inside its image (clipped to it where it sticks out by OUTSIDE_SLACK_PX at most) with a
     positive width and height."""
+    corners = (box.x1, box.y1, box.x2, box.y2)
+    if not all(math.isfinite(v) for v in corners):
+        bad(box.annotation, f"box ({', '.join(f'{v:g}' for v in corners)}) has a corner that is not a finite number")
+        return False
     w, h = box.x2 - box.x1, box.y2 - box.y1
     if w < 0 or h < 0:
         bad(box.annotation, f"box width {w:g} and height {h:g}: a negative size (x2 < x1 or y2 < y1)")
@@ -148,9 +153,15 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
         data = json.loads(read(path))
     except (ValueError, UnicodeDecodeError) as error:
         raise DataError(f"{where} is not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise DataError(
+            f"{where} holds a JSON {type(data).__name__}, not a COCO-format object with images, annotations and "
+            "categories lists"
+        )
     for key in ("images", "annotations", "categories"):
         if not isinstance(data.get(key), list):
             raise DataError(f"{where} has no '{key}' list; is it a COCO-format detection file?")
+    check_coco_entries(where, data)
     categories = sorted(data["categories"], key=lambda c: c["id"])
     label_of = {c["id"]: i for i, c in enumerate(categories)}
     folder = PurePosixPath(path).parent
@@ -170,8 +181,11 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
             )
         records[image["id"]] = ImageRecord(name, int(image["width"]), int(image["height"]), int(image["id"]))
     bad, degenerate = BadAnnotations(skip_bad), []
-    for ann in data["annotations"]:
-        what = f"{where} annotation id {ann.get('id')}"
+    for index, ann in enumerate(data["annotations"]):
+        if not isinstance(ann, dict):
+            bad(f"{where} annotations[{index}]", f"is {_shown(ann)}, not an object with image_id, category_id, bbox")
+            continue
+        what = f"{where} annotation id {ann['id']}" if "id" in ann else f"{where} annotations[{index}] (no id)"
         record = records.get(ann.get("image_id"))
         if record is None:
             bad(what, f"names image id {ann.get('image_id')}, which is not in the file's images")
@@ -179,7 +193,11 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
         if ann.get("category_id") not in label_of:
             bad(what, f"names category id {ann.get('category_id')}, which is not in the file's categories")
             continue
-        x, y, w, h = (float(v) for v in ann["bbox"])
+        bbox = ann.get("bbox")
+        if not isinstance(bbox, list) or len(bbox) != 4 or not all(_is_number(v) for v in bbox):
+            bad(what, f"bbox {_shown(bbox)} is not 4 numbers [x, y, width, height]")
+            continue
+        x, y, w, h = (float(v) for v in bbox)
         try:
             area = None if ann.get("area") is None else float(ann["area"])
         except (TypeError, ValueError):
@@ -191,6 +209,54 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
     if not records:
         raise DataError(f"{where} lists no images; a split needs at least one")
     return Annotations(list(records.values()), [str(c["name"]) for c in categories], bad.found + degenerate)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_coco_entries(where: str, data: dict[str, Any]) -> None:
+    """Refuse images and categories that are not COCO's objects (the annotations are checked one by one)."""
+    fix = "fix the entry or write the file again"
+    seen: set[int] = set()
+    for index, image in enumerate(data["images"]):
+        entry = f"{where}: images[{index}]" + (
+            f" (id {image['id']})" if isinstance(image, dict) and "id" in image else ""
+        )
+        if not isinstance(image, dict):
+            raise DataError(f"{entry} is {_shown(image)}, not an object with id, file_name, width and height; {fix}")
+        for key in ("id", "width", "height"):
+            if key not in image:
+                raise DataError(f"{entry}: {key} is missing; {fix}")
+            try:
+                int(image[key])
+            except (TypeError, ValueError, OverflowError):
+                raise DataError(f"{entry}: {key} is {_shown(image[key])}, not a whole number; {fix}") from None
+        if not isinstance(image.get("file_name"), str) or not image["file_name"]:
+            raise DataError(f"{entry}: file_name is {_shown(image.get('file_name'))}, not a file name; {fix}")
+        if image["id"] in seen:
+            raise DataError(f"{entry}: image id {image['id']} is listed twice; give each image its own id")
+        seen.add(image["id"])
+    seen_categories: set[int] = set()
+    for index, category in enumerate(data["categories"]):
+        entry = f"{where}: categories[{index}]"
+        if not isinstance(category, dict):
+            raise DataError(f"{entry} is {_shown(category)}, not an object with id and name; {fix}")
+        if not isinstance(category.get("id"), int) or isinstance(category.get("id"), bool):
+            shown = "is missing" if "id" not in category else f"is {_shown(category['id'])}, not a whole number"
+            raise DataError(f"{entry}: id {shown}; {fix}")
+        name = category.get("name")
+        if not isinstance(name, (str, int, float)) or isinstance(name, bool) or not str(name).strip():
+            shown = "is missing" if "name" not in category else f"is {_shown(category['name'])}, not a class name"
+            raise DataError(f"{entry} (id {category['id']}): name {shown}; {fix}")
+        if category["id"] in seen_categories:
+            raise DataError(f"{entry}: category id {category['id']} is listed twice; give each category its own id")
+        seen_categories.add(category["id"])
 
 
 def yolo_classes(tree: ImageTree, read: Any) -> list[str]:
@@ -265,7 +331,8 @@ def read_voc(tree: ImageTree, read: Any, skip_bad: int) -> tuple[dict[str, Image
         except ET.ParseError as error:
             raise DataError(f"{where} is not valid XML ({error})") from None
         parsed.append((name, where, root))
-    classes = sorted({(obj.findtext("name") or "").strip() for _, _, root in parsed for obj in root.iter("object")})
+    names = {(obj.findtext("name") or "").strip() for _, _, root in parsed for obj in root.iter("object")}
+    classes = sorted(names - {""})  # an object without a name is refused below, where its file is named
     label_of = {c: i for i, c in enumerate(classes)}
     bad, degenerate, records = BadAnnotations(skip_bad), [], {}
     for name, where, root in parsed:
@@ -288,7 +355,11 @@ def read_voc(tree: ImageTree, read: Any, skip_bad: int) -> tuple[dict[str, Image
             except (TypeError, ValueError):
                 bad(what, "has no numeric bndbox xmin, ymin, xmax, ymax")
                 continue
-            label = label_of[(obj.findtext("name") or "").strip()]
+            class_name = (obj.findtext("name") or "").strip()
+            if not class_name:
+                bad(what, "has no <name> (the object's class)")
+                continue
+            label = label_of[class_name]
             if x2 <= x1 or y2 <= y1:  # a point or a line as written (BCCD has two): reported as such
                 check_box(Box(x1, y1, x2, y2, label, what), record, bad, degenerate)
                 continue

@@ -103,16 +103,38 @@ def open_records(root: str | Path, split: str | None = None) -> InsightfaceSet |
     return read_insightface(path)
 
 
-def class_names(root: Path, records: InsightfaceSet) -> list[str]:
-    """classes.txt or identities.txt beside the .rec (vitrain data pack writes them), else 0..num_classes-1."""
+def class_listing(root: Path) -> Path | None:
+    """classes.txt or identities.txt beside the .rec (vitrain data pack writes them), if there is one."""
     folder = root if root.is_dir() else root.parent
-    for name in ("classes.txt", "identities.txt"):
-        listing = folder / name
-        if listing.is_file():
-            names = [line for line in listing.read_text().splitlines() if line]
-            if len(names) >= records.num_classes:
-                return names
-    return [str(i) for i in range(records.num_classes)]
+    return next((folder / n for n in ("classes.txt", "identities.txt") if (folder / n).is_file()), None)
+
+
+def check_labels(records: InsightfaceSet, names: list[str], listing: Path) -> None:
+    """Refuse a label that `listing`'s class names do not cover: the set was packed with other classes."""
+    outside = np.flatnonzero(records.labels >= len(names))
+    if outside.size:
+        row = int(outside[0])
+        raise DataError(
+            f"{records.file.path}: key {records.keys[row]} has label {int(records.labels[row])}, but {listing} names "
+            f"{len(names)} classes (labels 0 to {len(names) - 1}); fix the label or {listing.name} (one class name a "
+            "line, in label order), or pack the set again"
+        )
+
+
+def class_names(root: Path, records: InsightfaceSet) -> list[str]:
+    """classes.txt or identities.txt beside the .rec (vitrain data pack writes them), else 0..num_classes-1. A label
+    the listing does not name is an error: the names would not be the classes the labels mean."""
+    listing = class_listing(root)
+    if listing is None:
+        return [str(i) for i in range(records.num_classes)]
+    names = [line for line in listing.read_text().splitlines() if line]
+    check_labels(records, names, listing)
+    if records.num_classes > len(names):
+        raise DataError(
+            f"{listing} names {len(names)} classes but {Path(records.file.path).parent / 'property'} says "
+            f"num_classes {records.num_classes}; fix one of them, or pack the set again"
+        )
+    return names
 
 
 def recordio_source(cfg: Config) -> tuple[RecordSet, RecordSet]:
@@ -127,4 +149,7 @@ def recordio_source(cfg: Config) -> tuple[RecordSet, RecordSet]:
     if val_records is None:
         train_rows, val_rows = held_out_split(len(train), d.val_fraction)
         return train.subset(train_rows), train.subset(val_rows)
+    listing = class_listing(root)
+    if listing is not None:
+        check_labels(val_records, classes, listing)
     return train, make(val_records)

@@ -213,13 +213,29 @@ def read_index(path: Path, urls: list[str]) -> ShardIndex | None:
         return None
     except json.JSONDecodeError as exc:
         raise DataError(f"shard index {path} is not valid JSON ({exc}); write it again: vitrain data index") from None
-    if saved.get("format") != FORMAT:
-        raise DataError(f"shard index {path} has format {saved.get('format')!r}, expected {FORMAT!r}")
+    check_index(path, saved)
     counts = {name: n for name, n in saved["counts"].items()}
     names = [url if url.startswith(PIPE) else Path(url).name for url in urls]
     if not all(name in counts for name in names):
         return None
     return ShardIndex(urls, [counts[n] for n in names], list(saved["classes"]), saved.get("layout", "classes"))
+
+
+def check_index(path: Path, saved: Any) -> None:
+    """Refuse an index file that is not the object `vitrain data index` writes, naming the entry."""
+    again = "write it again: vitrain data index"
+    if not isinstance(saved, dict):
+        raise DataError(f"shard index {path} holds a JSON {type(saved).__name__}, not an object; {again}")
+    if saved.get("format") != FORMAT:
+        raise DataError(f"shard index {path} has format {saved.get('format')!r}, expected {FORMAT!r}")
+    counts = saved.get("counts")
+    if not isinstance(counts, dict) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts.values()
+    ):
+        raise DataError(f"shard index {path}: counts is not an object of shard name -> sample count; {again}")
+    classes = saved.get("classes")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise DataError(f"shard index {path}: classes is not a list of class names; {again}")
 
 
 def write_index(path: Path, index: ShardIndex, extra: dict[str, Any] | None = None) -> None:
@@ -228,6 +244,10 @@ def write_index(path: Path, index: ShardIndex, extra: dict[str, Any] | None = No
         saved = json.loads(path.read_text())
     except FileNotFoundError:
         saved = {"format": FORMAT, "counts": {}}
+    except json.JSONDecodeError as exc:
+        raise DataError(f"shard index {path} is not valid JSON ({exc}); delete it and run vitrain data index") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("counts"), dict):
+        raise DataError(f"shard index {path} is not an index vitrain wrote (no counts object); delete it and run again")
     names = [url if url.startswith(PIPE) else Path(url).name for url in index.urls]
     saved["counts"].update(dict(zip(names, index.counts, strict=True)))
     saved["classes"] = index.classes

@@ -403,8 +403,14 @@ class _WorkerPlan(IterableDataset):
         data, (seed, epoch) = self.data, self.seeds[:2]
         out = np.zeros((len(batch), data.channels * data.num_frames, data.size, data.size), np.uint8)
         labels, keys, bad, good = [], [], [], None
+        classes = len(data.classes)
         for i, (sample, pad, k) in enumerate(batch):
             problem = sample.problem
+            if not problem and classes and sample.label >= classes:
+                problem = (
+                    f"has label {sample.label}, outside the data's {classes} classes (labels 0 to {classes - 1}, one "
+                    "name each in the shards' index.json classes)"
+                )
             if not problem:
                 try:
                     out[i] = data.decode(sample, k, seed, epoch)
