@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
+import shutil
 import tarfile
 import uuid
 import warnings
@@ -155,6 +157,60 @@ def test_an_old_protocol_pickle_as_init_from_gives_its_error_and_no_torch_warnin
         with pytest.raises(CheckpointError, match="model.init_from=.*evil.pt cannot be read"):
             read_weights(weights)
     assert not caught and not proof.exists()
+
+
+# ---------------------------------------------------------------------------------------------- an index that lies
+# DCP's `.metadata` says where each tensor's bytes are and how large it is; an attacker who hands out a whole folder
+# rewrites it and COMPLETE's checksums with it (`checkpoint verify` then finds every file intact).
+
+
+def reseal_with_checksums(step_dir, leave_out=()):
+    """Rewrite COMPLETE with sizes and checksums of the folder's files (subfolders too), as an attacker would."""
+    files = {p.relative_to(step_dir).as_posix(): p.stat().st_size for p in sorted(step_dir.rglob("*")) if p.is_file()}
+    files = {name: size for name, size in files.items() if name != ckpt.COMPLETE_FILE and name not in leave_out}
+    sums = ckpt.file_checksums(step_dir, sorted(files))
+    (step_dir / ckpt.COMPLETE_FILE).write_text(json.dumps({"step": 1, "files": files, ckpt.CHECKSUM: sums}))
+
+
+def rewrite_index(step_dir, change, leave_out=()):
+    """Apply `change` to the step folder's DCP index (its Metadata) and reseal the folder."""
+    with open(step_dir / ckpt.DCP_INDEX, "rb") as handle:
+        metadata = ckpt._MetadataUnpickler(handle).load()
+    change(metadata)
+    with open(step_dir / ckpt.DCP_INDEX, "wb") as handle:
+        pickle.dump(metadata, handle)
+    reseal_with_checksums(step_dir, leave_out)
+
+
+@pytest.mark.parametrize("form", ["another step's file", "an absolute path", "a symbolic link", "an unlisted file"])
+def test_a_data_file_outside_the_step_folder_is_refused_naming_it_and_verify_says_so(tmp_path, step_dir, capsys, form):
+    shard = next(step_dir.glob("*.distcp"))
+    other = step_dir.with_name("step_00000000")  # an earlier step: other weights, which would load as this step's
+    shutil.copytree(step_dir, other)
+    name = {
+        "another step's file": f"../{other.name}/{shard.name}",
+        "an absolute path": str(other / shard.name),
+        "a symbolic link": shard.name,
+        "an unlisted file": "__9_0.distcp",
+    }[form]
+    if form == "a symbolic link":
+        shard.unlink()
+        shard.symlink_to(f"../{other.name}/{shard.name}")
+        reseal_with_checksums(step_dir)
+    else:
+        if form == "an unlisted file":
+            shutil.copy(other / shard.name, step_dir / name)
+
+        def point(metadata):
+            for key, info in metadata.storage_data.items():
+                metadata.storage_data[key] = dataclasses.replace(info, relative_path=name)
+
+        rewrite_index(step_dir, point, leave_out=[name])
+    code, line = cli_line(capsys, "export", str(step_dir), str(tmp_path / "out"))
+    assert code == 2 and line.startswith(f"vitrain: error: checkpoint {step_dir}: its ") and f"'{name}'" in line
+    assert "refusing to load it" in line and not (tmp_path / "out").exists()
+    assert main(["checkpoint", "verify", str(step_dir)]) == 2
+    assert f"{step_dir}: refused: its " in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------- untrusted configs

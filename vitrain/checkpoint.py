@@ -88,8 +88,9 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def _listed_files(folder: Path) -> dict[str, int]:
-    """Every file under `folder` (paths relative to it, subfolders' too) with its size, but the marker."""
-    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE_FILE)
+    """Every file under `folder` (paths relative to it, subfolders' too) with its size, but the marker; a symbolic link
+    is no file of the folder (is_file follows it) and is not listed."""
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink() and p.name != COMPLETE_FILE)
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
 
 
@@ -124,12 +125,66 @@ class StateMismatch(CheckpointError):
     optimizer's, the model's) differs from the one it was saved with."""
 
 
+class CheckpointRefused(CheckpointError):
+    """A step folder vitrain never writes: a file its marker or DCP index names lies outside it (a path leading out, a
+    symbolic link) or its index contradicts itself. `reason` says what, without the folder."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(
+            f"checkpoint {path}: {reason}; refusing to load it (vitrain writes no such checkpoint: it was altered or "
+            "crafted): use checkpoints you wrote or got from a source you trust"
+        )
+
+
+def _not_inside(folder: Path, name: Any, flat: bool = False) -> str | None:
+    """Why `name` (relative to step folder `folder`) is not a plain file inside it, or None: a path leading out of
+    it, a symbolic link on the way, or (`flat`: DCP's data files lie directly in the folder) a subfolder's file."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return "which is not a file name"
+    parts = name.split("/")
+    if os.path.isabs(name) or "\\" in name or any(part in ("", ".", "..") for part in parts):
+        return "a path leading out of the step folder"
+    if flat and len(parts) > 1:
+        return "a file in a subfolder, where DCP's data files lie directly in the step folder"
+    here = Path(folder)
+    for part in parts:
+        here = here / part
+        if here.is_symlink():
+            return f"a symbolic link (to {os.readlink(here)}), not a file of the step folder"
+    return None
+
+
+def _listed_names(path: Path) -> set[str] | None:
+    """Every name a step folder's COMPLETE marker lists (for its size or its checksum); None without a marker."""
+    marker = Path(path) / COMPLETE_FILE
+    if not marker.is_file():
+        return None
+    try:
+        listed = json.loads(marker.read_text())
+        return {*listed["files"], *(listed.get(CHECKSUM) or {})}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (its {COMPLETE_FILE} marker cannot be read); use an earlier complete step"
+        ) from None
+
+
+def check_listed(path: Path) -> None:
+    """Every file a step folder's COMPLETE marker lists is a plain file inside the folder: a listed path leading out
+    of it or a symbolic link would have its size and checksum vouch for another folder's file."""
+    for name in sorted(_listed_names(path) or (), key=str):
+        reason = _not_inside(path, name)
+        if reason:
+            raise CheckpointRefused(Path(path), f"its {COMPLETE_FILE} marker lists {name!r}, {reason}")
+
+
 _verified: dict[Path, float] = {}  # step folder -> its marker's mtime when it was last verified in this process
 
 
 def verify(path: Path) -> None:
     """Recompute every file's checksum of a complete step folder against its COMPLETE marker; a mismatch is a
-    CheckpointError naming the file. Folders written before checksums were kept pass (they have none)."""
+    CheckpointError naming the file. Folders written before checksums were kept pass (they have none). A file the
+    marker or the DCP index names outside the folder (check_listed, SafeFileSystemReader) is CheckpointRefused."""
     path = Path(path)
     marker = path / COMPLETE_FILE
     if not marker.is_file():
@@ -137,11 +192,14 @@ def verify(path: Path) -> None:
     stamp = marker.stat().st_mtime
     if _verified.get(path.resolve()) == stamp:
         return
+    check_listed(path)  # before a byte is read: a listed symbolic link would be checksummed as the folder's own
     expected = json.loads(marker.read_text()).get(CHECKSUM) or {}
     actual = file_checksums(path, sorted(expected))
     for name in sorted(expected):
         if actual[name] != expected[name]:
             raise CheckpointDamaged(path, name, actual[name], expected[name])
+    if (path / DCP_INDEX).is_file():
+        read_index(path)  # intact files whose index points elsewhere are not the checkpoint they claim to be
     _verified[path.resolve()] = stamp
 
 
@@ -171,6 +229,9 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
                 verify(step)
             except CheckpointDamaged as damaged:
                 report.append((step, False, f"damaged: {damaged.file} does not match its checksum (XXH3-64)"))
+                continue
+            except CheckpointError as refused:  # CheckpointRefused, or an index that does not unpickle safely
+                report.append((step, False, f"refused: {getattr(refused, 'reason', refused)}"))
                 continue
             size = sum(listed["files"].values()) / 2**20
             checked = "each file matches its XXH3-64" if listed.get(CHECKSUM) else "sizes match (no checksums: older)"
@@ -617,10 +678,31 @@ class SafeFileSystemReader(FileSystemReader):
             ) from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"checkpoint file {path} holds no DCP metadata; it is damaged")
+        self._check_data_files(metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_data_files(self, metadata: Metadata) -> None:
+        """Every data file the index names is a plain file directly inside the step folder that its COMPLETE marker
+        lists: an index pointing elsewhere (another step's shard, an absolute path, a symbolic link) would load
+        other weights under this checkpoint's name."""
+        storage = getattr(metadata, "storage_data", None)
+        if not isinstance(storage, dict):
+            raise CheckpointError(f"checkpoint file {Path(self.path) / DCP_INDEX} holds no DCP metadata; it is damaged")
+        for name in sorted({getattr(info, "relative_path", None) for info in storage.values()}, key=str):
+            self._check_data_file(name)
+
+    def _check_data_file(self, name: Any) -> None:
+        folder = Path(self.path)
+        reason = _not_inside(folder, name, flat=True)
+        if reason is None:
+            listed = _listed_names(folder)
+            if listed is not None and name not in listed:
+                reason = f"which its {COMPLETE_FILE} marker does not list"
+        if reason is not None:
+            raise CheckpointRefused(folder, f"its index {DCP_INDEX} names {name!r} as a data file, {reason}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         """DCP's read, one shard file at a time: a file that does not load (random bytes, a pickle torch's
@@ -629,6 +711,7 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
+            self._check_data_file(name)  # again where it is opened, whoever read the index
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except VitrainError:
@@ -756,6 +839,7 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"checkpoint {path} is incomplete (no valid {COMPLETE_FILE} marker: its write was interrupted); use an "
             f"earlier complete step of {run_dir_of(path)} (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
         )
+    check_listed(path)  # on every rank: each reads the folder's files
     if rank() == 0:  # one reader of every byte is enough; the other ranks wait for it in the collective load
         verify(path)
     meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
