@@ -182,6 +182,17 @@ def rewrite_index(step_dir, change, leave_out=()):
     reseal_with_checksums(step_dir, leave_out)
 
 
+def resize(key, size, covered=None):
+    """An index change: tensor `key` declared of `size`, its one chunk of `covered` (default: all of it)."""
+
+    def change(metadata):
+        md = metadata.state_dict_metadata[key]
+        chunk = dataclasses.replace(md.chunks[0], sizes=torch.Size(covered or size))
+        metadata.state_dict_metadata[key] = dataclasses.replace(md, size=torch.Size(size), chunks=[chunk])
+
+    return change
+
+
 @pytest.mark.parametrize("form", ["another step's file", "an absolute path", "a symbolic link", "an unlisted file"])
 def test_a_data_file_outside_the_step_folder_is_refused_naming_it_and_verify_says_so(tmp_path, step_dir, capsys, form):
     shard = next(step_dir.glob("*.distcp"))
@@ -211,6 +222,13 @@ def test_a_data_file_outside_the_step_folder_is_refused_naming_it_and_verify_say
     assert "refusing to load it" in line and not (tmp_path / "out").exists()
     assert main(["checkpoint", "verify", str(step_dir)]) == 2
     assert f"{step_dir}: refused: its " in capsys.readouterr().out
+
+
+def test_an_index_whose_chunks_cover_part_of_a_tensor_is_refused_naming_it(tmp_path, step_dir, capsys):
+    rewrite_index(step_dir, resize("model.head.weight", (4, 32), covered=(2, 32)))  # half of it would stay random
+    code, line = cli_line(capsys, "eval", str(step_dir))
+    assert code == 2 and line.startswith(f"vitrain: error: checkpoint {step_dir}: its index .metadata declares ")
+    assert "model.head.weight of size (4, 32), but its chunks hold 64 of its 128 values" in line
 
 
 # ---------------------------------------------------------------------------------------------- untrusted configs

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import mmap
 import os
 import pickle
@@ -679,6 +680,7 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"checkpoint file {path} holds no DCP metadata; it is damaged")
         self._check_data_files(metadata)
+        _check_chunks(Path(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -724,6 +726,40 @@ class SafeFileSystemReader(FileSystemReader):
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+def _check_chunks(folder: Path, metadata: Metadata) -> None:
+    """Each tensor's chunks in the index cover its declared size exactly (every chunk within it, their values adding
+    up to its own): an index that declares a tensor's full size but chunks of part of it would leave the rest of the
+    tensor it is read into as it was (a model's random init) and load without a word."""
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"checkpoint file {folder / DCP_INDEX} holds no DCP metadata; it is damaged")
+    for key, md in entries.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        size = tuple(md.size)
+        reason = _chunks_problem(size, md.chunks)
+        if reason is not None:
+            raise CheckpointRefused(folder, f"its index {DCP_INDEX} declares {key} of size {size}, but {reason}")
+
+
+def _chunks_problem(size: tuple, chunks: Any) -> str | None:
+    """Why `chunks` (DCP's ChunkStorageMetadata) do not cover a tensor of `size` exactly, or None."""
+    if not all(isinstance(n, int) and n >= 0 for n in size):
+        return "that is no tensor size"
+    covered = 0
+    for chunk in chunks if isinstance(chunks, list | tuple) else ():
+        offsets, sizes = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
+        numbers = all(isinstance(n, int) for n in (*offsets, *sizes))
+        if not numbers or len(offsets) != len(size) or len(sizes) != len(size):
+            return f"a chunk at offsets {offsets} of size {sizes} does not fit its {len(size)} dimensions"
+        if any(at < 0 or n < 0 or at + n > dim for at, n, dim in zip(offsets, sizes, size, strict=True)):
+            return f"a chunk at offsets {offsets} of size {sizes} lies outside it"
+        covered += math.prod(sizes)
+    if covered != math.prod(size):
+        return f"its chunks hold {covered} of its {math.prod(size)} values"
+    return None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
