@@ -231,6 +231,29 @@ def test_an_index_whose_chunks_cover_part_of_a_tensor_is_refused_naming_it(tmp_p
     assert "model.head.weight of size (4, 32), but its chunks hold 64 of its 128 values" in line
 
 
+def snapshot(folder):
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "key, strategy",
+    [("rng.rank0.cpu", "single"), ("optim.state.cls_token.exp_avg", "zero1")],
+)
+def test_an_index_declaring_a_huge_state_is_refused_before_anything_is_allocated(
+    tmp_path, step_dir, capsys, key, strategy
+):
+    size = (10**12,) if key.startswith("rng") else (10**6, 10**6)  # terabytes: allocating them fails at once
+    rewrite_index(step_dir, resize(key, size))
+    run_dir = ckpt.run_dir_of(step_dir)
+    before = snapshot(run_dir)
+    code, line = cli_line(
+        capsys, "train", "log.progress=false", "train.max_steps=2", f"parallel.strategy={strategy}", "--resume",
+        str(step_dir),
+    )  # fmt: skip
+    assert code == 2 and line.startswith(f"vitrain: error: checkpoint {step_dir}: its index .metadata declares {key}")
+    assert snapshot(run_dir) == before
+
+
 # ---------------------------------------------------------------------------------------------- untrusted configs
 # A config vitrain reads from a checkpoint or run folder (meta.json, config.yaml) may name no module to import and no
 # pipe: command to run (vitrain/trust.py) unless the command line gives the same value.

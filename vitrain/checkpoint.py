@@ -974,18 +974,20 @@ def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer
     }
     state: dict[str, dict[str, Any]] = {}
     prefix = "optim.state."
-    for key, md in read_index(path).items():
-        # optim.state.<parameter name>.<field>: fields have no dots, parameter names do.
-        name, _, field = key[len(prefix) :].rpartition(".")
-        if not key.startswith(prefix) or name not in owned:
-            continue
-        param, scalars_on_device = owned[name]
-        if isinstance(md, TensorStorageMetadata):
-            on_device = tuple(md.size) == tuple(param.shape) or scalars_on_device
-            device = param.device if on_device else torch.device("cpu")
-            state.setdefault(name, {})[field] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-        else:
-            state.setdefault(name, {})[field] = None  # a plain value (LAMB's integer step): DCP fills it in
+    with all_or_none(f"reading checkpoint {path}"):  # a rank that refuses its parameters' state stops them all
+        for key, md in read_index(path).items():
+            # optim.state.<parameter name>.<field>: fields have no dots, parameter names do.
+            name, _, field = key[len(prefix) :].rpartition(".")
+            if not key.startswith(prefix) or name not in owned:
+                continue
+            param, scalars_on_device = owned[name]
+            if isinstance(md, TensorStorageMetadata):
+                check_state_size(path, key, md, tuple(param.shape))
+                on_device = tuple(md.size) == tuple(param.shape) or scalars_on_device
+                device = param.device if on_device else torch.device("cpu")
+                state.setdefault(name, {})[field] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+            else:
+                state.setdefault(name, {})[field] = None  # a plain value (LAMB's integer step): DCP fills it in
     wanted = {"model": get_model_state_dict(model), "optim": {"state": state}}
     _dcp_load(wanted, path)
     unwrap(model).load_state_dict(wanted["model"])
@@ -1006,24 +1008,55 @@ def load_extra(path: Path, state: dict[str, Any]) -> None:
 
 def load_rng(path: Path) -> bool:
     """Collective: restore this rank's own RNG state from the checkpoint; False when it holds none for this rank."""
-    index = read_index(path)
-    prefix = f"{RNG_KEY}.rank{rank()}."
-    fields = {
-        key[len(prefix) :]: md
-        for key, md in index.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    wanted = {
-        RNG_KEY: {
-            f"rank{rank()}": {field: torch.empty(md.size, dtype=md.properties.dtype) for field, md in fields.items()}
-        }
-    }
+    with all_or_none(f"reading checkpoint {path}"):  # a rank that refuses its RNG state stops them all
+        buffers = _rng_buffers(path, read_index(path), f"{RNG_KEY}.rank{rank()}.")
+    wanted = {RNG_KEY: {f"rank{rank()}": buffers}}
     _dcp_load(wanted, path)  # every rank joins the collective load, with or without a state of its own
     state = wanted[RNG_KEY][f"rank{rank()}"]
     if "cpu" not in state:
         return False
     set_rng_state(state)
     return True
+
+
+def _rng_buffers(path: Path, index: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    """Tensors to read this rank's saved RNG states into (`prefix`: rng.rank<N>.), each of the size and dtype this
+    process's own generator keeps, never the size the index declares: a crafted one would allocate anything. The
+    CUDA state only where CUDA is here (set_rng_state restores it only there)."""
+    own = {"cpu": torch.get_rng_state}
+    if torch.cuda.is_available():
+        own["cuda"] = torch.cuda.get_rng_state
+    buffers = {}
+    for field, current in own.items():
+        md = index.get(prefix + field)
+        if md is None:
+            continue
+        expected = current()
+        check_rng_entry(path, prefix + field, md, expected)
+        buffers[field] = torch.empty_like(expected)
+    return buffers
+
+
+def check_rng_entry(path: Path, key: str, md: Any, expected: torch.Tensor) -> None:
+    """A saved RNG state the index declares has the size and dtype of this process's generator's state."""
+    size, dtype = tuple(getattr(md, "size", ())), getattr(getattr(md, "properties", None), "dtype", None)
+    if not isinstance(md, TensorStorageMetadata) or size != tuple(expected.shape) or dtype != expected.dtype:
+        raise CheckpointRefused(
+            Path(path),
+            f"its index {DCP_INDEX} declares {key} of size {size} and dtype {dtype}, but an RNG state is "
+            f"{tuple(expected.shape)} {expected.dtype}",
+        )
+
+
+def check_state_size(path: Path, key: str, md: TensorStorageMetadata, shape: tuple[int, ...]) -> None:
+    """An optimizer state tensor the index declares, before anything is allocated for it: its parameter's shape, or no
+    more values than its parameter (a step count, a factored moment); a crafted size would allocate anything."""
+    size = tuple(md.size)
+    if size != tuple(shape) and math.prod(size) > math.prod(shape):
+        raise CheckpointRefused(
+            Path(path),
+            f"its index {DCP_INDEX} declares {key} of size {size}, more values than its parameter's {tuple(shape)}",
+        )
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
