@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pickle
@@ -15,8 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import run_cli
-from tests.distributed_helpers import tiny_config
+from tests.conftest import run_cli, tiny_overrides
+from tests.distributed_helpers import free_port, tiny_config, torchrun_env
 from vitrain import checkpoint as ckpt
 from vitrain.cli import main
 from vitrain.config import config_from_dict
@@ -64,12 +65,12 @@ def _as_legacy_with(step_dir, meta_obj):
     torch.save(meta_obj, step_dir / ckpt.LEGACY_META_FILE)  # how format 2 wrote it
 
 
-def refused_line(command: str, step_dir, tmp_path) -> str:
+def refused_line(command: str, step_dir, tmp_path, *overrides: str) -> str:
     """Run a command that loads `step_dir` as a user would; it must exit 2 with one line on stderr: that line."""
     args = {
         "eval": ["eval", str(step_dir)],
         "export": ["export", str(step_dir), str(tmp_path / "out")],
-        "resume": ["train", "log.progress=false", "--resume", str(step_dir)],
+        "resume": ["train", "log.progress=false", *overrides, "--resume", str(step_dir)],
     }[command]
     result = run_cli(*args, warnings="")
     assert result.returncode == 2, result.stderr
@@ -252,6 +253,35 @@ def test_an_index_declaring_a_huge_state_is_refused_before_anything_is_allocated
     )  # fmt: skip
     assert code == 2 and line.startswith(f"vitrain: error: checkpoint {step_dir}: its index .metadata declares {key}")
     assert snapshot(run_dir) == before
+
+
+def test_a_deepspeed_file_holding_a_pickle_is_one_line_naming_it_without_torchs_advice(tmp_path, monkeypatch):
+    if importlib.util.find_spec("deepspeed") is None:  # the runs below import it, this process need not
+        pytest.skip("DeepSpeed is not installed: pip install 'vitrain[deepspeed]'")
+    for name, value in torchrun_env(0, free_port(), world_size=1).items():  # DeepSpeed wants torchrun's variables
+        monkeypatch.setenv(name, value)
+    ds = ["name=ds", "data.source=synthetic", "data.synthetic_samples=64", "train.batch_size=16", "train.max_steps=1"]
+    trained = run_cli("train", *tiny_overrides(tmp_path, *ds, "train.engine=deepspeed", "parallel.strategy=ddp"))
+    assert trained.returncode == 0, trained.stderr
+    run_dir, proof = tmp_path / "runs" / "ds", tmp_path / "ran"
+    step_dir = next((run_dir / "checkpoints").glob("step_*"))
+    torch.save({"cpu": Payload(proof)}, step_dir / "rng_rank0.pt")  # DeepSpeed itself never reads this file
+    reseal_with_checksums(step_dir)
+    before = snapshot(run_dir)
+    line = refused_line("resume", step_dir, tmp_path, "train.max_steps=2")
+    assert line == (
+        f"vitrain: error: checkpoint file {step_dir / 'rng_rank0.pt'} refers to posix.system, which a checkpoint "
+        "never holds: refusing to load it (loading it could run code); use checkpoints you wrote or got from a "
+        "source you trust"
+    )
+    assert snapshot(run_dir) == before and not proof.exists()
+    states = step_dir / ckpt.DEEPSPEED_DIR / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "payload": Payload(proof)}, states)  # refused before DeepSpeed unpickles it
+    reseal_with_checksums(step_dir)
+    line = refused_line("export", step_dir, tmp_path)
+    assert line.startswith(f"vitrain: error: checkpoint file {states} holds more than tensors")
+    assert "(UnpicklingError: it names posix.system)" in line and "weights_only" not in line
+    assert not proof.exists() and not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------- untrusted configs

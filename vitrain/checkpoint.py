@@ -663,6 +663,53 @@ def _refused(path: Path, what: str) -> CheckpointError:
     )
 
 
+_PICKLED_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+
+
+def load_error(exc: BaseException) -> str:
+    """What torch's weights_only reader refused, short: the error's type and the global a crafted pickle names, never
+    torch's advice to load the file again with weights_only=False."""
+    found = _PICKLED_GLOBAL.search(str(exc)[:2000])
+    return f"{type(exc).__name__}: it names {found.group(1)[:100]}" if found else type(exc).__name__
+
+
+def not_loadable(file: Path, exc: BaseException) -> CheckpointError:
+    """One line for a checkpoint file torch.load(weights_only=True) did not load: a pickle naming code is refused
+    by what it names, anything else is a damaged or foreign file; torch's advice to load it unsafely is left out."""
+    found = _PICKLED_GLOBAL.search(str(exc)[:2000])
+    if isinstance(exc, pickle.UnpicklingError) and found:
+        return _refused(file, found.group(1)[:100])
+    return CheckpointError(
+        f"checkpoint file {file} is not a checkpoint vitrain can load safely ({type(exc).__name__}); it is damaged "
+        "or was not written by vitrain"
+    )
+
+
+def read_rng_file(file: Path) -> dict[str, torch.Tensor]:
+    """A per-rank RNG file (`rng_state()` saved with torch.save: DeepSpeed's step folders keep one per rank), read
+    with weights_only=True; anything but such a state is one line naming the file."""
+    try:
+        with warnings.catch_warnings():  # torch's note on another pickle protocol is no news to a user
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise not_loadable(file, exc) from None
+    own = {"cpu": torch.get_rng_state}
+    if torch.cuda.is_available():
+        own["cuda"] = torch.cuda.get_rng_state
+    fields = [field for field in own if isinstance(state, dict) and field in state]
+    expected = {field: own[field]() for field in fields}
+    if "cpu" not in fields or not all(
+        torch.is_tensor(state[f]) and state[f].shape == expected[f].shape and state[f].dtype == expected[f].dtype
+        for f in fields
+    ):
+        raise CheckpointError(
+            f"checkpoint file {file} holds no RNG state of this torch (a dict of uint8 tensors, 'cpu' of "
+            f"{tuple(torch.get_rng_state().shape)}); it is damaged or was not written by vitrain"
+        )
+    return {field: state[field] for field in fields}
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with `.metadata` unpickled through an allowlist of DCP's own metadata classes."""
 
@@ -719,10 +766,7 @@ class SafeFileSystemReader(FileSystemReader):
             except VitrainError:
                 raise
             except Exception as exc:
-                raise CheckpointError(
-                    f"checkpoint file {Path(self.path) / name} is not a checkpoint vitrain can load safely "
-                    f"({type(exc).__name__}); it is damaged or was not written by vitrain"
-                ) from None
+                raise not_loadable(Path(self.path) / name, exc) from None
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
