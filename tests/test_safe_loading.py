@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import pickle
+import shutil
 import tarfile
 import uuid
 import warnings
@@ -13,8 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import run_cli
-from tests.distributed_helpers import tiny_config
+from tests.conftest import run_cli, tiny_overrides
+from tests.distributed_helpers import free_port, tiny_config, torchrun_env
 from vitrain import checkpoint as ckpt
 from vitrain.cli import main
 from vitrain.config import config_from_dict
@@ -62,12 +65,12 @@ def _as_legacy_with(step_dir, meta_obj):
     torch.save(meta_obj, step_dir / ckpt.LEGACY_META_FILE)  # how format 2 wrote it
 
 
-def refused_line(command: str, step_dir, tmp_path) -> str:
+def refused_line(command: str, step_dir, tmp_path, *overrides: str) -> str:
     """Run a command that loads `step_dir` as a user would; it must exit 2 with one line on stderr: that line."""
     args = {
         "eval": ["eval", str(step_dir)],
         "export": ["export", str(step_dir), str(tmp_path / "out")],
-        "resume": ["train", "log.progress=false", "--resume", str(step_dir)],
+        "resume": ["train", "log.progress=false", *overrides, "--resume", str(step_dir)],
     }[command]
     result = run_cli(*args, warnings="")
     assert result.returncode == 2, result.stderr
@@ -155,6 +158,130 @@ def test_an_old_protocol_pickle_as_init_from_gives_its_error_and_no_torch_warnin
         with pytest.raises(CheckpointError, match="model.init_from=.*evil.pt cannot be read"):
             read_weights(weights)
     assert not caught and not proof.exists()
+
+
+# ---------------------------------------------------------------------------------------------- an index that lies
+# DCP's `.metadata` says where each tensor's bytes are and how large it is; an attacker who hands out a whole folder
+# rewrites it and COMPLETE's checksums with it (`checkpoint verify` then finds every file intact).
+
+
+def reseal_with_checksums(step_dir, leave_out=()):
+    """Rewrite COMPLETE with sizes and checksums of the folder's files (subfolders too), as an attacker would."""
+    files = {p.relative_to(step_dir).as_posix(): p.stat().st_size for p in sorted(step_dir.rglob("*")) if p.is_file()}
+    files = {name: size for name, size in files.items() if name != ckpt.COMPLETE_FILE and name not in leave_out}
+    sums = ckpt.file_checksums(step_dir, sorted(files))
+    (step_dir / ckpt.COMPLETE_FILE).write_text(json.dumps({"step": 1, "files": files, ckpt.CHECKSUM: sums}))
+
+
+def rewrite_index(step_dir, change, leave_out=()):
+    """Apply `change` to the step folder's DCP index (its Metadata) and reseal the folder."""
+    with open(step_dir / ckpt.DCP_INDEX, "rb") as handle:
+        metadata = ckpt._MetadataUnpickler(handle).load()
+    change(metadata)
+    with open(step_dir / ckpt.DCP_INDEX, "wb") as handle:
+        pickle.dump(metadata, handle)
+    reseal_with_checksums(step_dir, leave_out)
+
+
+def resize(key, size, covered=None):
+    """An index change: tensor `key` declared of `size`, its one chunk of `covered` (default: all of it)."""
+
+    def change(metadata):
+        md = metadata.state_dict_metadata[key]
+        chunk = dataclasses.replace(md.chunks[0], sizes=torch.Size(covered or size))
+        metadata.state_dict_metadata[key] = dataclasses.replace(md, size=torch.Size(size), chunks=[chunk])
+
+    return change
+
+
+@pytest.mark.parametrize("form", ["another step's file", "an absolute path", "a symbolic link", "an unlisted file"])
+def test_a_data_file_outside_the_step_folder_is_refused_naming_it_and_verify_says_so(tmp_path, step_dir, capsys, form):
+    shard = next(step_dir.glob("*.distcp"))
+    other = step_dir.with_name("step_00000000")  # an earlier step: other weights, which would load as this step's
+    shutil.copytree(step_dir, other)
+    name = {
+        "another step's file": f"../{other.name}/{shard.name}",
+        "an absolute path": str(other / shard.name),
+        "a symbolic link": shard.name,
+        "an unlisted file": "__9_0.distcp",
+    }[form]
+    if form == "a symbolic link":
+        shard.unlink()
+        shard.symlink_to(f"../{other.name}/{shard.name}")
+        reseal_with_checksums(step_dir)
+    else:
+        if form == "an unlisted file":
+            shutil.copy(other / shard.name, step_dir / name)
+
+        def point(metadata):
+            for key, info in metadata.storage_data.items():
+                metadata.storage_data[key] = dataclasses.replace(info, relative_path=name)
+
+        rewrite_index(step_dir, point, leave_out=[name])
+    code, line = cli_line(capsys, "export", str(step_dir), str(tmp_path / "out"))
+    assert code == 2 and line.startswith(f"vitrain: error: checkpoint {step_dir}: its ") and f"'{name}'" in line
+    assert "refusing to load it" in line and not (tmp_path / "out").exists()
+    assert main(["checkpoint", "verify", str(step_dir)]) == 2
+    assert f"{step_dir}: refused: its " in capsys.readouterr().out
+
+
+def test_an_index_whose_chunks_cover_part_of_a_tensor_is_refused_naming_it(tmp_path, step_dir, capsys):
+    rewrite_index(step_dir, resize("model.head.weight", (4, 32), covered=(2, 32)))  # half of it would stay random
+    code, line = cli_line(capsys, "eval", str(step_dir))
+    assert code == 2 and line.startswith(f"vitrain: error: checkpoint {step_dir}: its index .metadata declares ")
+    assert "model.head.weight of size (4, 32), but its chunks hold 64 of its 128 values" in line
+
+
+def snapshot(folder):
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "key, strategy",
+    [("rng.rank0.cpu", "single"), ("optim.state.cls_token.exp_avg", "zero1")],
+)
+def test_an_index_declaring_a_huge_state_is_refused_before_anything_is_allocated(
+    tmp_path, step_dir, capsys, key, strategy
+):
+    size = (10**12,) if key.startswith("rng") else (10**6, 10**6)  # terabytes: allocating them fails at once
+    rewrite_index(step_dir, resize(key, size))
+    run_dir = ckpt.run_dir_of(step_dir)
+    before = snapshot(run_dir)
+    code, line = cli_line(
+        capsys, "train", "log.progress=false", "train.max_steps=2", f"parallel.strategy={strategy}", "--resume",
+        str(step_dir),
+    )  # fmt: skip
+    assert code == 2 and line.startswith(f"vitrain: error: checkpoint {step_dir}: its index .metadata declares {key}")
+    assert snapshot(run_dir) == before
+
+
+def test_a_deepspeed_file_holding_a_pickle_is_one_line_naming_it_without_torchs_advice(tmp_path, monkeypatch):
+    if importlib.util.find_spec("deepspeed") is None:  # the runs below import it, this process need not
+        pytest.skip("DeepSpeed is not installed: pip install 'vitrain[deepspeed]'")
+    for name, value in torchrun_env(0, free_port(), world_size=1).items():  # DeepSpeed wants torchrun's variables
+        monkeypatch.setenv(name, value)
+    ds = ["name=ds", "data.source=synthetic", "data.synthetic_samples=64", "train.batch_size=16", "train.max_steps=1"]
+    trained = run_cli("train", *tiny_overrides(tmp_path, *ds, "train.engine=deepspeed", "parallel.strategy=ddp"))
+    assert trained.returncode == 0, trained.stderr
+    run_dir, proof = tmp_path / "runs" / "ds", tmp_path / "ran"
+    step_dir = next((run_dir / "checkpoints").glob("step_*"))
+    torch.save({"cpu": Payload(proof)}, step_dir / "rng_rank0.pt")  # DeepSpeed itself never reads this file
+    reseal_with_checksums(step_dir)
+    before = snapshot(run_dir)
+    line = refused_line("resume", step_dir, tmp_path, "train.max_steps=2")
+    assert line == (
+        f"vitrain: error: checkpoint file {step_dir / 'rng_rank0.pt'} refers to posix.system, which a checkpoint "
+        "never holds: refusing to load it (loading it could run code); use checkpoints you wrote or got from a "
+        "source you trust"
+    )
+    assert snapshot(run_dir) == before and not proof.exists()
+    states = step_dir / ckpt.DEEPSPEED_DIR / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "payload": Payload(proof)}, states)  # refused before DeepSpeed unpickles it
+    reseal_with_checksums(step_dir)
+    line = refused_line("export", step_dir, tmp_path)
+    assert line.startswith(f"vitrain: error: checkpoint file {states} holds more than tensors")
+    assert "(UnpicklingError: it names posix.system)" in line and "weights_only" not in line
+    assert not proof.exists() and not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------- untrusted configs

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import mmap
 import os
 import pickle
@@ -88,8 +89,9 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def _listed_files(folder: Path) -> dict[str, int]:
-    """Every file under `folder` (paths relative to it, subfolders' too) with its size, but the marker."""
-    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE_FILE)
+    """Every file under `folder` (paths relative to it, subfolders' too) with its size, but the marker; a symbolic link
+    is no file of the folder (is_file follows it) and is not listed."""
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink() and p.name != COMPLETE_FILE)
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
 
 
@@ -124,12 +126,66 @@ class StateMismatch(CheckpointError):
     optimizer's, the model's) differs from the one it was saved with."""
 
 
+class CheckpointRefused(CheckpointError):
+    """A step folder vitrain never writes: a file its marker or DCP index names lies outside it (a path leading out, a
+    symbolic link) or its index contradicts itself. `reason` says what, without the folder."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(
+            f"checkpoint {path}: {reason}; refusing to load it (vitrain writes no such checkpoint: it was altered or "
+            "crafted): use checkpoints you wrote or got from a source you trust"
+        )
+
+
+def _not_inside(folder: Path, name: Any, flat: bool = False) -> str | None:
+    """Why `name` (relative to step folder `folder`) is not a plain file inside it, or None: a path leading out of
+    it, a symbolic link on the way, or (`flat`: DCP's data files lie directly in the folder) a subfolder's file."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return "which is not a file name"
+    parts = name.split("/")
+    if os.path.isabs(name) or "\\" in name or any(part in ("", ".", "..") for part in parts):
+        return "a path leading out of the step folder"
+    if flat and len(parts) > 1:
+        return "a file in a subfolder, where DCP's data files lie directly in the step folder"
+    here = Path(folder)
+    for part in parts:
+        here = here / part
+        if here.is_symlink():
+            return f"a symbolic link (to {os.readlink(here)}), not a file of the step folder"
+    return None
+
+
+def _listed_names(path: Path) -> set[str] | None:
+    """Every name a step folder's COMPLETE marker lists (for its size or its checksum); None without a marker."""
+    marker = Path(path) / COMPLETE_FILE
+    if not marker.is_file():
+        return None
+    try:
+        listed = json.loads(marker.read_text())
+        return {*listed["files"], *(listed.get(CHECKSUM) or {})}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (its {COMPLETE_FILE} marker cannot be read); use an earlier complete step"
+        ) from None
+
+
+def check_listed(path: Path) -> None:
+    """Every file a step folder's COMPLETE marker lists is a plain file inside the folder: a listed path leading out
+    of it or a symbolic link would have its size and checksum vouch for another folder's file."""
+    for name in sorted(_listed_names(path) or (), key=str):
+        reason = _not_inside(path, name)
+        if reason:
+            raise CheckpointRefused(Path(path), f"its {COMPLETE_FILE} marker lists {name!r}, {reason}")
+
+
 _verified: dict[Path, float] = {}  # step folder -> its marker's mtime when it was last verified in this process
 
 
 def verify(path: Path) -> None:
     """Recompute every file's checksum of a complete step folder against its COMPLETE marker; a mismatch is a
-    CheckpointError naming the file. Folders written before checksums were kept pass (they have none)."""
+    CheckpointError naming the file. Folders written before checksums were kept pass (they have none). A file the
+    marker or the DCP index names outside the folder (check_listed, SafeFileSystemReader) is CheckpointRefused."""
     path = Path(path)
     marker = path / COMPLETE_FILE
     if not marker.is_file():
@@ -137,11 +193,14 @@ def verify(path: Path) -> None:
     stamp = marker.stat().st_mtime
     if _verified.get(path.resolve()) == stamp:
         return
+    check_listed(path)  # before a byte is read: a listed symbolic link would be checksummed as the folder's own
     expected = json.loads(marker.read_text()).get(CHECKSUM) or {}
     actual = file_checksums(path, sorted(expected))
     for name in sorted(expected):
         if actual[name] != expected[name]:
             raise CheckpointDamaged(path, name, actual[name], expected[name])
+    if (path / DCP_INDEX).is_file():
+        read_index(path)  # intact files whose index points elsewhere are not the checkpoint they claim to be
     _verified[path.resolve()] = stamp
 
 
@@ -171,6 +230,9 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
                 verify(step)
             except CheckpointDamaged as damaged:
                 report.append((step, False, f"damaged: {damaged.file} does not match its checksum (XXH3-64)"))
+                continue
+            except CheckpointError as refused:  # CheckpointRefused, or an index that does not unpickle safely
+                report.append((step, False, f"refused: {getattr(refused, 'reason', refused)}"))
                 continue
             size = sum(listed["files"].values()) / 2**20
             checked = "each file matches its XXH3-64" if listed.get(CHECKSUM) else "sizes match (no checksums: older)"
@@ -601,6 +663,53 @@ def _refused(path: Path, what: str) -> CheckpointError:
     )
 
 
+_PICKLED_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+
+
+def load_error(exc: BaseException) -> str:
+    """What torch's weights_only reader refused, short: the error's type and the global a crafted pickle names, never
+    torch's advice to load the file again with weights_only=False."""
+    found = _PICKLED_GLOBAL.search(str(exc)[:2000])
+    return f"{type(exc).__name__}: it names {found.group(1)[:100]}" if found else type(exc).__name__
+
+
+def not_loadable(file: Path, exc: BaseException) -> CheckpointError:
+    """One line for a checkpoint file torch.load(weights_only=True) did not load: a pickle naming code is refused
+    by what it names, anything else is a damaged or foreign file; torch's advice to load it unsafely is left out."""
+    found = _PICKLED_GLOBAL.search(str(exc)[:2000])
+    if isinstance(exc, pickle.UnpicklingError) and found:
+        return _refused(file, found.group(1)[:100])
+    return CheckpointError(
+        f"checkpoint file {file} is not a checkpoint vitrain can load safely ({type(exc).__name__}); it is damaged "
+        "or was not written by vitrain"
+    )
+
+
+def read_rng_file(file: Path) -> dict[str, torch.Tensor]:
+    """A per-rank RNG file (`rng_state()` saved with torch.save: DeepSpeed's step folders keep one per rank), read
+    with weights_only=True; anything but such a state is one line naming the file."""
+    try:
+        with warnings.catch_warnings():  # torch's note on another pickle protocol is no news to a user
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise not_loadable(file, exc) from None
+    own = {"cpu": torch.get_rng_state}
+    if torch.cuda.is_available():
+        own["cuda"] = torch.cuda.get_rng_state
+    fields = [field for field in own if isinstance(state, dict) and field in state]
+    expected = {field: own[field]() for field in fields}
+    if "cpu" not in fields or not all(
+        torch.is_tensor(state[f]) and state[f].shape == expected[f].shape and state[f].dtype == expected[f].dtype
+        for f in fields
+    ):
+        raise CheckpointError(
+            f"checkpoint file {file} holds no RNG state of this torch (a dict of uint8 tensors, 'cpu' of "
+            f"{tuple(torch.get_rng_state().shape)}); it is damaged or was not written by vitrain"
+        )
+    return {field: state[field] for field in fields}
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with `.metadata` unpickled through an allowlist of DCP's own metadata classes."""
 
@@ -617,10 +726,32 @@ class SafeFileSystemReader(FileSystemReader):
             ) from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"checkpoint file {path} holds no DCP metadata; it is damaged")
+        self._check_data_files(metadata)
+        _check_chunks(Path(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_data_files(self, metadata: Metadata) -> None:
+        """Every data file the index names is a plain file directly inside the step folder that its COMPLETE marker
+        lists: an index pointing elsewhere (another step's shard, an absolute path, a symbolic link) would load
+        other weights under this checkpoint's name."""
+        storage = getattr(metadata, "storage_data", None)
+        if not isinstance(storage, dict):
+            raise CheckpointError(f"checkpoint file {Path(self.path) / DCP_INDEX} holds no DCP metadata; it is damaged")
+        for name in sorted({getattr(info, "relative_path", None) for info in storage.values()}, key=str):
+            self._check_data_file(name)
+
+    def _check_data_file(self, name: Any) -> None:
+        folder = Path(self.path)
+        reason = _not_inside(folder, name, flat=True)
+        if reason is None:
+            listed = _listed_names(folder)
+            if listed is not None and name not in listed:
+                reason = f"which its {COMPLETE_FILE} marker does not list"
+        if reason is not None:
+            raise CheckpointRefused(folder, f"its index {DCP_INDEX} names {name!r} as a data file, {reason}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         """DCP's read, one shard file at a time: a file that does not load (random bytes, a pickle torch's
@@ -629,18 +760,50 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
+            self._check_data_file(name)  # again where it is opened, whoever read the index
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except VitrainError:
                 raise
             except Exception as exc:
-                raise CheckpointError(
-                    f"checkpoint file {Path(self.path) / name} is not a checkpoint vitrain can load safely "
-                    f"({type(exc).__name__}); it is damaged or was not written by vitrain"
-                ) from None
+                raise not_loadable(Path(self.path) / name, exc) from None
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+def _check_chunks(folder: Path, metadata: Metadata) -> None:
+    """Each tensor's chunks in the index cover its declared size exactly (every chunk within it, their values adding
+    up to its own): an index that declares a tensor's full size but chunks of part of it would leave the rest of the
+    tensor it is read into as it was (a model's random init) and load without a word."""
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"checkpoint file {folder / DCP_INDEX} holds no DCP metadata; it is damaged")
+    for key, md in entries.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        size = tuple(md.size)
+        reason = _chunks_problem(size, md.chunks)
+        if reason is not None:
+            raise CheckpointRefused(folder, f"its index {DCP_INDEX} declares {key} of size {size}, but {reason}")
+
+
+def _chunks_problem(size: tuple, chunks: Any) -> str | None:
+    """Why `chunks` (DCP's ChunkStorageMetadata) do not cover a tensor of `size` exactly, or None."""
+    if not all(isinstance(n, int) and n >= 0 for n in size):
+        return "that is no tensor size"
+    covered = 0
+    for chunk in chunks if isinstance(chunks, list | tuple) else ():
+        offsets, sizes = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
+        numbers = all(isinstance(n, int) for n in (*offsets, *sizes))
+        if not numbers or len(offsets) != len(size) or len(sizes) != len(size):
+            return f"a chunk at offsets {offsets} of size {sizes} does not fit its {len(size)} dimensions"
+        if any(at < 0 or n < 0 or at + n > dim for at, n, dim in zip(offsets, sizes, size, strict=True)):
+            return f"a chunk at offsets {offsets} of size {sizes} lies outside it"
+        covered += math.prod(sizes)
+    if covered != math.prod(size):
+        return f"its chunks hold {covered} of its {math.prod(size)} values"
+    return None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -756,6 +919,7 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"checkpoint {path} is incomplete (no valid {COMPLETE_FILE} marker: its write was interrupted); use an "
             f"earlier complete step of {run_dir_of(path)} (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
         )
+    check_listed(path)  # on every rank: each reads the folder's files
     if rank() == 0:  # one reader of every byte is enough; the other ranks wait for it in the collective load
         verify(path)
     meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
@@ -854,18 +1018,20 @@ def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer
     }
     state: dict[str, dict[str, Any]] = {}
     prefix = "optim.state."
-    for key, md in read_index(path).items():
-        # optim.state.<parameter name>.<field>: fields have no dots, parameter names do.
-        name, _, field = key[len(prefix) :].rpartition(".")
-        if not key.startswith(prefix) or name not in owned:
-            continue
-        param, scalars_on_device = owned[name]
-        if isinstance(md, TensorStorageMetadata):
-            on_device = tuple(md.size) == tuple(param.shape) or scalars_on_device
-            device = param.device if on_device else torch.device("cpu")
-            state.setdefault(name, {})[field] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-        else:
-            state.setdefault(name, {})[field] = None  # a plain value (LAMB's integer step): DCP fills it in
+    with all_or_none(f"reading checkpoint {path}"):  # a rank that refuses its parameters' state stops them all
+        for key, md in read_index(path).items():
+            # optim.state.<parameter name>.<field>: fields have no dots, parameter names do.
+            name, _, field = key[len(prefix) :].rpartition(".")
+            if not key.startswith(prefix) or name not in owned:
+                continue
+            param, scalars_on_device = owned[name]
+            if isinstance(md, TensorStorageMetadata):
+                check_state_size(path, key, md, tuple(param.shape))
+                on_device = tuple(md.size) == tuple(param.shape) or scalars_on_device
+                device = param.device if on_device else torch.device("cpu")
+                state.setdefault(name, {})[field] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+            else:
+                state.setdefault(name, {})[field] = None  # a plain value (LAMB's integer step): DCP fills it in
     wanted = {"model": get_model_state_dict(model), "optim": {"state": state}}
     _dcp_load(wanted, path)
     unwrap(model).load_state_dict(wanted["model"])
@@ -886,24 +1052,55 @@ def load_extra(path: Path, state: dict[str, Any]) -> None:
 
 def load_rng(path: Path) -> bool:
     """Collective: restore this rank's own RNG state from the checkpoint; False when it holds none for this rank."""
-    index = read_index(path)
-    prefix = f"{RNG_KEY}.rank{rank()}."
-    fields = {
-        key[len(prefix) :]: md
-        for key, md in index.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    wanted = {
-        RNG_KEY: {
-            f"rank{rank()}": {field: torch.empty(md.size, dtype=md.properties.dtype) for field, md in fields.items()}
-        }
-    }
+    with all_or_none(f"reading checkpoint {path}"):  # a rank that refuses its RNG state stops them all
+        buffers = _rng_buffers(path, read_index(path), f"{RNG_KEY}.rank{rank()}.")
+    wanted = {RNG_KEY: {f"rank{rank()}": buffers}}
     _dcp_load(wanted, path)  # every rank joins the collective load, with or without a state of its own
     state = wanted[RNG_KEY][f"rank{rank()}"]
     if "cpu" not in state:
         return False
     set_rng_state(state)
     return True
+
+
+def _rng_buffers(path: Path, index: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    """Tensors to read this rank's saved RNG states into (`prefix`: rng.rank<N>.), each of the size and dtype this
+    process's own generator keeps, never the size the index declares: a crafted one would allocate anything. The
+    CUDA state only where CUDA is here (set_rng_state restores it only there)."""
+    own = {"cpu": torch.get_rng_state}
+    if torch.cuda.is_available():
+        own["cuda"] = torch.cuda.get_rng_state
+    buffers = {}
+    for field, current in own.items():
+        md = index.get(prefix + field)
+        if md is None:
+            continue
+        expected = current()
+        check_rng_entry(path, prefix + field, md, expected)
+        buffers[field] = torch.empty_like(expected)
+    return buffers
+
+
+def check_rng_entry(path: Path, key: str, md: Any, expected: torch.Tensor) -> None:
+    """A saved RNG state the index declares has the size and dtype of this process's generator's state."""
+    size, dtype = tuple(getattr(md, "size", ())), getattr(getattr(md, "properties", None), "dtype", None)
+    if not isinstance(md, TensorStorageMetadata) or size != tuple(expected.shape) or dtype != expected.dtype:
+        raise CheckpointRefused(
+            Path(path),
+            f"its index {DCP_INDEX} declares {key} of size {size} and dtype {dtype}, but an RNG state is "
+            f"{tuple(expected.shape)} {expected.dtype}",
+        )
+
+
+def check_state_size(path: Path, key: str, md: TensorStorageMetadata, shape: tuple[int, ...]) -> None:
+    """An optimizer state tensor the index declares, before anything is allocated for it: its parameter's shape, or no
+    more values than its parameter (a step count, a factored moment); a crafted size would allocate anything."""
+    size = tuple(md.size)
+    if size != tuple(shape) and math.prod(size) > math.prod(shape):
+        raise CheckpointRefused(
+            Path(path),
+            f"its index {DCP_INDEX} declares {key} of size {size}, more values than its parameter's {tuple(shape)}",
+        )
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

@@ -489,9 +489,11 @@ class DeepSpeedEngine:
         if self.head is not None:
             self.head.load_checkpoint(path, self.head_optimizer)
         rng_file = Path(path) / RNG_FILE.format(rank=rank())
-        if not rng_file.is_file():
+        with all_or_none(f"reading checkpoint {path}"):  # a rank that refuses its file stops them all, in one line
+            state = ckpt.read_rng_file(rng_file) if rng_file.is_file() else None
+        if state is None:
             return False
-        ckpt.set_rng_state(torch.load(rng_file, weights_only=True))
+        ckpt.set_rng_state(state)
         return True
 
     @staticmethod
@@ -641,7 +643,7 @@ def refuse_code(folder: Path) -> None:
             with torch.serialization.safe_globals(allowed):
                 torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # an UnpicklingError naming the global, or a damaged file
-            reason = " ".join(str(exc).split())[:300]
+            reason = ckpt.load_error(exc)  # without torch's advice to load it with weights_only=False
             raise CheckpointError(
                 f"checkpoint file {file} holds more than tensors and DeepSpeed's plain records, so vitrain does not "
                 f"unpickle it ({reason}); load only checkpoints that DeepSpeed wrote"

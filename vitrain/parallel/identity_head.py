@@ -222,7 +222,9 @@ class IdentityHead(nn.Module):
             field = key[len("head.state.") :]
             if not isinstance(md, TensorStorageMetadata):
                 fields[field] = None  # a plain value: DCP fills it in
-            elif tuple(md.size) == shape:
+                continue
+            ckpt.check_state_size(path, key, md, shape)  # the same on every rank: all refuse it together
+            if tuple(md.size) == shape:
                 rows = torch.empty(self.rows, self.embed_dim, dtype=md.properties.dtype, device=device)
                 fields[field] = self._global(rows)
             else:  # a scalar such as AdamW's step: on the device only for fused / capturable optimizers
