@@ -422,6 +422,24 @@ def test_a_pack_into_a_folder_holding_files_of_no_pack_is_one_line(tmp_path, cap
     assert _files(tmp_path / "out") == {held: b"something else"}
 
 
+@pytest.mark.parametrize("command", ["pack_into_a_file", "pack_under_a_file", "index_out_a_folder"])
+def test_an_output_path_of_pack_or_index_that_cannot_be_written_is_one_line(tmp_path, capsys, command):
+    from vitrain.cli import main
+
+    (tmp_path / "file").write_text("kept")
+    if command == "index_out_a_folder":
+        urls = write_shards(tmp_path / "s", [3])
+        argv, named = ["data", "index", urls[0], "--out", str(tmp_path)], f"--out {tmp_path}: "
+    else:
+        make_tree(tmp_path / "tree", {"train": 4, "test": 2}, suffix=".jpg")
+        out = tmp_path / "file" / ("x" if command == "pack_under_a_file" else "")
+        argv, named = ["data", "pack", str(tmp_path / "tree"), str(out), "--format", "shards"], "data pack: "
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vitrain: error: {named}"), err
+    assert (tmp_path / "file").read_text() == "kept"
+
+
 def test_too_few_samples_for_every_rank_to_take_a_batch_is_one_line(tmp_path):
     write_shards(tmp_path / "few", [3])
     done = _train(tmp_path, "shards", tmp_path / "few", "data.val_fraction=0.34")
