@@ -107,6 +107,24 @@ def test_a_bad_override_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert len(err) == 1 and "model.width" in err[0]
 
 
+@pytest.mark.parametrize("flag, where, named", [("--json", "dir", "is a folder, not a file"),
+                                                 ("--json", "file/x.json", "is a file, not a folder"),
+                                                 ("--profile", "file", "is a file, not a folder")])  # fmt: skip
+def test_an_output_path_that_cannot_be_written_is_one_line_before_the_bench_runs(
+    tmp_path, capsys, monkeypatch, flag, where, named
+):
+    import vitrain.bench.step
+
+    monkeypatch.setattr(vitrain.bench.step, "bench_step", lambda *a, **k: pytest.fail("the bench ran"))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("kept")
+    path = tmp_path / where
+    assert main(["bench", "run", "digits", *tiny_overrides(tmp_path), flag, str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vitrain: error: {flag} {path}: ") and named in err[0], err
+    assert (tmp_path / "file").read_text() == "kept"
+
+
 def test_dtype_from_precision_labels():
     assert dtype_key("fp32") == "fp32"
     assert dtype_key("amp_o1 bfloat16") == "bf16"

@@ -71,6 +71,26 @@ def test_resume_continues_the_runs_own_config_and_logs_a_changed_value(trained, 
     assert "  epochs: 1\n" in kept.read_text() and "  epochs: 3\n" in (run / "config.yaml").read_text()
 
 
+def test_resume_with_nothing_left_to_train_writes_nothing(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    before = snapshot(run)
+    assert main(["train", "--resume", str(run), "optim.lr=0.5"]) == 0
+    assert "nothing left to train" in capsys.readouterr().err
+    assert snapshot(run) == before
+
+
+def test_resume_twice_at_one_step_keeps_every_config_before_it(trained, tmp_path):
+    run = fresh_copy(trained, tmp_path)
+    at = run / "checkpoints" / "step_00000010"
+    first = (run / "config.yaml").read_text()
+    assert main(["train", "--resume", str(at), "train.max_steps=11", "optim.lr=0.5"]) == 0
+    second = (run / "config.yaml").read_text()
+    assert main(["train", "--resume", str(at), "train.max_steps=11", "optim.lr=0.7"]) == 0
+    kept = {p.name: p.read_text() for p in run.glob("config.before-resume-at-step_00000010*.yaml")}
+    assert sorted(kept.values()) == sorted([first, second]), sorted(kept)
+    assert "lr: 0.7" in (run / "config.yaml").read_text()
+
+
 @pytest.mark.parametrize(
     "override, first_words",
     [

@@ -124,6 +124,16 @@ def test_a_checkpoint_of_the_earlier_format_is_read_without_unpickling_code(tmp_
     assert json.loads(result.stdout)["step"] == meta["step"]
 
 
+@pytest.mark.parametrize("key, value", [("step", "abc"), ("epoch", -1), ("step", 2.5)])
+def test_a_meta_step_or_epoch_that_is_no_whole_number_is_one_line_naming_the_checkpoint(step_dir, capsys, key, value):
+    meta = json.loads((step_dir / ckpt.META_FILE).read_text())
+    (step_dir / ckpt.META_FILE).write_text(json.dumps({**meta, key: value}))
+    reseal(step_dir)
+    assert main(["train", "--resume", str(step_dir), "train.max_steps=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vitrain: error: checkpoint {step_dir / ckpt.META_FILE}: {key}="), err
+
+
 def test_metadata_is_json_and_holds_no_pickle(step_dir):
     assert not (step_dir / ckpt.LEGACY_META_FILE).exists()
     meta = json.loads((step_dir / ckpt.META_FILE).read_text())

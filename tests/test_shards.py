@@ -413,6 +413,64 @@ def test_a_recordio_file_with_a_wrong_magic_or_an_index_past_its_end_is_one_line
     assert done.returncode == 2 and f"byte {offset}" in _last_line(done) and "train.rec" in _last_line(done)
 
 
+def _pack_here(capsys, src: Path, out: Path, fmt: str) -> tuple[int, str]:
+    """`vitrain data pack SRC OUT --format FMT` in process: its exit code and stderr."""
+    from vitrain.cli import main
+
+    code = main(["data", "pack", str(src), str(out), "--format", fmt, "--shard-samples", "7"])
+    return code, capsys.readouterr().err
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fmt", ["shards", "recordio"])
+def test_a_pack_into_a_folder_packed_from_another_source_is_one_line_and_changes_nothing(tmp_path, capsys, fmt):
+    make_tree(tmp_path / "tree", {"train": 20, "test": 4}, suffix=".jpg")
+    make_tree(tmp_path / "other", {"train": 13, "test": 3}, suffix=".jpg")
+    out = tmp_path / fmt
+    assert _pack_here(capsys, tmp_path / "tree", out, fmt)[0] == 0
+    before = _files(out)
+    assert _pack_here(capsys, tmp_path / "tree", out, fmt)[0] == 0  # the same source again: as before
+    assert _files(out).keys() == before.keys()
+    code, err = _pack_here(capsys, tmp_path / "other", out, fmt)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"vitrain: error: {out} already holds a pack of ") and "new folder" in lines[0]
+    assert _files(out) == before
+
+
+@pytest.mark.parametrize("held", ["index.json", "train.rec"])
+def test_a_pack_into_a_folder_holding_files_of_no_pack_is_one_line(tmp_path, capsys, held):
+    make_tree(tmp_path / "tree", {"train": 20, "test": 4}, suffix=".jpg")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / held).write_text("something else")
+    code, err = _pack_here(
+        capsys, tmp_path / "tree", tmp_path / "out", "shards" if held == "index.json" else "recordio"
+    )
+    assert code == 2 and "is not empty and holds no pack.json" in err, err
+    assert _files(tmp_path / "out") == {held: b"something else"}
+
+
+@pytest.mark.parametrize("command", ["pack_into_a_file", "pack_under_a_file", "index_out_a_folder"])
+def test_an_output_path_of_pack_or_index_that_cannot_be_written_is_one_line(tmp_path, capsys, command):
+    from vitrain.cli import main
+
+    (tmp_path / "file").write_text("kept")
+    if command == "index_out_a_folder":
+        urls = write_shards(tmp_path / "s", [3])
+        argv, named = ["data", "index", urls[0], "--out", str(tmp_path)], f"--out {tmp_path}: "
+    else:
+        make_tree(tmp_path / "tree", {"train": 4, "test": 2}, suffix=".jpg")
+        out = tmp_path / "file" / ("x" if command == "pack_under_a_file" else "")
+        argv, named = ["data", "pack", str(tmp_path / "tree"), str(out), "--format", "shards"], "data pack: "
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vitrain: error: {named}"), err
+    assert (tmp_path / "file").read_text() == "kept"
+
+
 def test_too_few_samples_for_every_rank_to_take_a_batch_is_one_line(tmp_path):
     write_shards(tmp_path / "few", [3])
     done = _train(tmp_path, "shards", tmp_path / "few", "data.val_fraction=0.34")

@@ -925,6 +925,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointError(f"checkpoint {meta_file} holds no config; it was not written by vitrain")
+    for key in ("step", "epoch"):  # the run's progress: whole numbers, or a resume fails deep in the schedule
+        value = meta.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(
+                f"checkpoint {meta_file}: {key}={json.dumps(value)} is not a whole number >= 0; it is damaged, use an "
+                f"earlier step of {run_dir_of(path)} (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
+            )
     if (path / DCP_INDEX).is_file():
         read_index(path)  # refuse a crafted DCP index before anything else reads it
     return meta

@@ -432,9 +432,12 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.data import build_loaders
     from vitrain.device import resolve_device
     from vitrain.engine.protocol import load_model_weights
+    from vitrain.files import check_output_path
     from vitrain.tasks import build_task
     from vitrain.tasks.evaluate import evaluate
 
+    if args.out:  # face verification and detection reports: a folder, checked before the checkpoint loads
+        check_output_path(Path(args.out), "--out", folder=True)
     path = ckpt.resolve(Path(args.checkpoint))
     meta = ckpt.read_meta(path)
     # The checkpoint's config names no code or command the command line does not (vitrain/trust.py).
@@ -671,11 +674,13 @@ def _data_index(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitrain.data.shards import index_path, scan_index, shard_urls, write_index
+    from vitrain.files import check_output_path
 
     urls = shard_urls(args.shards, "SHARDS")
     out = Path(args.out) if args.out else index_path(urls)
     if out is None:
         raise ConfigError("pipe: shards have no folder to hold their index; give --out index.json")
+    check_output_path(out, "--out" if args.out else "the index", folder=False)
     index = scan_index(urls)
     write_index(out, index)
     print(f"indexed {index.total} samples in {len(urls)} shards ({len(index.classes)} classes) -> {out}")
@@ -685,6 +690,13 @@ def _data_index(args: argparse.Namespace) -> int:
 def _bench_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from vitrain.files import check_output_path
+
+    # Checked before the bench runs: its result is written after it.
+    if args.json:
+        check_output_path(Path(args.json), "--json", folder=False)
+    if args.profile:
+        check_output_path(Path(args.profile), "--profile", folder=True)
     if args.ladder or args.peers or args.scaling:
         import importlib
 
@@ -729,6 +741,12 @@ def _synthetic_data(cfg):
 def _bench_loader(args: argparse.Namespace) -> int:
     from vitrain.bench.loader import bench_loader, bench_sources, format_result, format_rows
 
+    if args.out:  # checked before the bench runs: its result is written after it
+        from pathlib import Path
+
+        from vitrain.files import check_output_path
+
+        check_output_path(Path(args.out), "--out", folder=False)
     if args.shards:
         sources = {"folder": args.folder, "prepared": args.prepared, "shards": args.shards}
         sources |= {"recordio": args.recordio} if args.recordio else {}

@@ -51,6 +51,22 @@ def folder_problem(out_dir: Path) -> str | None:
     return None
 
 
+def file_problem(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (None: it can): it is a folder, lies under a file, or its nearest
+    existing folder is not writable."""
+    if path.is_dir():
+        return f"{path} is a folder, not a file"
+    return folder_problem(path.parent)
+
+
+def check_output_path(path: Path, who: str, folder: bool, error: type[VitrainError] = ConfigError) -> None:
+    """Refuse, before any work, an output (`who`: "--json", "--out") that cannot be written: a file path that is a
+    folder or lies under a file, a folder path that is a file, or either where nothing can be written."""
+    problem = folder_problem(path) if folder else file_problem(path)
+    if problem is not None:
+        raise error(f"{who} {path}: {problem}; give {'a folder' if folder else 'a file path'} that can be written")
+
+
 def check_output_folder(
     out_dir: Path, overwrite: bool, files: Sequence[str], who: str, error: type[VitrainError] = ConfigError
 ) -> None:

@@ -477,6 +477,15 @@ def test_eval_of_a_run_on_prepared_data_verifies_its_held_out_identities(runs, t
     assert report["reports"]["pairs"]["pairs"] == 6
 
 
+@pytest.mark.parametrize("where", ["file", "file/ev"])
+def test_eval_out_that_is_a_file_or_under_one_is_one_line_and_exit_2(runs, tmp_path, capsys, where):
+    (tmp_path / "file").write_text("kept")
+    assert main(["eval", str(runs / "on_prepared"), "--out", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vitrain: error: --out {tmp_path / where}: "), err
+    assert "is a file" in err[0] and (tmp_path / "file").read_text() == "kept"
+
+
 def test_a_prepared_size_other_than_the_models_is_refused_naming_both(runs):
     cfg = face_config(runs, runs / "faces_prepared", "small", model={"image_size": 8})
     message = one_line_error(_build, cfg)

@@ -4,7 +4,9 @@ The encoded image bytes are copied unchanged (no decode, no re-encode), so a pac
 its source. Shards: each split's samples are shuffled once (seed 0: a window of consecutive samples then mixes
 classes) and written as `<split>-NNNNNN.tar` with `<key>.<ext>` image, `<key>.cls` label and `<key>.json` (label and
 source path) members, in parallel processes, one shard file each; a rerun skips the shards already complete, and
-index.json (counts, classes) is written last, after every shard's count was read back from the tar. RecordIO:
+index.json (counts, classes) is written last, after every shard's count was read back from the tar. The folder's
+pack.json, written first, records what it was packed from: a rerun from the same source continues (shards) or packs
+again (RecordIO), one from another source, format or shard size is refused (a new folder holds that pack). RecordIO:
 `<split>.rec/.idx/.lst` in im2rec's layout for classes, `train.rec/.idx/.lst` + `property` in insightface's layout
 for identities (vitrain/data/recordio.py); a face set's other files (protocol and pair lists) are copied beside.
 Videos (`--video`): one sample per clip, the video file's bytes unchanged as its `mp4`/`avi`/... member (shards only).
@@ -12,6 +14,7 @@ Videos (`--video`): one sample per clip, the video file's bytes unchanged as its
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from concurrent.futures import ProcessPoolExecutor
@@ -22,9 +25,10 @@ from vitrain.data.faces import open_face_tree
 from vitrain.data.shards import FORMAT, INDEX, ShardIndex, ShardWriter, read_samples, write_index
 from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, file_reader, list_split
 from vitrain.errors import DataError
-from vitrain.files import atomic_write
+from vitrain.files import atomic_write, folder_problem
 
 PACK_SEED = 0
+PACK_RECORD = "pack.json"  # what a pack folder was packed from
 
 
 @dataclass
@@ -100,6 +104,41 @@ def list_videos(src: Path, val_match: str = "") -> Listing:
     return Listing(tree.root, tree.is_zip, splits, classes, "classes")
 
 
+def start_pack(listing: Listing, out: Path, fmt: str, **settings: object) -> None:
+    """Record in a new (or empty) `out` what it is packed from, or check that an existing pack there was packed from
+    the same source the same way; refused in one line naming `out` before anything in it changes."""
+    problem = folder_problem(out)
+    if problem is not None:
+        raise DataError(f"data pack: {problem}; give a new folder for the pack")
+    listed = "\n".join(f"{split}/{name}\t{label}" for split, rows in listing.splits.items() for name, label in rows)
+    record = {
+        "format": fmt,
+        "source": str(Path(listing.root).resolve()),
+        "layout": listing.layout,
+        **settings,
+        "classes": listing.classes,
+        "files_sha256": hashlib.sha256(listed.encode()).hexdigest(),
+    }
+    path = out / PACK_RECORD
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise DataError(f"{path} cannot be read ({error}); pack into a new folder or delete {out}") from None
+        old = old if isinstance(old, dict) else {}
+        changed = [key for key in record if old.get(key) != record[key]]
+        if changed:
+            raise DataError(
+                f"{out} already holds a pack of {old.get('source', 'another source')} with different "
+                f"{', '.join(changed)}; pack into a new folder or delete {out}"
+            )
+        return
+    if out.is_dir() and any(out.iterdir()):
+        raise DataError(f"{out} is not empty and holds no {PACK_RECORD}; pack into a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+
+
 def _write_shard(job: tuple[str, bool, str, list[tuple[int, str, int]]]) -> tuple[str, int]:
     root, is_zip, path, rows = job
     writer = ShardWriter(path, max_count=len(rows) + 1)
@@ -114,7 +153,7 @@ def _write_shard(job: tuple[str, bool, str, list[tuple[int, str, int]]]) -> tupl
 
 def pack_shards(listing: Listing, out: Path, shard_samples: int, workers: int) -> dict[str, int]:
     """Write each split as shards of `shard_samples` (resumable); return samples per split, counts verified."""
-    out.mkdir(parents=True, exist_ok=True)
+    start_pack(listing, out, "shards", shard_samples=shard_samples)
     totals = {}
     for split, rows in listing.splits.items():
         order = list(range(len(rows)))
@@ -147,7 +186,7 @@ def pack_recordio(listing: Listing, out: Path) -> dict[str, int]:
     """Write each split as RecordIO (im2rec layout, or insightface's for identities); face sets' text files too."""
     from vitrain.data import recordio
 
-    out.mkdir(parents=True, exist_ok=True)
+    start_pack(listing, out, "recordio")
     totals = {}
     with file_reader(listing.root, listing.is_zip) as read:
         if listing.layout == "identities":

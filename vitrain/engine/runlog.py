@@ -19,10 +19,13 @@ class RunLog:
     """Human lines to stderr and log.txt; machine records to metrics.jsonl and to the experiment trackers' sinks
     (vitrain/engine/trackers.py). Silent on ranks other than 0."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True, sinks: Sequence[Sink] = ()):
+    def __init__(self, run_dir: Path, enabled: bool = True, sinks: Sequence[Sink] = (), files: bool = True):
+        """`files` off: the lines go to stderr only, and nothing in run_dir is written (a resume with nothing left to
+        train)."""
         self.enabled = enabled
         self.sinks = list(sinks) if enabled else []
-        if enabled:
+        self.text = self.jsonl = None
+        if enabled and files:
             self.text = open(run_dir / "log.txt", "a")
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
 
@@ -32,14 +35,16 @@ class RunLog:
             return
         if echo:
             tqdm.write(message, file=sys.stderr)
-        self.text.write(message + "\n")
-        self.text.flush()
+        if self.text is not None:
+            self.text.write(message + "\n")
+            self.text.flush()
 
     def record(self, **fields: Any) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps(fields) + "\n")
-        self.jsonl.flush()
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(fields) + "\n")
+            self.jsonl.flush()
         numbers = scalars(fields)
         for sink in self.sinks:
             sink.record(fields.get("step", 0), numbers)
@@ -52,8 +57,9 @@ class RunLog:
     def close(self, status: str = "finished") -> None:
         """Close the files and end the trackers' runs as `status`: finished, failed or stopped (a stop signal)."""
         if self.enabled:
-            self.text.close()
-            self.jsonl.close()
+            for handle in (self.text, self.jsonl):
+                if handle is not None:
+                    handle.close()
             self.enabled = False
             sinks, self.sinks = self.sinks, []
             with contextlib.ExitStack() as closing:  # every sink is closed even when one of them raises

@@ -480,12 +480,16 @@ def write_run_files(trainer: Trainer) -> None:
 
 
 def keep_config_history(run_dir: Path, checkpoint: Path | None, changes: dict[str, tuple]) -> None:
-    """Before a resume's changed config replaces config.yaml: the old one kept beside it, the change appended to
-    config_history.jsonl."""
+    """Before a resume's changed config replaces config.yaml: the old one kept beside it (never over an earlier copy),
+    the change appended to config_history.jsonl."""
     old = run_dir / "config.yaml"
     at = checkpoint.name if checkpoint is not None else "step_00000000"
-    if old.is_file():
-        atomic_write(run_dir / f"config.before-resume-at-{at}.yaml", old.read_bytes())
+    if old.is_file():  # a second resume at the same step keeps the first copy: the next free number
+        kept, n = run_dir / f"config.before-resume-at-{at}.yaml", 1
+        while kept.exists():
+            n += 1
+            kept = run_dir / f"config.before-resume-at-{at}.{n}.yaml"
+        atomic_write(kept, old.read_bytes())
     record = {"resumed_from": str(checkpoint), "changes": {k: [old, new] for k, (old, new) in changes.items()}}
     with open(run_dir / CONFIG_HISTORY, "a") as history:
         history.write(json.dumps(record) + "\n")

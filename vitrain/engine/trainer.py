@@ -60,6 +60,7 @@ class Trainer:
     ):
         self.started = time.perf_counter()  # the run's wall clock (train.time_limit_s, wall_s): setup counts
         runs.check_arguments(cfg, resume)
+        self.kept: dict[str, Any] | None = None  # a resume with nothing left to train: the run's summary
         self.used = False  # fit() runs once per Trainer (a second would find its own run folder taken)
         runs.check_run_home(cfg)
         self.model = self.engine = None  # built below (close() after a stop during the set-up)
@@ -260,13 +261,18 @@ class Trainer:
                     runs.restore(self, self.resume_path)
                 self._stop_before_start(self.signals, self.step)
                 self.signals.starting = False
+                # A resume with nothing left to train keeps the run's summary and changes none of its files.
+                self.kept = None
+                if self.resume_path is not None and self._trained_all():
+                    self.kept = broadcast_object(self._kept_summary() if self.is_main else None)
                 with all_or_none(f"writing to the run folder {self.run_dir}"):
-                    if self.is_main:
+                    if self.is_main and self.kept is None:
                         if self.resume_path is not None:
                             self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
                         runs.write_run_files(self)
-                    sinks = open_sinks(self.cfg, self.run_dir) if self.is_main else []  # tensorboard, wandb, mlflow
-                    log = self.log = RunLog(self.run_dir, enabled=self.is_main, sinks=sinks)
+                    wanted = self.is_main and self.kept is None
+                    sinks = open_sinks(self.cfg, self.run_dir) if wanted else []  # tensorboard, wandb, mlflow
+                    log = self.log = RunLog(self.run_dir, enabled=self.is_main, sinks=sinks, files=self.kept is None)
                 stacks = self.run_dir / f"stacks-rank{self.dist.rank}.txt"
                 with cluster.Watchdog(r.watchdog_steps, r.watchdog_min_s, stacks, self._hung) as self.watchdog:
                     summary = self._fit(log)
@@ -318,9 +324,8 @@ class Trainer:
             log.info(f"resumed from {self.resume_path} at step {self.step} ({self.epoch_label()})")
             if self._trained_all():  # nothing to do, as timm and Lightning do: the run's summary stays as it was
                 log.info(self._nothing_left_line())
-                kept = broadcast_object(self._kept_summary() if self.is_main else None)
-                if kept is not None:
-                    return kept
+                if self.kept is not None:
+                    return self.kept
         for line in report.header_lines(self):
             log.info(line)
         wall_start = time.perf_counter()
