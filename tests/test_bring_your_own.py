@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -177,6 +178,18 @@ def test_an_unknown_component_path_is_one_line_naming_the_key(tmp_path):
     ]
 
 
+class _HasWidth(Protocol):
+    width: int
+
+
+def _typed_init(annotation: Any) -> Any:
+    def __init__(self, cfg) -> None:  # noqa: ANN001, N807
+        FlatNet.__init__(self, cfg)
+
+    __init__.__annotations__ = {"cfg": annotation, "return": None}
+    return __init__
+
+
 class ClassesNet(nn.Linear):
     def __init__(self, num_classes: int, width: int = 8):
         super().__init__(width, num_classes)
@@ -216,6 +229,11 @@ def test_a_model_handed_in_that_is_not_a_module_or_a_function_of_the_config_is_o
         build_model(tiny_model_cfg, model=model)
     assert isinstance(build_model(tiny_model_cfg, model=user_net), UserNet)  # a factory of the model config
     assert isinstance(build_model(tiny_model_cfg, model=FlatNet), FlatNet)  # a class built from the model config
+    for annotation in (Any, _HasWidth):  # annotations that may stand for the model config are not refused
+        built = build_model(tiny_model_cfg, model=lambda cfg, a=annotation: FlatNet(cfg))
+        assert isinstance(built, FlatNet)
+        typed = type("Typed", (FlatNet,), {"__init__": _typed_init(annotation)})
+        assert isinstance(build_model(tiny_model_cfg, model=typed), FlatNet)
     assert isinstance(build_model(tiny_model_cfg, 8, model=lambda cfg, embed_dim: UserNet(1, embed_dim)), UserNet)
 
 

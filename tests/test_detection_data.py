@@ -68,6 +68,12 @@ def test_coco_categories_map_to_classes_in_id_order(tmp_path: Path):
     assert train.targets[0, 0].tolist() == pytest.approx([8.0, 3.2, 24.0, 9.6, 1.0])
     truth = train.coco_ground_truth()
     assert truth["annotations"][0]["bbox"] == [10.0, 4.0, 20.0, 8.0]  # original pixels for COCOeval
+    # Category ids that are names, repeated by the annotations' category_id, read as they did before the checks.
+    named = [{"id": "c", "name": "cell"}, {"id": "d", "name": "dot"}]
+    for split in ("train", "val"):
+        write_coco(tmp_path, split, [coco_image(5)], [coco_box(9, 5, [10, 4, 20, 8], category="d")], named)
+    train, _ = detection_source(detection_cfg(tmp_path))
+    assert train.classes == ["cell", "dot"] and train.targets[0, 0, 4].item() == 1.0
 
 
 @pytest.mark.parametrize(

@@ -726,8 +726,11 @@ class SafeFileSystemReader(FileSystemReader):
             ) from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"checkpoint file {path} holds no DCP metadata; it is damaged")
-        self._check_data_files(metadata)
-        _check_chunks(Path(self.path), metadata)
+        try:
+            self._check_data_files(metadata)
+            _check_chunks(Path(self.path), metadata)
+        except (TypeError, ValueError, AttributeError):  # sizes, offsets or chunks of another kind than DCP writes
+            raise CheckpointError(f"checkpoint file {path} holds no DCP metadata; it is damaged") from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

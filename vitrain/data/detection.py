@@ -162,7 +162,7 @@ def read_coco(tree: ImageTree, read: Any, split: str, skip_bad: int) -> Annotati
         if not isinstance(data.get(key), list):
             raise DataError(f"{where} has no '{key}' list; is it a COCO-format detection file?")
     check_coco_entries(where, data)
-    categories = sorted(data["categories"], key=lambda c: c["id"])
+    categories = sorted(data["categories"], key=lambda c: (isinstance(c["id"], str), c["id"]))  # numbers, then names
     label_of = {c["id"]: i for i, c in enumerate(categories)}
     folder = PurePosixPath(path).parent
     base = folder.parent if folder.name == "annotations" else folder
@@ -242,12 +242,13 @@ def check_coco_entries(where: str, data: dict[str, Any]) -> None:
         if image["id"] in seen:
             raise DataError(f"{entry}: image id {image['id']} is listed twice; give each image its own id")
         seen.add(image["id"])
-    seen_categories: set[int] = set()
+    seen_categories: set[int | str] = set()
     for index, category in enumerate(data["categories"]):
         entry = f"{where}: categories[{index}]"
         if not isinstance(category, dict):
             raise DataError(f"{entry} is {_shown(category)}, not an object with id and name; {fix}")
-        if not isinstance(category.get("id"), int) or isinstance(category.get("id"), bool):
+        # An id is whatever the annotations' category_id repeats: a whole number, as COCO writes it, or a name.
+        if not isinstance(category.get("id"), (int, str)) or isinstance(category.get("id"), bool):
             shown = "is missing" if "id" not in category else f"is {_shown(category['id'])}, not a whole number"
             raise DataError(f"{entry}: id {shown}; {fix}")
         name = category.get("name")

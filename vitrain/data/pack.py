@@ -134,7 +134,10 @@ def start_pack(listing: Listing, out: Path, fmt: str, **settings: object) -> Non
             )
         return
     if out.is_dir() and any(out.iterdir()):
-        raise DataError(f"{out} is not empty and holds no {PACK_RECORD}; pack into a new or empty folder")
+        raise DataError(
+            f"{out} is not empty and holds no {PACK_RECORD} (a pack begun before vitrain wrote one, or other files); "
+            f"pack into a new or empty folder, or delete {out} and pack again"
+        )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
 

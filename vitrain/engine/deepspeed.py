@@ -35,6 +35,7 @@ import io
 import json
 import math
 import os
+import pickle
 import shutil
 import sys
 import warnings
@@ -644,6 +645,10 @@ def refuse_code(folder: Path) -> None:
                 torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # an UnpicklingError naming the global, or a damaged file
             reason = ckpt.load_error(exc)  # without torch's advice to load it with weights_only=False
+            if not isinstance(exc, pickle.UnpicklingError):
+                raise CheckpointError(
+                    f"checkpoint file {file} cannot be read ({reason}); it is damaged or was not written by DeepSpeed"
+                ) from None
             raise CheckpointError(
                 f"checkpoint file {file} holds more than tensors and DeepSpeed's plain records, so vitrain does not "
                 f"unpickle it ({reason}); load only checkpoints that DeepSpeed wrote"

@@ -89,12 +89,24 @@ def _check_handed_in(model: Any, embed_dim: int) -> None:
         raise ConfigError(f"model= is a function that cannot be called with {what}; {_HANDED_IN}")
     first = _first_parameter(model)
     said = first.annotation if first is not None else inspect.Parameter.empty
-    if said is not inspect.Parameter.empty and isinstance(said, type) and not issubclass(ModelConfig, said):
+    if said is not inspect.Parameter.empty and isinstance(said, type) and not _may_be(ModelConfig, said):
+        assert first is not None
         name = getattr(model, "__name__", "")  # a class or function that says it takes something else first
         raise ConfigError(
             f"model={name} is called with the model config, but its first parameter is {first.name}: "
             f"{said.__name__}; {_HANDED_IN}"
         )
+
+
+def _may_be(cls: type, annotation: type) -> bool:
+    """Whether `annotation` may stand for `cls`: Any, a protocol (isinstance checks it cannot make) and `cls`'s own
+    classes may; another type (int, dict) may not."""
+    if annotation is Any:
+        return True
+    try:
+        return issubclass(cls, annotation)
+    except TypeError:  # a Protocol without runtime_checkable, and other annotations issubclass cannot judge
+        return True
 
 
 def _first_parameter(model: Any) -> inspect.Parameter | None:
