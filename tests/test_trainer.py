@@ -129,7 +129,7 @@ def test_resume_with_another_model_is_refused_and_keeps_the_checkpoint(tmp_path)
     assert snapshot(cfg.run_dir / "checkpoints") == before
 
 
-def test_a_max_steps_stop_on_an_epochs_last_step_counts_the_epoch_and_a_resume_finds_nothing_left(tmp_path):
+def test_a_max_steps_stop_on_an_epochs_last_step_counts_the_epoch_and_a_resume_finds_nothing_left(tmp_path, capfd):
     whole = Trainer(load_config(None, tiny_overrides(tmp_path, "name=whole")))
     steps = whole.steps_per_epoch
     whole.close()
@@ -140,7 +140,9 @@ def test_a_max_steps_stop_on_an_epochs_last_step_counts_the_epoch_and_a_resume_f
     again = Trainer(more, resume=True)
     assert again.fit() == summary  # its one epoch is trained: nothing left (it trained an empty epoch, evaluated
     # the same weights again and wrote images_per_s=0 over the summary)
-    assert "finished its 1 epochs" in (cfg.run_dir / "log.txt").read_text()
+    # A resume with nothing left says so on stderr and writes nothing in the run folder (log.txt included).
+    assert "finished its 1 epochs" in capfd.readouterr().err
+    assert "finished its 1 epochs" not in (cfg.run_dir / "log.txt").read_text()
 
 
 def test_the_first_step_of_a_resumed_process_is_not_timed(tmp_path, monkeypatch):
