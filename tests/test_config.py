@@ -146,6 +146,8 @@ def test_width_not_multiple_of_8_warns():
 def test_unknown_preset_suggests():
     with pytest.raises(ConfigError, match=r"did you mean vit_base_patch16\?"):
         load_config(None, ["model.preset=vit_base_patch61"])
+    with pytest.raises(ConfigError, match=r"model.preset=0 is not a known preset"):  # it was ignored
+        load_config(None, ["model.preset=0"])
 
 
 def test_malformed_override():

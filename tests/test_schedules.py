@@ -52,6 +52,9 @@ def test_step_multiplies_by_gamma_at_each_milestone():
 def test_step_without_milestones_is_refused():
     with pytest.raises(ConfigError, match="schedule.name=step needs schedule.milestones"):
         load_config(CONFIG_DIR / "digits.yaml", ["schedule.name=step"])
+    for milestones in ("[-1,5]", "[0,5]"):  # the rate was cut before training started
+        with pytest.raises(ConfigError, match=r"schedule.milestones=\[-?[01]\.0, 5\.0\] must be epochs > 0"):
+            load_config(CONFIG_DIR / "digits.yaml", ["schedule.name=step", f"schedule.milestones={milestones}"])
 
 
 def test_linear_scaling_multiplies_lr_by_global_batch_over_base():

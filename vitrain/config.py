@@ -778,7 +778,7 @@ VIDEO_PRESET_FIELDS = ("name", "num_frames", "tubelet_size", "pool", "pos_embed"
 
 def _apply_preset(raw: dict[str, Any]) -> None:
     model = raw.get("model")
-    if not isinstance(model, dict) or not model.get("preset"):
+    if not isinstance(model, dict) or model.get("preset") in (None, ""):  # a preset of 0 is looked up, and refused
         return
     from vitrain.presets import find_preset, preset_names  # models import config: import late
 

@@ -54,3 +54,11 @@ def test_lamb_on_a_sharded_head_is_refused():
     head.sharded = True  # as on 2 or more ranks
     with pytest.raises(ConfigError, match=r"optim.name=lamb .* task.shard_head=false"):
         build_head_optimizer(head, OptimConfig(name="lamb"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("margin", ["-0.1", "1.0", "1e12"])
+def test_a_cosface_margin_outside_0_to_1_is_refused(margin):
+    from vitrain.config import CONFIG_DIR, load_config
+
+    with pytest.raises(ConfigError, match=rf"task.cosface_m={float(margin)} must be in \[0, 1\), e\.g\. 0\.35"):
+        load_config(CONFIG_DIR / "face-orl.yaml", ["task.margin=cosface", f"task.cosface_m={margin}"])

@@ -72,6 +72,11 @@ def check(cfg: Config) -> None:
         )
     if s.name == "step" and not s.milestones:
         raise ConfigError("schedule.name=step needs schedule.milestones=[EPOCH,...], e.g. [30,60]")
+    if any(m <= 0 for m in s.milestones):
+        raise ConfigError(
+            f"schedule.milestones={list(s.milestones)} must be epochs > 0 (one at 0 or below cuts the rate before "
+            "training starts), e.g. [30,60]"
+        )
     if list(s.milestones) != sorted(s.milestones):
         raise ConfigError(f"schedule.milestones={list(s.milestones)} must be in increasing order")
     if not 0.0 < s.onecycle_pct < 1.0:

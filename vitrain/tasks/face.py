@@ -108,8 +108,8 @@ class FaceTask:
             raise ConfigError(f"task.scale={k.scale} must be positive")
         if not 0.0 <= k.arcface_m < 3.14159:
             raise ConfigError(f"task.arcface_m={k.arcface_m} must be in [0, pi): an angle in radians, e.g. 0.5")
-        if k.cosface_m < 0:
-            raise ConfigError(f"task.cosface_m={k.cosface_m} must be >= 0, e.g. 0.35")
+        if not 0.0 <= k.cosface_m < 1.0:  # a margin on a cosine: at 1 or more no angle leaves the target ahead
+            raise ConfigError(f"task.cosface_m={k.cosface_m} must be in [0, 1), e.g. 0.35")
         m1, m2, m3 = k.combined_m
         if m1 <= 0 or m2 < 0 or m3 < 0:
             raise ConfigError(
