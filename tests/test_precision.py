@@ -554,3 +554,12 @@ def test_digits_recipe_in_bf16_ends_within_one_point_of_fp32(tmp_path):
     for mode in ("amp_o1", "amp_o2", "pure"):
         assert abs(top1[(mode, 0)] - top1[("fp32", 0)]) <= 0.01, (mode, "seed 0", top1)
         assert abs(mean[mode] - mean["fp32"]) <= 0.01, (mode, "mean", mean)
+
+
+def test_a_class_in_fp32_modules_that_no_layer_of_the_model_is_is_refused_naming_the_classes():
+    """A misspelt class in precision.fp32_modules left the layer it meant in bf16 without a word."""
+    with pytest.raises(
+        ConfigError, match=r"^precision.fp32_modules names Nope, which no layer of the model is; .*Linear"
+    ):
+        policy("amp_o2", fp32_modules=("Linear", "Nope")).prepare(NormZoo())
+    policy("amp_o2", fp32_modules=("Linear",)).prepare(NormZoo())  # a class the model has

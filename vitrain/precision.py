@@ -401,6 +401,13 @@ class PrecisionPolicy:
         low-dtype working copy (amp_o2 under single, ddp, zero1) or `model` itself (FSDP2 shards the fp32 model
         and computes in the low dtype through `parallel_precision`).
         """
+        named_nowhere = sorted(set(self.fp32_modules) - {type(m).__name__ for m in model.modules()})
+        if named_nowhere and self.mode in ("amp_o2", "pure"):  # a misspelt class would silently stay low-precision
+            classes = sorted({type(m).__name__ for m in model.modules()} - {"ModuleList", "Sequential", "Identity"})
+            raise ConfigError(
+                f"precision.fp32_modules names {', '.join(named_nowhere)}, which no layer of the model is; its "
+                f"classes: {', '.join(classes)[:300]}"
+            )
         working = model
         if self.mode == "pure":
             model.to(self.dtype)
