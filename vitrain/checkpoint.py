@@ -669,16 +669,22 @@ _PICKLED_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 def load_error(exc: BaseException) -> str:
     """What torch's weights_only reader refused, short: the error's type and the global a crafted pickle names, never
     torch's advice to load the file again with weights_only=False."""
+    found = _named_global(exc)
+    return f"{type(exc).__name__}: it names {found}" if found else type(exc).__name__
+
+
+def _named_global(exc: BaseException) -> str | None:
+    """The global a crafted pickle names in torch's weights_only error (None: the error names none)."""
     found = _PICKLED_GLOBAL.search(str(exc)[:2000])
-    return f"{type(exc).__name__}: it names {found.group(1)[:100]}" if found else type(exc).__name__
+    return found.group(1)[:100] if found else None
 
 
 def not_loadable(file: Path, exc: BaseException) -> CheckpointError:
     """One line for a checkpoint file torch.load(weights_only=True) did not load: a pickle naming code is refused
     by what it names, anything else is a damaged or foreign file; torch's advice to load it unsafely is left out."""
-    found = _PICKLED_GLOBAL.search(str(exc)[:2000])
+    found = _named_global(exc)
     if isinstance(exc, pickle.UnpicklingError) and found:
-        return _refused(file, found.group(1)[:100])
+        return _refused(file, found)
     return CheckpointError(
         f"checkpoint file {file} is not a checkpoint vitrain can load safely ({type(exc).__name__}); it is damaged "
         "or was not written by vitrain"
@@ -743,14 +749,16 @@ class SafeFileSystemReader(FileSystemReader):
         storage = getattr(metadata, "storage_data", None)
         if not isinstance(storage, dict):
             raise CheckpointError(f"checkpoint file {Path(self.path) / DCP_INDEX} holds no DCP metadata; it is damaged")
+        listed = _listed_names(Path(self.path))  # the marker read once for every file the index names
         for name in sorted({getattr(info, "relative_path", None) for info in storage.values()}, key=str):
-            self._check_data_file(name)
+            self._check_data_file(name, listed)
 
-    def _check_data_file(self, name: Any) -> None:
+    def _check_data_file(self, name: Any, listed: set[str] | None) -> None:
+        """`name` is a plain file inside the step folder and in `listed` (its COMPLETE marker's names, where it has
+        one)."""
         folder = Path(self.path)
         reason = _not_inside(folder, name, flat=True)
         if reason is None:
-            listed = _listed_names(folder)
             if listed is not None and name not in listed:
                 reason = f"which its {COMPLETE_FILE} marker does not list"
         if reason is not None:
@@ -762,8 +770,9 @@ class SafeFileSystemReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        listed = _listed_names(Path(self.path))
         for name, items in per_file.items():
-            self._check_data_file(name)  # again where it is opened, whoever read the index
+            self._check_data_file(name, listed)  # again where it is opened, whoever read the index
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except VitrainError:
