@@ -639,3 +639,15 @@ def test_a_task_handed_in_without_the_task_protocol_is_refused_before_the_run_fo
     import vitrain
 
     refused(tmp_path, ConfigError, pattern, task=task(vitrain.load_config("digits", HANDED)))
+
+
+def test_a_parallel_block_that_is_not_the_models_block_is_refused_for_every_model(tmp_path, capsys):
+    base = ["train.max_steps=1", "train.epochs=1", "log.progress=false", f"log.out_dir={tmp_path}"]
+    # vitrain's ViT plans its own units: a misspelt block was ignored, even with activation checkpointing asked for.
+    assert main(["train", "digits", *base, "parallel.block=Blok", "parallel.activation_checkpointing=block"]) == 2
+    assert "parallel.block=Blok is not this model's block: it plans its own units (Block)" in capsys.readouterr().err
+    # Another model's block class that it lacks, on a plain run (nothing else reads the name there).
+    flat = ["model.name=tests.test_bring_your_own:FlatNet", "name=flat"]
+    assert main(["train", "digits", *base, *flat, "parallel.block=Blok"]) == 2
+    assert "parallel.block=Blok names no module class of this model" in capsys.readouterr().err
+    assert main(["train", "digits", *base, "parallel.block=Block", "name=named"]) == 0  # its own name is accepted

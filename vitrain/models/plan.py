@@ -126,6 +126,12 @@ def plan_of(model: nn.Module, wrap: str, block: str = "", fp32_modules: tuple[st
     own = getattr(model, "parallel_plan", None)
     if own is not None:
         plan = own(wrap)
+        kinds = sorted({type(m).__name__ for m in plan.checkpoint_units})
+        if block and block not in kinds:
+            raise ConfigError(
+                f"parallel.block={block} is not this model's block: it plans its own units "
+                f"({', '.join(kinds) or 'none'}); leave parallel.block empty for it"
+            )
         named = [m for m in model.modules() if type(m).__name__ in fp32_modules and not keeps_fp32(m)]
         if not named:
             return plan

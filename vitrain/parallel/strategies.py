@@ -42,6 +42,8 @@ def parallelize(
     `overlap` (zero2/zero3 on a CPU; the native engine's `deferrable(cfg)`): FSDP2's collectives beside compute
     (vitrain/parallel/overlap.py); the caller then runs `finish_reductions(model)` after each backward.
     """
+    if cfg.block:  # a name that is not the model's block is refused even where nothing below reads it
+        plan_of(model, "block", cfg.block)
     prepare_layers(model, cfg, device)
     if cfg.strategy == "single":
         return model
