@@ -262,6 +262,20 @@ def test_a_yaml_merge_key_may_still_be_overridden_beside_it(tmp_path):
     assert (cfg.depth, cfg.width, cfg.heads) == (4, 64, 2)
 
 
+@pytest.mark.parametrize(
+    "text, override, where",
+    [
+        ("train: 5\n", "train.max_steps=1", "train must be a mapping of keys, got 5"),
+        ("train:\n  distill: yes\n", "train.distill.teacher=x", "train.distill must be a mapping of keys, got True"),
+    ],
+)
+def test_a_section_of_the_wrong_type_is_refused_when_an_override_sets_a_key_in_it(tmp_path, text, override, where):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(where)):  # it was replaced by the override, silently
+        load_config(path, [override])
+
+
 def test_an_empty_config_file_means_the_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing set yet\n")

@@ -764,10 +764,12 @@ def _parse_override(item: str) -> dict[str, Any]:
     return node
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> None:
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
+            _merge(base[k], v, f"{prefix}{k}.")
+        elif isinstance(v, dict) and base.get(k) is not None:  # `train: 5` in the file, then train.max_steps=1
+            raise ConfigError(f"{prefix}{k} must be a mapping of keys, got {base[k]!r}")
         else:
             base[k] = v
 
