@@ -186,6 +186,16 @@ def folder_run(tmp_path: Path, root: Path, *extra: str) -> list[str]:
                                      "model.num_classes=2", "train.batch_size=8", "name=zip", *extra)]  # fmt: skip
 
 
+def test_a_val_split_the_data_lacks_says_in_the_log_that_validation_was_held_out_of_train(tmp_path):
+    root = zip_with_bad_images(tmp_path / "data.zip", bad=0)
+    assert main(folder_run(tmp_path, root, "data.val_split=tset", "train.max_steps=1")) == 0  # a typo of test
+    log = (tmp_path / "runs" / "zip" / "log.txt").read_text()
+    assert "data: no 'tset' split beside 'train' in data.root (it has test): data.val_fraction=0.2 of train is " \
+        "held out as validation; set data.val_split to name one" in log  # fmt: skip
+    assert main(folder_run(tmp_path, root, "train.max_steps=1", "name=found")) == 0
+    assert "held out" not in (tmp_path / "runs" / "found" / "log.txt").read_text()
+
+
 def test_undecodable_images_are_skipped_up_to_the_limit_named_and_counted(tmp_path, capsys):
     root = zip_with_bad_images(tmp_path / "bad.zip", bad=3)
     assert main(folder_run(tmp_path, root, "data.skip_bad=3")) == 0

@@ -34,9 +34,12 @@ class Skipped:
     undecodable: list[tuple[str, str]] = field(default_factory=list)
     non_images: list[str] = field(default_factory=list)
     deeper: list[str] = field(default_factory=list)  # images in folders below a class folder (locations)
+    held_out: str = ""  # where validation was held out of train for want of data.val_split: why, in one line
 
     def lines(self) -> list[str]:
         lines = [f"data: skipped {where}: {reason}" for where, reason in self.undecodable]
+        if self.held_out:
+            lines.append(self.held_out)
         if self.non_images:
             lines.append(
                 f"data: {len(self.non_images)} file(s) without an image suffix not read: {_some(self.non_images)}"
@@ -276,6 +279,15 @@ class ImageTree:
             self.names = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
             self.names += [p.relative_to(root).as_posix() + "/" for p in root.rglob("*") if p.is_dir()]
 
+    def sibling_splits(self, split: str) -> list[str]:
+        """The folders beside `<split>/` (the other splits a tree has), found where split_prefix finds it."""
+        prefix = self.split_prefix(split) or f"{split}/"
+        parent = prefix[: -len(split) - 1]
+        return sorted(
+            {n[len(parent) :].split("/")[0] for n in self.names if n.startswith(parent) and "/" in n[len(parent) :]}
+            - {split}
+        )
+
     def split_prefix(self, split: str) -> str | None:
         """Find `<split>/` at the top or one folder down (zips often hold one top folder)."""
         tops = sorted({PurePosixPath(n).parts[0] for n in self.names if "/" in n})
@@ -350,6 +362,7 @@ def folder_source(cfg: Config) -> tuple[ImageSet | PreparedSet, ImageSet | Prepa
     val = _read_split(tree, cfg.data.val_split, cfg, skipped, required=False, classes=train.classes)
     if val is None:
         train_rows, val_rows = held_out_split(len(train), cfg.data.val_fraction)
+        skipped.held_out = held_out_line(cfg, tree.sibling_splits(cfg.data.train_split))
         return train.subset(train_rows), train.subset(val_rows)
     return train, val
 
@@ -384,6 +397,18 @@ def checked_class_folders(tree: ImageTree, prefix: str) -> dict[str, list[str]]:
         if not files:
             raise DataError(f"class folder {tree.location(prefix + name)} is empty; add images or remove it")
     return folders
+
+
+def held_out_line(cfg: Config, splits: list[str]) -> str:
+    """The header's line saying validation was held out of train, and which splits the data has instead (a typo in
+    data.val_split otherwise trains on less data and validates on the wrong images without a word)."""
+    d = cfg.data
+    others = f"it has {', '.join(splits)}" if splits else "it has no other split"
+    fix = "; set data.val_split to name one" if splits else ""
+    return (
+        f"data: no '{d.val_split}' split beside '{d.train_split}' in data.root ({others}): data.val_fraction="
+        f"{d.val_fraction} of train is held out as validation{fix}"
+    )
 
 
 def held_out_split(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -494,13 +519,16 @@ def prepared_source(cfg: Config) -> tuple[PreparedSet, PreparedSet]:
         )
     train = splits[d.train_split]
     val = splits.get(d.val_split)
+    held_out = ""
     if val is None:
         train_rows, val_rows = held_out_split(len(train), d.val_fraction)
         train, val = train.subset(train_rows), train.subset(val_rows)
+        held_out = held_out_line(cfg, sorted(set(splits) - {d.train_split}))
     # `vitrain data prepare` skipped what did not decode and listed it (failed.txt): named in the run's log too.
     failed = failed_files(Path(d.root).expanduser())
-    if failed:
-        train.skipped = Skipped(undecodable=[(where, f"{reason} (when prepared)") for where, reason in failed])
+    if failed or held_out:
+        failed_lines = [(where, f"{reason} (when prepared)") for where, reason in failed]
+        train.skipped = Skipped(undecodable=failed_lines, held_out=held_out)
     return train, val
 
 
