@@ -24,12 +24,15 @@ def evaluate(model: nn.Module, loader: BatchLoader, flip: bool = False) -> dict[
     with torch.inference_mode():
         for images, labels in loader.epoch(0):
             output = model(images)
+            # Every stage of a pipeline runs the mirror image's forward too, before a rank without the last stage
+            # moves on: one that skipped it left the last stage reading the next batch's activations (a hang).
+            mirrored = model(images.flip(-1)) if flip else None
             if output is None:
                 continue
             logits = output.float()
             _count(sums[0], logits, labels)
-            if flip:
-                _count(sums[1], logits + model(images.flip(-1)).float(), labels, scale=0.5)
+            if mirrored is not None:
+                _count(sums[1], logits + mirrored.float(), labels, scale=0.5)
     model.train(was_training)
     sums = sum_over_ranks(sums.to(loader.device)).cpu()
     metrics: dict[str, float] = {}
