@@ -103,6 +103,16 @@ def test_combined_margin_with_m1_1_and_m3_0_is_arcface_for_acute_angles():
     assert torch.allclose(combined, arcface, atol=1e-6)
 
 
+@pytest.mark.parametrize("m", [(1.0, 0.3, 0.2), (1.2, 0.3, 0.0), (0.9, 0.4, 0.1)])
+def test_the_combined_margin_keeps_decreasing_in_the_angle_all_the_way_to_pi(m):
+    theta = torch.linspace(0.0, math.pi, 2001, dtype=torch.float64)
+    target = Margin("combined", 1.0, *m).target(torch.cos(theta))
+    assert (target.diff() < 0).all()  # cos(m1 theta + m2) alone turned back up past m1 theta + m2 = pi
+    inside = theta < (math.pi - m[1]) / m[0]
+    expected = torch.cos(m[0] * theta[inside] + m[1]) - m[2]  # insightface's formula where it is monotone
+    assert torch.allclose(target[inside], expected, atol=1e-12)
+
+
 def test_softmax_head_is_scaled_cosine_cross_entropy():
     torch.manual_seed(0)
     x, labels = torch.randn(4, DIM), torch.tensor([0, 1, 2, 1])

@@ -48,7 +48,14 @@ class Margin:
             shifted = cos * math.cos(self.m2) - sin * math.sin(self.m2)
             return torch.where(cos > math.cos(math.pi - self.m2), shifted, cos - math.sin(math.pi - self.m2) * self.m2)
         if self.kind == "combined":
-            return torch.cos(self.m1 * torch.acos(cos) + self.m2) - self.m3
+            theta = torch.acos(cos)
+            margined = torch.cos(self.m1 * theta + self.m2) - self.m3
+            edge = (math.pi - self.m2) / self.m1  # the angle where m1 theta + m2 reaches pi
+            if edge >= math.pi:
+                return margined
+            # Past the edge cos(m1 theta + m2) turns back up (a worse angle would earn a larger logit): continue from
+            # its value there, -1 - m3, straight in the cosine, as ArcFace's continuation does.
+            return torch.where(theta < edge, margined, cos - math.cos(edge) - 1.0 - self.m3)
         return cos
 
     def logits(self, cos: torch.Tensor, target_col: torch.Tensor) -> torch.Tensor:
