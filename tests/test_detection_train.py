@@ -157,3 +157,26 @@ def test_the_val_loss_is_each_images_own_loss_averaged_whatever_the_eval_batch(t
     trainer.close()
     for batch in (2, 5):  # they moved by a few percent with the batch size
         assert losses_at[batch] == pytest.approx(losses_at[1], rel=1e-5)
+
+
+def test_a_detection_reaching_into_the_letterbox_padding_is_clipped_to_the_image(tmp_path: Path):
+    from vitrain.config import load_config
+    from vitrain.engine import Trainer
+
+    root = write_voc(tmp_path, {"train": 2, "val": 2})  # 80x60 images: the square's lower quarter is padding
+    trainer = Trainer(load_config(None, [*TINY_DETECTION, f"data.root={root}", f"log.out_dir={tmp_path}"]))
+    task = trainer.task
+    points = task.points.centres.shape[0]
+    classes = len(task.val.classes)
+
+    class Reaching(torch.nn.Module):  # every point sure of a box past every edge
+        def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            n = images.shape[0]
+            sure, far = torch.full((n, points, classes), 10.0), torch.full((n, points, 4), 1e3)
+            return sure, far, torch.full((n, points), 10.0)
+
+    found, _ = task.predict(Reaching(), task.val, trainer.device)
+    trainer.close()
+    for (boxes, _, _), record in zip(found, task.val.records, strict=True):
+        assert len(boxes) > 0
+        assert (boxes >= 0).all() and (boxes[:, 0::2] <= record.width).all() and (boxes[:, 1::2] <= record.height).all()

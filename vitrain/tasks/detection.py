@@ -21,7 +21,7 @@ from torch import nn
 
 from vitrain import registry
 from vitrain.config import Config
-from vitrain.data.detection import DetectionAugment, DetectionSet, load_split, read_classes
+from vitrain.data.detection import DetectionAugment, DetectionSet, ImageRecord, load_split, read_classes
 from vitrain.data.loader import BatchLoader
 from vitrain.errors import ConfigError
 from vitrain.models.fcos import Points, decode, fcos_losses, make_points
@@ -178,12 +178,13 @@ class DetectionTask:
                     one = tuple(o[i : i + 1] for o in output)
                     for term, value in fcos_losses(one, targets[i : i + 1], points).items():
                         sums[term] = sums[term] + value
-                for (boxes, scores, classes), scale in zip(
+                for (boxes, scores, classes), scale, row in zip(
                     decode(output, points, size, k.score_threshold, k.nms_iou, k.max_detections),
                     data.scales[rows].tolist(),
+                    rows.tolist(),
                     strict=True,
                 ):
-                    found.append(((boxes / scale).cpu(), scores.cpu(), classes.cpu()))
+                    found.append((inside(boxes.cpu() / scale, data.records[row]), scores.cpu(), classes.cpu()))
         forward.train(was_training)
         losses = {f"val_loss_{term}": float(total) / len(data) for term, total in sums.items()}
         return found, {"val_loss": sum(losses.values())} | losses
@@ -203,6 +204,13 @@ class DetectionTask:
     def describe_data(self) -> str:
         assert self.val is not None and self.classes is not None
         return f"{len(self.val)} val images, {len(self.classes)} classes ({', '.join(self.classes)})"
+
+
+def inside(boxes: torch.Tensor, record: ImageRecord) -> torch.Tensor:
+    """Boxes (x1, y1, x2, y2) in original pixels clipped to the image: the model sees a letterboxed square, and a box
+    reaching into its padding would otherwise lie partly outside the image (and lose IoU with the one it found)."""
+    limit = torch.tensor([record.width, record.height, record.width, record.height], dtype=boxes.dtype)
+    return torch.minimum(boxes.clamp_min(0.0), limit)
 
 
 def coco_metrics(data: DetectionSet, found: list[tuple]) -> dict[str, Any]:
