@@ -14,7 +14,7 @@ from tests.conftest import REPO, run_cli
 from tests.distributed_helpers import losses, run_two_ranks
 from tests.video_helpers import VIDEO_MODEL, VIDEO_OVERRIDES, clip_pixels, make_clip_tree, write_frames
 from vitrain.cli import main
-from vitrain.config import load_config
+from vitrain.config import CONFIG_DIR, load_config
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import build_model, complexity, count_parameters, plan_of
 from vitrain.models.video import VideoTransformer, inflate_into, sincos_3d
@@ -199,6 +199,11 @@ def test_the_cli_trains_the_frame_baseline_and_a_video_vit_that_reports_it(tmp_p
     assert done.returncode == 0, done.stderr
     evaluated = json.loads(done.stdout)
     assert evaluated["val_video_top1"] == summary["val_video_top1"] and evaluated["val_samples"] == 8
+
+
+def test_eval_flip_is_refused_for_video_whose_evaluation_averages_clips():
+    with pytest.raises(ConfigError, match=r"task.name=video averages task.eval_clips clips of each video instead"):
+        load_config(CONFIG_DIR / "video-weizmann.yaml", ["train.eval_flip=true"])  # it was ignored
 
 
 def test_a_baseline_run_without_a_summary_is_refused_before_training(tmp_path):

@@ -62,3 +62,10 @@ def test_a_cosface_margin_outside_0_to_1_is_refused(margin):
 
     with pytest.raises(ConfigError, match=rf"task.cosface_m={float(margin)} must be in \[0, 1\), e\.g\. 0\.35"):
         load_config(CONFIG_DIR / "face-orl.yaml", ["task.margin=cosface", f"task.cosface_m={margin}"])
+
+
+def test_eval_flip_is_refused_for_face_verification_which_flips_by_flip_fusion():
+    from vitrain.config import CONFIG_DIR, load_config
+
+    with pytest.raises(ConfigError, match=r"adds each mirror image's embedding by task.flip_fusion: set train.eval_f"):
+        load_config(CONFIG_DIR / "face-orl.yaml", ["train.eval_flip=true"])  # it was ignored

@@ -100,6 +100,11 @@ class FaceTask:
     def check(cfg: Config) -> None:
         """The face fields of the task section, and what face recognition asks of the data and parallelism."""
         k = cfg.task
+        if cfg.train.eval_flip:  # it was ignored here: verification has its own flips
+            raise ConfigError(
+                "train.eval_flip averages a classifier's logits; face verification adds each mirror image's embedding "
+                "by task.flip_fusion: set train.eval_flip=false"
+            )
         if k.embed_dim <= 0:
             raise ConfigError(f"task.embed_dim={k.embed_dim} must be positive")
         if not 0.0 < k.sample_rate <= 1.0:

@@ -45,6 +45,11 @@ class VideoTask:
     def check(cfg: Config) -> None:
         if cfg.train.distill.teacher:
             raise ConfigError("task.name=video has no distillation token; drop train.distill.teacher")
+        if cfg.train.eval_flip:  # it was ignored: the clip evaluation averages clips, not mirror images
+            raise ConfigError(
+                "train.eval_flip averages an image classifier's logits with its mirror image's; task.name=video "
+                "averages task.eval_clips clips of each video instead: set train.eval_flip=false"
+            )
         if cfg.data.source not in ("video", "shards", "synthetic") and ":" not in cfg.data.source:
             raise ConfigError(
                 f"task.name=video evaluates whole videos; data.source={cfg.data.source} gives images: set "
