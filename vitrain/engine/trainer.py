@@ -38,6 +38,7 @@ from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
 from vitrain.parallel.materialize import is_on_meta
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.tasks import Task, build_task, checked_task, is_better, teacher_of
+from vitrain.tasks.distill import read_teachers_once
 from vitrain.weights import load_pretrained
 
 
@@ -68,7 +69,9 @@ class Trainer:
         # build: minutes for a large model) stops it before its first step at the next check below, requeued where
         # asked, rather than ending the process with the signal's status. fit() catches them again.
         # Nothing is written before fit(), so a second signal here interrupts at once (KeyboardInterrupt).
-        with cluster.StopSignals(cfg.run.stop_signals, starting=True, interrupt_again=True) as signals:
+        # train.distill's teacher is read once for autotune's candidates and the run's step (each sets up a copy).
+        stop_signals = cluster.StopSignals(cfg.run.stop_signals, starting=True, interrupt_again=True)
+        with stop_signals as signals, read_teachers_once():
             try:
                 self._set_up(cfg, resume, model, data, task, changes, signals)
             except cluster.Stopped:
