@@ -72,6 +72,19 @@ def test_overrides_are_typed_and_win_over_the_file():
     assert cfg.train.compile is True
 
 
+def test_one_flatten_serves_the_config_and_the_trust_check_of_a_read_config():
+    # vitrain.config.flatten and the trust check's flattening of a meta.json were twins; one is kept, both import paths.
+    from vitrain import config, trust
+
+    assert config.flatten is trust.flatten
+    assert config.flatten({"model": {"width": 192, "stem": [1, 2]}, "name": "x"}) == {
+        "model.width": 192,
+        "model.stem": [1, 2],
+        "name": "x",
+    }
+    assert config.flatten(["a meta.json holding a list"]) == {}  # no keys, as the trust check reads it
+
+
 def test_list_override_for_tuple_fields():
     cfg = load_config(None, ["data.mean=[0.4,0.5,0.6]", "data.std=[0.2,0.2,0.2]"])
     assert cfg.data.mean == (0.4, 0.5, 0.6)

@@ -10,6 +10,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -344,6 +345,26 @@ def test_a_deepspeed_run_of_one_process_without_torchrun_trains(tmp_path, monkey
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     summary = json.loads(done.stdout)
     assert (summary["engine"], summary["world_size"], summary["steps"]) == ("deepspeed", 1, 2)
+
+
+# A library call without torchrun: vitrain sets LOCAL_RANK (and LOCAL_SIZE on CPU) for DeepSpeed, which reads them
+# all run; once the trainer is closed they are gone again, else a later run in the process looked launched by torchrun.
+LIBRARY_RUN = """
+import json, os, sys
+import vitrain
+summary = vitrain.train("digits", sys.argv[1:])
+print(json.dumps({"steps": summary["steps"], **{k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_SIZE")}}))
+"""
+
+
+def test_a_library_run_without_torchrun_leaves_no_launcher_variables_behind(tmp_path, monkeypatch):
+    for name in ("LOCAL_RANK", "LOCAL_SIZE", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = [f"log.out_dir={tmp_path}", "name=library", "train.engine=deepspeed", "parallel.strategy=zero3",
+            "train.max_steps=2", "train.threads=1", "precision.mode=fp32", "model.depth=1"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", LIBRARY_RUN, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"steps": 2, "LOCAL_RANK": None, "LOCAL_SIZE": None}
 
 
 def test_deepspeed_on_several_processes_without_local_rank_is_refused_in_one_line(monkeypatch):

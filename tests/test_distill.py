@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -184,6 +185,30 @@ def test_the_teacher_runs_frozen_under_inference_mode_in_the_steps_precision(tmp
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     trainer.fit()
     assert torch.isfinite(torch.tensor(list(losses(cfg.run_dir).values()))).all()
+
+
+def test_a_runs_set_up_reads_its_teacher_once_and_shows_its_load_lines_once(tmp_path, monkeypatch):
+    # autotune sets up a teacher for each candidate and the run one more for its step: the teacher was read, and the
+    # lines its load prints shown, once for each (here 2 attention candidates + the run: the line below 3 times).
+    monkeypatch.setenv("VITRAIN_AUTOTUNE", "1")  # the suite's default is 0: auto values by their rules
+    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))  # autotune races rather than reads its cache
+    teacher = tiny_config(tmp_path, "teacher", train={"max_steps": 1})
+    Trainer(teacher).fit()
+    broken = teacher.run_dir / "checkpoints" / "step_00000009"  # a write that was interrupted: skipped with a line
+    broken.mkdir()
+    (broken / "meta.json").write_text("{")
+    cfg = tiny_config(
+        tmp_path, "student", train={"max_steps": 1, "distill": {"teacher": str(teacher.run_dir)}},
+        model={"pool": "cls", "attention": "auto"},
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        trainer = Trainer(cfg)
+    assert trainer.tuned is not None and len(trainer.tuned.images_per_s) == 2  # two candidates raced
+    assert [str(w.message) for w in shown if "incomplete" in str(w.message)] == [
+        f"checkpoint {broken} is incomplete (its write was interrupted or it was damaged); skipped"
+    ]
+    trainer.fit()
 
 
 def test_a_distilled_run_with_token_drop_resumes_exactly_and_exports(tmp_path):

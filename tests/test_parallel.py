@@ -221,6 +221,34 @@ def test_shutdown_joins_gloos_threads_after_dtensor_collectives(tmp_path):
         assert [name for name in left["threads"] if "gloo" in name] == [] and left["warnings"] == []
 
 
+def _warnings_shown(out_dir):
+    """Each rank: a library's warning after the process group's set-up, as the user's stderr would get it."""
+    init_distributed(torch.device("cpu"), "ddp")
+    rank = torch.distributed.get_rank()
+    with warnings.catch_warnings(record=True) as shown:  # records what the filters let through; sets none of its own
+        warnings.warn(f"a third-party library's warning, from rank {rank}", UserWarning, stacklevel=1)
+    (out_dir / f"warnings{rank}.json").write_text(json.dumps([str(w.message) for w in shown]))
+
+
+def test_python_warnings_are_shown_on_rank_0_only_as_vitrains_own_lines(tmp_path):
+    # Every rank runs the same code: each warning came once per rank, rank 1's a copy of rank 0's.
+    run_two_ranks(_warnings_shown, tmp_path)
+    assert json.loads((tmp_path / "warnings0.json").read_text()) == ["a third-party library's warning, from rank 0"]
+    assert json.loads((tmp_path / "warnings1.json").read_text()) == []
+
+
+@pytest.mark.parametrize(("rank", "env", "shown"), [(0, "", True), (1, "", False), (1, "1", True)])
+def test_vitrain_all_rank_warnings_shows_the_other_ranks_warnings(monkeypatch, rank, env, shown):
+    from vitrain.parallel.distributed import ALL_RANK_WARNINGS_ENV, warnings_on_rank_0_only
+
+    monkeypatch.setenv(ALL_RANK_WARNINGS_ENV, env)
+    with warnings.catch_warnings():  # this process's filters as they were afterwards
+        warnings_on_rank_0_only(rank)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.warn(f"a warning on rank {rank} with {ALL_RANK_WARNINGS_ENV}={env!r}", UserWarning, stacklevel=1)
+    assert len(seen) == int(shown)
+
+
 def _overlapped_and_blocking_gradients(out_dir):
     """Each rank: zero2 models per unit kind whose reductions run beside backward (parallel.overlap_comm) or block,
     by FSDP2's reduce-scatter or by an all-reduce (parallel.grad_reduce), the same weights and images: what was

@@ -453,6 +453,28 @@ def test_a_pack_into_a_folder_holding_files_of_no_pack_is_one_line(tmp_path, cap
     assert _files(tmp_path / "out") == {held: b"something else"}
 
 
+@pytest.mark.parametrize("out_is", ["a_file", "a_folder_of_other_files", "another_sources_pack"])
+def test_a_pack_folder_that_is_refused_is_refused_before_the_source_is_listed(tmp_path, capsys, monkeypatch, out_is):
+    # Listing a large tree or zip takes minutes; the refusal of OUT needs none of it.
+    out = tmp_path / "out"
+    if out_is == "a_file":
+        out.write_text("kept")
+    elif out_is == "a_folder_of_other_files":
+        out.mkdir()
+        (out / "notes.txt").write_text("kept")
+    else:
+        make_tree(tmp_path / "other", {"train": 5, "test": 2}, suffix=".jpg")
+        assert _pack_here(capsys, tmp_path / "other", out, "shards")[0] == 0
+    make_tree(tmp_path / "tree", {"train": 5, "test": 2}, suffix=".jpg")
+
+    def listed(*args, **kwargs):
+        raise AssertionError("the source was listed before OUT was checked")
+
+    monkeypatch.setattr("vitrain.data.pack.list_source", listed)
+    code, err = _pack_here(capsys, tmp_path / "tree", out, "shards")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and str(out) in err, err
+
+
 @pytest.mark.parametrize("command", ["pack_into_a_file", "pack_under_a_file", "index_out_a_folder"])
 def test_an_output_path_of_pack_or_index_that_cannot_be_written_is_one_line(tmp_path, capsys, command):
     from vitrain.cli import main

@@ -15,7 +15,7 @@ from tests.conftest import TINY, model_overrides
 from tests.distributed_helpers import gpu_free_env
 from tests.video_helpers import VIDEO_OVERRIDES
 from vitrain.cli import main
-from vitrain.config import load_config
+from vitrain.config import ModelConfig, load_config
 from vitrain.data import build_datasets
 from vitrain.models import complexity
 
@@ -64,6 +64,17 @@ def test_an_image_bench_keeps_its_units(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert "images/s" in capsys.readouterr().out
     assert (result["unit"], result["num_frames"]) == ("image", 1) and "clips_per_s" not in result
+
+
+def test_bench_repeats_the_rate_as_clips_per_s_by_the_models_sample_unit_as_the_trainers_summary(tmp_path, monkeypatch):
+    # One rule for "this model counts clips": ModelConfig.sample_unit, which the trainer's summary.json reads too; the
+    # bench once asked num_frames > 1 itself, a second spelling that would drift from the first.
+    monkeypatch.setattr(ModelConfig, "sample_unit", property(lambda self: "clip"))
+    out = tmp_path / "bench.json"
+    argv = ["bench", "run", *TINY, "train.batch_size=4", "data.synthetic_samples=16", "train.threads=1"]
+    assert main([*argv, "--synthetic", "--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["unit"], result["num_frames"]) == ("clip", 1) and result["clips_per_s"] == result["images_per_s"]
 
 
 def test_estimate_counts_a_video_presets_activations_over_its_space_time_tokens(capsys):

@@ -648,7 +648,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
 def _data_pack(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitrain.data.pack import list_source, list_videos, pack_recordio, pack_shards
+    from vitrain.data.pack import check_pack_folder, list_source, list_videos, pack_recordio, pack_shards
 
     if args.shard_samples < 1 or args.workers < 1:
         raise ConfigError("--shard-samples and --workers must be >= 1")
@@ -656,9 +656,10 @@ def _data_pack(args: argparse.Namespace) -> int:
         raise ConfigError("--video packs clips into shards only; use --format shards without --identities")
     if args.val_match and not args.video:
         raise ConfigError("--val-match splits video trees; add --video (image trees keep their split folders)")
-    src = Path(args.src)
+    src, out = Path(args.src), Path(args.out)
+    settings = {"shard_samples": args.shard_samples} if args.format == "shards" else {}
+    check_pack_folder(out, src, args.format, "identities" if args.identities else "classes", **settings)
     listing = list_videos(src, args.val_match) if args.video else list_source(src, args.identities)
-    out = Path(args.out)
     if args.format == "shards":
         totals = pack_shards(listing, out, args.shard_samples, args.workers)
     else:

@@ -20,6 +20,7 @@ import yaml
 
 from vitrain import registry, trust
 from vitrain.errors import ConfigError
+from vitrain.trust import flatten  # vitrain.config.flatten: one definition, in the module config imports
 
 # Recipes ship inside the package (package data), so a regular install finds them from any working directory.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -548,17 +549,6 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 def trusted_values(cfg: Config) -> dict[str, Any]:
     """A config the user gave (or one that passed vitrain/trust.py's check) as the values it trusts, by dotted key."""
     return flatten(to_dict(cfg))
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested dict (to_dict's) with dotted keys: {"model": {"width": 192}} -> {"model.width": 192}."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def to_yaml(cfg: Config) -> str:

@@ -68,7 +68,8 @@ _REGISTERED: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 # path, so that this module imports none), models and data sources are callables (a data source may be a
 # (train, val) pair). Optional protocol methods are not asked for.
 _PROTOCOLS = {"engine": "vitrain.engine.protocol:Engine", "task": "vitrain.tasks:Task"}
-_OPTIONAL = {"engine": ("frozen",)}  # train.distill's; an engine without it trains without a teacher
+# frozen: train.distill's, an engine without it trains without a teacher; close: what the engine set up outside itself
+_OPTIONAL = {"engine": ("frozen", "close")}
 _CALLABLE = {
     "model": "a model factory: a function or class called with the model config, returning a torch.nn.Module",
     "data": "a data source: a function of the config returning (train, val) datasets",

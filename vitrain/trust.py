@@ -31,7 +31,7 @@ def check_config(
     checkpoint's meta.json, a run's config.yaml, an export's config.yaml) that names a module to import or (`data`:
     its data will be read) a pipe: command, unless `trusted` (dotted keys: what the user typed, or a config that
     passed this check) gives the same value."""
-    flat = _flatten(raw)
+    flat = flatten(raw)
     found = []
     for kind, key in registry.CONFIG_KEYS.items():
         name = str(flat.get(key, ""))
@@ -89,11 +89,14 @@ def _given(trusted: Mapping[str, Any] | None, key: str, value: str) -> bool:
     return trusted is not None and key in trusted and str(trusted[key]).strip() == value.strip()
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict (to_dict's) with dotted keys: {"model": {"width": 192}} -> {"model.width": 192}. Anything but a
+    mapping (a meta.json or config.yaml that holds a list) has no keys. vitrain.config re-exports it: config imports
+    this module, so it lives here, below both."""
     flat: dict[str, Any] = {}
     for key, value in tree.items() if isinstance(tree, Mapping) else ():
         if isinstance(value, Mapping):
-            flat |= _flatten(value, f"{prefix}{key}.")
+            flat |= flatten(value, f"{prefix}{key}.")
         else:
             flat[f"{prefix}{key}"] = value
     return flat

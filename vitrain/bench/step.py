@@ -9,8 +9,9 @@ multiply-add counted as 2, backward as twice the forward) per second over the pe
 in: on a CPU that peak is a large GEMM measured on the spot with this process's threads (times the processes), on
 a known GPU the datasheet's dense figure.
 
-A video model (model.num_frames > 1) counts clips: `images_per_s` and `train_gflops_per_image` keep their names (and
-count clips: one sample is one clip of num_frames frames), `unit` says "clip", and `clips_per_s` repeats the rate.
+A video model (model.num_frames > 1: its `sample_unit` is "clip") counts clips: `images_per_s` and
+`train_gflops_per_image` keep their names (and count clips: one sample is one clip of num_frames frames), `unit` says
+"clip", and `clips_per_s` repeats the rate.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
         "mfu": model_flops_per_s / (device_peak * devices),
         "torch": torch.__version__,
     }
-    if cfg.model.num_frames > 1:
+    if cfg.model.sample_unit == "clip":  # the trainer's summary's rule (engine/report.py), so the two agree
         result["clips_per_s"] = images_per_s
     if profile is not None:
         result["profile"] = str(profile)

@@ -104,21 +104,38 @@ def list_videos(src: Path, val_match: str = "") -> Listing:
     return Listing(tree.root, tree.is_zip, splits, classes, "classes")
 
 
+def check_pack_folder(out: Path, src: Path, fmt: str, layout: str, **settings: object) -> None:
+    """Refuse, in one line naming `out`, a folder that cannot take a pack of `src` (a file, a folder of other files,
+    a pack of another source, format, layout or settings) before the source is listed: listing a large tree or zip
+    takes minutes, and the refusal needs none of it. start_pack checks the listing's classes and files."""
+    _check_folder(out, _record(src, fmt, layout, settings))
+
+
 def start_pack(listing: Listing, out: Path, fmt: str, **settings: object) -> None:
     """Record in a new (or empty) `out` what it is packed from, or check that an existing pack there was packed from
     the same source the same way; refused in one line naming `out` before anything in it changes."""
-    problem = folder_problem(out)
-    if problem is not None:
-        raise DataError(f"data pack: {problem}; give a new folder for the pack")
     listed = "\n".join(f"{split}/{name}\t{label}" for split, rows in listing.splits.items() for name, label in rows)
     record = {
-        "format": fmt,
-        "source": str(Path(listing.root).resolve()),
-        "layout": listing.layout,
-        **settings,
+        **_record(listing.root, fmt, listing.layout, settings),
         "classes": listing.classes,
         "files_sha256": hashlib.sha256(listed.encode()).hexdigest(),
     }
+    if not _check_folder(out, record):
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / PACK_RECORD, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def _record(src: Path, fmt: str, layout: str, settings: dict[str, object]) -> dict[str, object]:
+    """pack.json's fields known before the source is listed."""
+    return {"format": fmt, "source": str(Path(src).expanduser().resolve()), "layout": layout, **settings}
+
+
+def _check_folder(out: Path, record: dict[str, object]) -> bool:
+    """Whether `out` holds a pack.json agreeing with `record` (its keys); a folder that can hold no such pack is
+    refused in one line."""
+    problem = folder_problem(out)
+    if problem is not None:
+        raise DataError(f"data pack: {problem}; give a new folder for the pack")
     path = out / PACK_RECORD
     if path.is_file():
         try:
@@ -132,14 +149,13 @@ def start_pack(listing: Listing, out: Path, fmt: str, **settings: object) -> Non
                 f"{out} already holds a pack of {old.get('source', 'another source')} with different "
                 f"{', '.join(changed)}; pack into a new folder or delete {out}"
             )
-        return
+        return True
     if out.is_dir() and any(out.iterdir()):
         raise DataError(
             f"{out} is not empty and holds no {PACK_RECORD} (a pack begun before vitrain wrote one, or other files); "
             f"pack into a new or empty folder, or delete {out} and pack again"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+    return False
 
 
 def _write_shard(job: tuple[str, bool, str, list[tuple[int, str, int]]]) -> tuple[str, int]:

@@ -80,18 +80,19 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def _local_rank_for_deepspeed(dist: DistInfo) -> None:
+def _local_rank_for_deepspeed(dist: DistInfo) -> dict[str, str]:
     """deepspeed.initialize asserts that LOCAL_RANK is set, as torchrun and DeepSpeed's launcher set it. One process
     without a launcher (`python -m vitrain train ... train.engine=deepspeed`) runs in the one-process group vitrain
-    opened, with LOCAL_RANK=0 as torchrun would set it; more processes without it are refused in one line."""
+    opened, with LOCAL_RANK=0 as torchrun would set it; more processes without it are refused in one line. Returns
+    what to set (nothing where a launcher set it); the engine sets it just before deepspeed.initialize."""
     if "LOCAL_RANK" in os.environ or "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
-        return
+        return {}
     if dist.world_size > 1:
         raise ConfigError(
             f"train.engine=deepspeed on {dist.world_size} processes needs LOCAL_RANK in each one's environment, which "
             "this launch did not set: launch with torchrun --nproc_per_node N (or DeepSpeed's launcher)"
         )
-    os.environ["LOCAL_RANK"] = str(dist.local_rank)
+    return {"LOCAL_RANK": str(dist.local_rank)}
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> Resolved:
@@ -276,7 +277,7 @@ class DeepSpeedEngine:
         if pipeline is not None:
             raise ConfigError("train.engine=deepspeed does not run pipeline stages; use train.engine=native")
         deepspeed = import_deepspeed()
-        _local_rank_for_deepspeed(dist)
+        launcher_env = _local_rank_for_deepspeed(dist)  # a launch without LOCAL_RANK is refused before the build
         self.cfg, self.dist = cfg, dist
         self.resolved = resolve_precision(cfg, dist.device)
         if head is not None and self.resolved.mode == "amp_o2" and self.resolved.dtype == torch.float16:
@@ -303,16 +304,28 @@ class DeepSpeedEngine:
             category=FutureWarning,
             module=r"torch\.distributed\.",
         )
-        # DeepSpeed prints that it built its shm communication op on stdout, where `vitrain train` writes its JSON.
-        with contextlib.redirect_stdout(io.StringIO()):
-            self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
-        if not torch.cuda.is_available():
+        # The launcher's variables vitrain sets for DeepSpeed stay set until close(), as DeepSpeed reads them all run
+        # (LOCAL_RANK at ZeRO-3's parameter checks and universal checkpoints, LOCAL_SIZE at every ZeRO-3 gradient
+        # reduction); close() takes them away, so that a later run in this process (vitrain.train in a notebook)
+        # does not look launched by torchrun.
+        self.env_set: list[str] = []
+        try:
+            self._set_env(launcher_env)
+            # DeepSpeed prints that it built its shm communication op on stdout, where `vitrain train` writes its JSON.
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.ds, self.optimizer, _, _ = deepspeed.initialize(
+                    model=model, optimizer=optimizer, config=self.config
+                )
+        except BaseException:
+            self.close()  # a failed set-up leaves the environment as it found it
+            raise
+        if not torch.cuda.is_available() and "LOCAL_SIZE" not in os.environ:
             # DeepSpeed's CPU accelerator counts a node's devices with a numactl subprocess on every call unless
             # LOCAL_SIZE gives the count (DeepSpeed's launcher sets it, torchrun does not), and ZeRO-3 asks on every
             # gradient reduction. Set only after initialize: a LOCAL_SIZE equal to the world size when DeepSpeed's
             # communication starts makes its shm op map a 66 MB /dev/shm segment per rank, never unlinked, for an
             # inference all-reduce vitrain does not use.
-            os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self._set_env({"LOCAL_SIZE": os.environ.get("LOCAL_WORLD_SIZE", "1")})
         self.model = model  # the ds engine's module: under ZeRO-3 its parameters are partitioned
         self.fp16 = _enabled(self.config, "fp16")
         low = self.fp16 or _enabled(self.config, "bf16")
@@ -320,6 +333,17 @@ class DeepSpeedEngine:
         self.forward: nn.Module = LowPrecisionIO(self.ds, self.ds.get_data_types()[0]) if low else self.ds
         self.head = head
         self.head_optimizer = build_head_optimizer(head, cfg.optim, dist.device) if head is not None else None
+
+    def _set_env(self, values: dict[str, str]) -> None:
+        for name, value in values.items():
+            os.environ[name] = value
+            self.env_set.append(name)
+
+    def close(self) -> None:
+        """The trainer's close(), after the run's last step and save: the environment variables this engine set for
+        DeepSpeed are taken away (a launcher's own are left as they were)."""
+        while self.env_set:
+            os.environ.pop(self.env_set.pop(), None)
 
     # ------------------------------------------------------------------------------------------ step
 

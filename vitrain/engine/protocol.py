@@ -9,6 +9,7 @@
     engine.wait_for_save()                             # collective; an async save's files are complete
     engine.load(path)                                  # collective; the trainer reads and checks meta first
     teacher = engine.frozen(module)                    # train.distill: a frozen model run beside this one
+    engine.close()                                     # optional: after the run (Trainer.close)
 
 The native engine (vitrain/engine/native.py: precision policy, parallel strategy, DCP checkpoints) and the DeepSpeed
 engine (vitrain/engine/deepspeed.py, `train.engine=deepspeed`) are peers under this protocol; neither imports the
@@ -104,6 +105,16 @@ class Engine(Protocol):
         """Optional (train.distill needs it): `module` set up to run beside the model, frozen (eval mode, no
         gradients, under inference_mode) in the step's precision and sharded as the model is; returns the function
         from images to its fp32 outputs."""
+
+    def close(self) -> None:
+        """Optional: after the run (the trainer's close()), let go of what the engine set up outside itself."""
+
+
+def close_engine(engine: Engine | None) -> None:
+    """`engine.close()` where it has one (a user's engine may not)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 def forward_then_backward(

@@ -23,7 +23,7 @@ from vitrain.data.loader import WaitTimer, first_batch
 from vitrain.device import resolve_device, reuse_freed_host_memory, trim_heap
 from vitrain.engine import cluster, report, runs
 from vitrain.engine.autotune import autotune
-from vitrain.engine.protocol import build_engine
+from vitrain.engine.protocol import build_engine, close_engine
 from vitrain.engine.runlog import RunLog, Speed, progress_bar
 from vitrain.engine.step import TrainStep
 from vitrain.engine.token_drop import TokenDrop
@@ -38,6 +38,7 @@ from vitrain.parallel.distributed import all_or_none, max_over_ranks, side_group
 from vitrain.parallel.materialize import is_on_meta
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.tasks import Task, build_task, checked_task, is_better, teacher_of
+from vitrain.tasks.distill import read_teachers_once
 from vitrain.weights import load_pretrained
 
 
@@ -68,7 +69,9 @@ class Trainer:
         # build: minutes for a large model) stops it before its first step at the next check below, requeued where
         # asked, rather than ending the process with the signal's status. fit() catches them again.
         # Nothing is written before fit(), so a second signal here interrupts at once (KeyboardInterrupt).
-        with cluster.StopSignals(cfg.run.stop_signals, starting=True, interrupt_again=True) as signals:
+        # train.distill's teacher is read once for autotune's candidates and the run's step (each sets up a copy).
+        stop_signals = cluster.StopSignals(cfg.run.stop_signals, starting=True, interrupt_again=True)
+        with stop_signals as signals, read_teachers_once():
             try:
                 self._set_up(cfg, resume, model, data, task, changes, signals)
             except cluster.Stopped:
@@ -180,6 +183,7 @@ class Trainer:
             self.train_step = TrainStep(self.engine, self.task.loss, t.accum_steps, token_drop, teacher)
         except BaseException:
             unfuse_linear_bias(model)  # a model handed in leaves a failed set-up as it came (close() after a run)
+            close_engine(self.engine)
             raise
         self.model = self.engine.model  # the single-device model: parameter names, complexity
         self.forward = self.engine.forward  # what computes the loss and the evaluation
@@ -201,10 +205,12 @@ class Trainer:
     def close(self) -> None:
         """Let go of the model, optimizer and data before the process group is destroyed: a DDP wrapper freed after
         its group joins gloo's threads holding the GIL, a deadlock at exit (an error's traceback keeps the trainer).
-        A model's linear layers that an engine swapped to the CPU kernel's class are nn.Linear again."""
+        A model's linear layers that an engine swapped to the CPU kernel's class are nn.Linear again, and the engine
+        lets go of what it set up outside itself (the DeepSpeed engine: the launcher variables it set)."""
         self.used = True
         if self.model is not None:
             unfuse_linear_bias(self.model)
+        close_engine(self.engine)
         self.model = self.forward = self.precision = self.head = self.engine = self.train_step = None
         self.task = self.train_loader = self.epoch_batches = self.pipeline = None
         gc.collect()

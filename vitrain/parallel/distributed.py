@@ -9,6 +9,7 @@ import functools
 import gc
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ def init_distributed(
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    warnings_on_rank_0_only(rank)
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(
@@ -84,6 +86,18 @@ def init_distributed(
         else:
             dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, **timeout)
     return DistInfo(rank, world_size, local_rank, device, data_rank=rank, data_size=world_size)
+
+
+ALL_RANK_WARNINGS_ENV = "VITRAIN_ALL_RANK_WARNINGS"  # 1: Python warnings shown on every rank, not only rank 0
+
+
+def warnings_on_rank_0_only(rank: int) -> None:
+    """Python warnings (torch's, DeepSpeed's, vitrain's own) are shown on rank 0 only, as vitrain's own lines are:
+    every rank runs the same code, so another rank's warning is rank 0's again, one copy per rank. Set for the whole
+    process (its rank does not change); VITRAIN_ALL_RANK_WARNINGS=1 shows every rank's (a warning one rank alone
+    meets). Code that records warnings in catch_warnings() with a filter of its own still sees them."""
+    if rank > 0 and os.environ.get(ALL_RANK_WARNINGS_ENV, "").strip() != "1":
+        warnings.simplefilter("ignore")
 
 
 _TIMEOUT: dict[str, datetime.timedelta] = {}  # the process group's timeout, for the side groups too

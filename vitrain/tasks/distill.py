@@ -16,6 +16,10 @@ weights through timm (weights_only) or a local file read by vitrain.weights.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,8 @@ from vitrain.trust import REGISTER, check_component
 from vitrain.weights import WEIGHTS_FILE, read_weights
 
 KEY = "train.distill.teacher"
+# Within read_teachers_once(): the teachers read so far, by what decides them.
+_READ: contextvars.ContextVar[dict[tuple, nn.Module] | None] = contextvars.ContextVar("vitrain_teachers", default=None)
 
 
 @dataclass
@@ -110,9 +116,33 @@ def check(cfg: Config) -> None:
         )
 
 
+@contextlib.contextmanager
+def read_teachers_once() -> Iterator[None]:
+    """Within: load_teacher reads each teacher once and hands out copies of it. A run's set-up loads its teacher for
+    each autotune candidate and once more for its own step (each engine's frozen() moves the module it gets, and may
+    shard it, so each gets its own); read once, its files are read and the lines its load prints (a skipped
+    incomplete checkpoint) shown once, not once per candidate. The module read is let go on exit."""
+    token = _READ.set({})
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
 def load_teacher(cfg: Config) -> nn.Module:
     """The teacher train.distill.teacher names, frozen, on the CPU; refused in one line where it cannot take the
     task's images or predicts other classes than the task's."""
+    read = _READ.get()
+    if read is None:
+        return _read_teacher(cfg)
+    d, m = cfg.train.distill, cfg.model
+    key = (d.teacher, d.teacher_weights, m.in_chans, m.image_size, m.num_classes)
+    if key not in read:
+        read[key] = _read_teacher(cfg)
+    return copy.deepcopy(read[key])
+
+
+def _read_teacher(cfg: Config) -> nn.Module:
     spec = cfg.train.distill.teacher
     module = (
         _timm_teacher(spec.removeprefix("timm:"), cfg)
