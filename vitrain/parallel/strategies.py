@@ -118,9 +118,10 @@ def fully_shard_model(
     # zero3 frees each unit's gathered parameters after its forward (gathered again in backward);
     # zero2 keeps them until backward: less communication, full parameters resident between the two.
     reshard_after_forward = cfg.strategy == "zero3"
-    if cfg.wrap == "sublayer":
+    if cfg.wrap == "sublayer" or hasattr(model, "parallel_plan"):
         # FSDP2 warns when a unit returns a view (in-place ops on it would skip its backward hook); the blocks
-        # only ever add the attention and MLP outputs out of place.
+        # only ever add the attention and MLP outputs out of place, and vitrain's tasks read a model's output out of
+        # place (the root's output reaches FSDP2 as a view in low precision: the warning came with every such run).
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     shard = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     if precision is None:
