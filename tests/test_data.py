@@ -65,6 +65,13 @@ def test_a_truncated_zip_is_one_line_saying_to_copy_it_again(tmp_path):
     assert f"python -m zipfile -t {archive}" in message
 
 
+def test_a_folder_named_like_a_zip_reads_as_a_folder(tmp_path):
+    root = tmp_path / "data.zip"  # a folder that an unpacker named after its archive
+    make_tree(root, {"train": 3, "test": 3})
+    train, val = build_datasets(folder_cfg(tmp_path, root))
+    assert (len(train), len(val)) == (6, 6)
+
+
 def test_missing_val_split_holds_out_a_fraction(tmp_path):
     root = tmp_path / "data"
     make_tree(root, {"train": 10})

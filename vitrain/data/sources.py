@@ -268,7 +268,7 @@ class ImageTree:
 
     def __init__(self, root: Path):
         self.root = root
-        self.is_zip = root.suffix.lower() == ".zip"
+        self.is_zip = root.suffix.lower() == ".zip" and not root.is_dir()  # an unpacker may name a folder data.zip
         if self.is_zip:
             try:
                 with zipfile.ZipFile(root) as archive:
