@@ -210,6 +210,8 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint verify: {path} does not exist; give a run folder or a step folder")
+    if path.is_file():
+        raise CheckpointError(f"checkpoint verify: {path} is a file, not a run or step folder; give {_folder_of(path)}")
     if _STEP_DIR.match(path.name):
         steps = [path]
     else:
@@ -238,6 +240,18 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
             checked = "each file matches its XXH3-64" if listed.get(CHECKSUM) else "sizes match (no checksums: older)"
             report.append((step, True, f"intact: {len(listed['files'])} files, {size:.1f} MiB, {checked}{kind}"))
     return report
+
+
+def _folder_of(file: Path) -> str:
+    """What to verify instead of a file: the step or run folder it belongs to, where it belongs to one."""
+    parent = file.parent
+    if _STEP_DIR.match(parent.name):
+        return f"its step folder {parent} (or the run folder {run_dir_of(parent)}, for every step)"
+    if parent.name == CHECKPOINT_DIR:
+        return f"the run folder {parent.parent}"
+    if (parent / CHECKPOINT_DIR).is_dir():
+        return f"the run folder {parent}"
+    return f"a run folder (the one holding {CHECKPOINT_DIR}/) or a step folder ({CHECKPOINT_DIR}/step_00000100 in it)"
 
 
 def is_complete(path: Path) -> bool:
