@@ -153,6 +153,21 @@ def test_checkpoint_verify_says_what_each_step_is(trained, tmp_path, capsys):
     assert line.startswith(f"checkpoint {newest} is incomplete (no valid COMPLETE marker")
 
 
+@pytest.mark.parametrize("which", [-1, 0])  # the newest step (resume falls back) or the older one (kept beside)
+def test_a_garbled_complete_marker_is_said_once_per_command(trained, tmp_path, capsys, which):
+    run = fresh_copy(trained, tmp_path)
+    garbled = ckpt.step_dirs(run)[which]
+    (garbled / ckpt.COMPLETE_FILE).write_text('{"step": 15, "files": {"meta.json"')
+    said = f"checkpoint {garbled} is incomplete"
+    main(["checkpoint", "verify", str(run)])
+    captured = capsys.readouterr()
+    assert f"{garbled}: damaged" in captured.out and said not in captured.err
+    for argv in (["eval", str(run)], ["train", "--resume", str(run), "train.epochs=2"]):
+        assert main(argv) == 0
+        err = capsys.readouterr().err
+        assert err.count(said) == 1, err
+
+
 @pytest.mark.parametrize(
     "file, give",
     [

@@ -271,8 +271,11 @@ def is_complete(path: Path) -> bool:
         return False
 
 
-def step_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first; incomplete step folders are skipped with a warning."""
+def step_dirs(run_dir: Path, warn: bool = True) -> list[Path]:
+    """Complete checkpoints of a run, oldest first; incomplete step folders are skipped, with a warning where `warn`.
+
+    A command lists a run's steps many times (to choose one, to find the newer ones, at each prune, for the summary):
+    only the call that chooses the checkpoint warns, so that a skipped folder is said once, not at each listing."""
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
@@ -281,15 +284,15 @@ def step_dirs(run_dir: Path) -> list[Path]:
     for _, path in found:
         if is_complete(path):
             complete.append(path)
-        else:
+        elif warn:
             warnings.warn(
                 f"checkpoint {path} is incomplete (its write was interrupted or it was damaged); skipped", stacklevel=2
             )
     return complete
 
 
-def latest(run_dir: Path) -> Path | None:
-    dirs = step_dirs(run_dir)
+def latest(run_dir: Path, warn: bool = True) -> Path | None:
+    dirs = step_dirs(run_dir, warn)
     return dirs[-1] if dirs else None
 
 
@@ -594,7 +597,7 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 def _prune(run_dir: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints of this run and its best one; rename, then delete the rest."""
     keep_best = best(run_dir)
-    dirs = step_dirs(run_dir)
+    dirs = step_dirs(run_dir, warn=False)
     victims = [p for p in dirs[: max(0, len(dirs) - keep)] if p != keep_best]
     for path in victims:  # a crash mid-delete leaves a `.trash-` folder, never a half-deleted step_ folder
         path.rename(path.with_name(f"{_TRASH}{path.name}"))

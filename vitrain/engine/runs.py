@@ -110,7 +110,8 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
         notes.append(f"{run_dir} was stopped by {signal_name} after step {step}: continuing it")
     if checkpoint is None:
         checkpoint = _newest_intact(run_dir, notes)
-        if checkpoint is None and ckpt.step_dirs(run_dir):  # every complete step damaged: refuse, keep them all
+        # Every complete step damaged: refuse, keep them all.
+        if checkpoint is None and ckpt.step_dirs(run_dir, warn=False):
             raise CheckpointError(
                 f"--resume: every checkpoint of {run_dir} is damaged (`vitrain checkpoint verify {run_dir}` names "
                 "the files); restore them from a copy, or start a new run without --resume"
@@ -124,7 +125,7 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
             return RunChoice(run_dir, None, notes=notes)
     if not checked:  # read_meta (here or the caller's) verifies the checksums: a damaged step is refused by name
         check(checkpoint, ckpt.read_meta(checkpoint))
-    newer = [p for p in ckpt.step_dirs(run_dir) if p.name > checkpoint.name]
+    newer = [p for p in ckpt.step_dirs(run_dir, warn=False) if p.name > checkpoint.name]
     return RunChoice(run_dir, checkpoint, notes=notes, newer=newer)
 
 
@@ -205,7 +206,7 @@ def resume_choice(run_dir: Path, resume: bool | str, env: Mapping[str, str] = os
             return str((mine or stopped)[-1])
         resume = "auto" if job is not None else False
     if resume == "auto":
-        return (run_dir / RUN_FILE).exists() or bool(ckpt.step_dirs(run_dir))
+        return (run_dir / RUN_FILE).exists() or bool(ckpt.step_dirs(run_dir, warn=False))
     return resume
 
 
@@ -409,7 +410,7 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
         'restore it from a copy (each checkpoint\'s meta.json holds the config it was saved with, under "config")'
     )
     if not saved_file.is_file():
-        if ckpt.step_dirs(run_dir):  # config.yaml is written as a run starts, before its first checkpoint
+        if ckpt.step_dirs(run_dir, warn=False):  # config.yaml is written as a run starts, before its first checkpoint
             raise CheckpointError(f"--resume: {saved_file} is missing from the run folder; {restore_it}")
         return load_config(base=to_dict(cfg)), {}  # a run that never started (or no run: choose_run says so)
     try:

@@ -459,7 +459,7 @@ class Trainer:
         with self.watchdog.paused():
             path = self.save() if self.saved_step != self.step else None
             self.wait_for_save()
-            path = path or ckpt.latest(self.run_dir)
+            path = path or ckpt.latest(self.run_dir, warn=False)
             requeued = None
             with all_or_none(f"marking {self.run_dir} stopped"):  # every rank exits once the requeue is asked
                 if self.is_main:
