@@ -122,11 +122,21 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
                     f"--resume: {run_dir} holds no complete checkpoint and no vitrain run; start without --resume"
                 )
             notes.append(f"{run_dir} holds no complete checkpoint yet: starting it over from step 0")
-            return RunChoice(run_dir, None, notes=notes)
+            return RunChoice(run_dir, None, notes=notes, newer=_step_folders_after(run_dir, None))
     if not checked:  # read_meta (here or the caller's) verifies the checksums: a damaged step is refused by name
         check(checkpoint, ckpt.read_meta(checkpoint))
-    newer = [p for p in ckpt.step_dirs(run_dir, warn=False) if p.name > checkpoint.name]
-    return RunChoice(run_dir, checkpoint, notes=notes, newer=newer)
+    return RunChoice(run_dir, checkpoint, notes=notes, newer=_step_folders_after(run_dir, checkpoint))
+
+
+def _step_folders_after(run_dir: Path, checkpoint: Path | None) -> list[Path]:
+    """The run's step folders after `checkpoint` (all of them for None), incomplete ones too: the continued run saves
+    those steps again, and a save replaces a folder of its step, while an incomplete one may be whole files under a
+    damaged marker."""
+    root = run_dir / ckpt.CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    after = "" if checkpoint is None else checkpoint.name
+    return sorted(p for p in root.iterdir() if ckpt.is_step_dir(p) and p.is_dir() and p.name > after)
 
 
 def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
@@ -143,16 +153,23 @@ def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
     return None
 
 
-def move_aside(newer: list[Path], checkpoint: Path) -> list[str]:
-    """Going back to an earlier step, once it has loaded (rank 0): move the run's newer checkpoints aside, so that
-    they are neither taken for the newest (by --resume or a restart) nor pruned in place of the new ones."""
+def move_aside(newer: list[Path], checkpoint: Path | None) -> list[str]:
+    """Going back to an earlier step (None: starting over), once it has loaded (rank 0): move the run's newer step
+    folders aside, so that they are neither taken for the newest (by --resume or a restart) nor pruned or replaced
+    by the new saves of their steps."""
     for path in newer:
-        path.rename(path.with_name(f"{SUPERSEDED}{path.name}"))
+        # A step moved aside before (a run gone back twice) keeps its name: the later copy takes the next number.
+        target, copy = path.with_name(f"{SUPERSEDED}{path.name}"), 1
+        while target.exists():
+            copy += 1
+            target = path.with_name(f"{SUPERSEDED}{path.name}-{copy}")
+        path.rename(target)
     if not newer:
         return []
-    ckpt.fsync_dir(checkpoint.parent)
+    ckpt.fsync_dir(newer[0].parent)
     names = ", ".join(p.name for p in newer)
-    return [f"continuing the earlier {checkpoint.name}: the newer {names} moved aside as {SUPERSEDED}step_*"]
+    going = f"continuing the earlier {checkpoint.name}" if checkpoint is not None else "starting over from step 0"
+    return [f"{going}: the newer {names} moved aside as {SUPERSEDED}step_*"]
 
 
 def mark_stopped(run_dir: Path, step: int, signal_name: str) -> None:

@@ -273,8 +273,7 @@ class Trainer:
                     self.kept = broadcast_object(self._kept_summary() if self.is_main else None)
                 with all_or_none(f"writing to the run folder {self.run_dir}"):
                     if self.is_main and self.kept is None:
-                        if self.resume_path is not None:
-                            self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
+                        self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
                         runs.write_run_files(self)
                     wanted = self.is_main and self.kept is None
                     sinks = open_sinks(self.cfg, self.run_dir) if wanted else []  # tensorboard, wandb, mlflow
