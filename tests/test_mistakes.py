@@ -161,7 +161,7 @@ def test_a_garbled_complete_marker_is_said_once_per_command(trained, tmp_path, c
     said = f"checkpoint {garbled} is incomplete"
     main(["checkpoint", "verify", str(run)])
     captured = capsys.readouterr()
-    assert f"{garbled}: damaged" in captured.out and said not in captured.err
+    assert f"{garbled}: damaged: its COMPLETE marker cannot be read" in captured.out and said not in captured.err
     for argv in (["eval", str(run)], ["train", "--resume", str(run), "train.epochs=2"]):
         assert main(argv) == 0
         err = capsys.readouterr().err

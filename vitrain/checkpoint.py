@@ -224,6 +224,8 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
         kind = " (DeepSpeed's files)" if (step / DEEPSPEED_DIR).is_dir() else ""
         if not (step / COMPLETE_FILE).is_file():
             report.append((step, False, f"incomplete: no {COMPLETE_FILE} marker (its write was interrupted)"))
+        elif not _marker_reads(step):
+            report.append((step, False, f"damaged: its {COMPLETE_FILE} marker cannot be read (not the JSON it was)"))
         elif not is_complete(step):
             report.append((step, False, f"damaged: a file is missing or its size differs from {COMPLETE_FILE}"))
         else:
@@ -252,6 +254,16 @@ def _folder_of(file: Path) -> str:
     if (parent / CHECKPOINT_DIR).is_dir():
         return f"the run folder {parent}"
     return f"a run folder (the one holding {CHECKPOINT_DIR}/) or a step folder ({CHECKPOINT_DIR}/step_00000100 in it)"
+
+
+def _marker_reads(path: Path) -> bool:
+    """Whether a step folder's COMPLETE marker is what a save writes, a JSON object with a "files" object: a garbled
+    one is named as such, not taken for a missing or short file."""
+    try:
+        listed = json.loads((Path(path) / COMPLETE_FILE).read_text())
+        return isinstance(listed, dict) and isinstance(listed.get("files"), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def is_complete(path: Path) -> bool:
@@ -908,8 +920,9 @@ def resolve(path: Path) -> Path:
         steps = run_dir / CHECKPOINT_DIR
         if newest is None and steps.is_dir() and any(_STEP_DIR.match(p.name) for p in steps.iterdir()):
             raise CheckpointError(
-                f"run {run_dir} holds no complete checkpoint: every step folder in {steps} lacks its {COMPLETE_FILE} "
-                "marker (its write was interrupted); resume the run to train again from step 0"
+                f"run {run_dir} holds no complete checkpoint: no step folder in {steps} has a valid {COMPLETE_FILE} "
+                "marker (its write was interrupted, or the marker was damaged); resume the run to train again from "
+                "step 0 (they are kept, moved aside)"
             )
         return newest or path
     return path

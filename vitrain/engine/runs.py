@@ -168,8 +168,10 @@ def move_aside(newer: list[Path], checkpoint: Path | None) -> list[str]:
         return []
     ckpt.fsync_dir(newer[0].parent)
     names = ", ".join(p.name for p in newer)
-    going = f"continuing the earlier {checkpoint.name}" if checkpoint is not None else "starting over from step 0"
-    return [f"{going}: the newer {names} moved aside as {SUPERSEDED}step_*"]
+    if checkpoint is None:
+        invalid = f"no valid {ckpt.COMPLETE_FILE} marker"
+        return [f"starting over from step 0: {names} ({invalid}) moved aside as {SUPERSEDED}step_*"]
+    return [f"continuing the earlier {checkpoint.name}: the newer {names} moved aside as {SUPERSEDED}step_*"]
 
 
 def mark_stopped(run_dir: Path, step: int, signal_name: str) -> None:
