@@ -52,6 +52,26 @@ def test_zip_with_top_folder_reads_like_the_tree(tmp_path):
     assert torch.equal(from_zip.images, from_tree.images)
 
 
+def test_a_truncated_zip_is_one_line_saying_to_copy_it_again(tmp_path):
+    root = tmp_path / "tree"
+    make_tree(root, {"train": 3, "test": 3})
+    archive = zip_tree(root, tmp_path / "data.zip")
+    archive.write_bytes(archive.read_bytes()[:-100])  # an interrupted download: the central directory is gone
+    with pytest.raises(DataError) as error:
+        build_datasets(folder_cfg(tmp_path, archive))
+    message = str(error.value)
+    assert "\n" not in message and f"data.root={archive} is not a readable zip file" in message
+    assert "cut short" in message and "copy or download it again" in message
+    assert f"python -m zipfile -t {archive}" in message
+
+
+def test_a_folder_named_like_a_zip_reads_as_a_folder(tmp_path):
+    root = tmp_path / "data.zip"  # a folder that an unpacker named after its archive
+    make_tree(root, {"train": 3, "test": 3})
+    train, val = build_datasets(folder_cfg(tmp_path, root))
+    assert (len(train), len(val)) == (6, 6)
+
+
 def test_missing_val_split_holds_out_a_fraction(tmp_path):
     root = tmp_path / "data"
     make_tree(root, {"train": 10})

@@ -35,7 +35,7 @@ def error_line(capsys, argv: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A finished 1-epoch run with two checkpoints (steps 10 and 16)."""
+    """A finished 1-epoch run with two checkpoints (steps 10 and 15)."""
     out = tmp_path_factory.mktemp("mistakes")
     overrides = tiny_overrides(out, *TINY_RUN, "train.checkpoint_every_steps=10", "train.batch_size=90")
     assert main(["train", *overrides]) == 0
@@ -151,6 +151,40 @@ def test_checkpoint_verify_says_what_each_step_is(trained, tmp_path, capsys):
     assert "1 of 2 step folder(s)" in captured.err
     line = error_line(capsys, ["eval", str(newest)])
     assert line.startswith(f"checkpoint {newest} is incomplete (no valid COMPLETE marker")
+
+
+@pytest.mark.parametrize("which", [-1, 0])  # the newest step (resume falls back) or the older one (kept beside)
+def test_a_garbled_complete_marker_is_said_once_per_command(trained, tmp_path, capsys, which):
+    run = fresh_copy(trained, tmp_path)
+    garbled = ckpt.step_dirs(run)[which]
+    (garbled / ckpt.COMPLETE_FILE).write_text('{"step": 15, "files": {"meta.json"')
+    said = f"checkpoint {garbled} is incomplete"
+    main(["checkpoint", "verify", str(run)])
+    captured = capsys.readouterr()
+    assert f"{garbled}: damaged: its COMPLETE marker cannot be read" in captured.out and said not in captured.err
+    for argv in (["eval", str(run)], ["train", "--resume", str(run), "train.epochs=2"]):
+        assert main(argv) == 0
+        err = capsys.readouterr().err
+        assert err.count(said) == 1, err
+
+
+@pytest.mark.parametrize(
+    "file, give",
+    [
+        ("checkpoints/step_00000015/meta.json", "its step folder {run}/checkpoints/step_00000015"),
+        ("checkpoints/best", "the run folder {run}"),
+        ("config.yaml", "the run folder {run}"),
+        ("../model.pt", "a run folder (the one holding checkpoints/) or a step folder"),
+    ],
+)
+def test_checkpoint_verify_of_a_file_says_which_folder_to_give(trained, tmp_path, capsys, file, give):
+    run = fresh_copy(trained, tmp_path)
+    path = run / file
+    if not path.exists():
+        path.write_bytes(b"an export, say")
+    line = error_line(capsys, ["checkpoint", "verify", str(path)])
+    assert line.startswith(f"checkpoint verify: {path} is a file, not a run or step folder; give "), line
+    assert give.format(run=run) in line
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -100,6 +100,27 @@ def test_an_incomplete_step_folder_is_skipped_with_a_warning_and_resume_falls_ba
     assert trainer.resume_path == fallback
 
 
+@pytest.mark.parametrize("max_steps", [10, 2])  # a complete step before it to continue, or none: starting over
+def test_an_incomplete_step_folder_is_moved_aside_not_overwritten_by_the_resumed_run(tmp_path, max_steps):
+    cfg = tiny_config(tmp_path, "run", train={**TEN_STEPS, "max_steps": max_steps})
+    Trainer(cfg).fit()
+    newest = ckpt.latest(cfg.run_dir)
+    (newest / ckpt.COMPLETE_FILE).write_text("{garbled")  # the marker damaged: its files may be whole
+    files = {p.name: p.read_bytes() for p in newest.iterdir()}
+    with pytest.warns(UserWarning, match="is incomplete"):
+        Trainer(cfg, resume=True).fit()  # trains up to the same step again, and saves it
+    kept = newest.with_name(f"superseded-{newest.name}")
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == files
+    assert ckpt.is_complete(newest) and ckpt.read_meta(newest)["step"] == max_steps
+    why = " (no valid COMPLETE marker)" if max_steps == 2 else ""  # starting over: no earlier step to go back to
+    assert f"{newest.name}{why} moved aside as superseded-step_*" in (cfg.run_dir / "log.txt").read_text()
+    (newest / ckpt.COMPLETE_FILE).write_text("{garbled again")
+    with pytest.warns(UserWarning, match="is incomplete"):
+        Trainer(cfg, resume=True).fit()  # the folder moved aside before stays; this one takes the next name
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == files
+    assert (kept.with_name(f"{kept.name}-2") / ckpt.COMPLETE_FILE).read_text() == "{garbled again"
+
+
 def test_a_marker_that_lists_a_missing_or_short_file_means_incomplete(tmp_path):
     cfg = tiny_config(tmp_path, "run", train={"max_steps": 2})
     Trainer(cfg).fit()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import shared_data
-from tests.data_helpers import zip_tree
+from tests.data_helpers import jpeg_bytes, zip_tree
 from tests.video_helpers import VIDEO_OVERRIDES, clip_pixels, frame_value, make_clip_tree, write_frames, write_video
 from vitrain.config import load_config
 from vitrain.data.augment import BatchAugment
@@ -186,6 +186,34 @@ def test_an_unreadable_or_empty_video_is_one_line_naming_it(tmp_path, content, r
         video_source(video_cfg(tmp_path, "data.video_frames=false", "data.val_match=actor1_"))
     message = str(error.value)
     assert "\n" not in message and "b/actor0_1.mp4" in message and reason in message
+
+
+@needs_av
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_an_image_named_as_a_video_is_a_bad_clip_not_a_one_frame_one(tmp_path, fmt):
+    # FFmpeg opens a lone image as a one-frame stream (jpeg_pipe, png_pipe): it decoded, and trained as a still clip.
+    make_clip_tree(tmp_path, actors=2, frames=4, files=True)
+    (tmp_path / "b" / "actor0_1.mp4").write_bytes(jpeg_bytes(128, fmt))
+    with pytest.raises(DataError) as error:
+        video_source(video_cfg(tmp_path, "data.video_frames=false", "data.val_match=actor1_"))
+    message = str(error.value)
+    assert "\n" not in message and "b/actor0_1.mp4" in message and f"is an image ({fmt}), not a video" in message
+    assert "data.skip_bad=0" in message
+    train, _ = video_source(video_cfg(tmp_path, "data.video_frames=false", "data.val_match=actor1_", "data.skip_bad=1"))
+    assert "b/actor0_1.mp4" not in train.names and train.videos == 3
+    assert [where.rsplit("/", 2)[-2:] for where, _ in train.skipped.undecodable] == [["b", "actor0_1.mp4"]]
+
+
+@needs_av
+def test_a_real_video_shorter_than_the_clip_is_kept_and_loops(tmp_path):
+    # Short videos are legitimate (padding by looping, as SlowFast's loader does): only non-videos are refused.
+    write_video(tmp_path / "a" / "actor0_0.mp4", clip_pixels(0, 2))
+    write_video(tmp_path / "b" / "actor0_0.mp4", clip_pixels(1, 2))
+    write_video(tmp_path / "a" / "actor1_0.mp4", clip_pixels(2, 12))
+    write_video(tmp_path / "b" / "actor1_0.mp4", clip_pixels(3, 12))
+    train, _ = video_source(video_cfg(tmp_path, "data.video_frames=false", "data.val_match=actor1_"))
+    assert train.lengths.tolist() == [2, 2]
+    assert (train.frame_index(torch.tensor([0]), torch.Generator()) - train.starts[0]).tolist() == [[0, 1, 0, 1]]
 
 
 @needs_av

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
+from tests.data_helpers import jpeg_bytes
 from tests.video_helpers import VIDEO_OVERRIDES, clip_pixels, make_clip_tree, write_video
 from vitrain.config import load_config
 from vitrain.data import build_loaders
@@ -112,6 +113,7 @@ def test_a_video_tree_packed_to_shards_trains_from_the_cli_and_evaluates_whole_v
     [
         ("no_label", {"mp4": None}, "has no label"),
         ("broken", {"mp4": b"not a video at all" * 40, "cls": b"0"}, "is not a usable clip: cannot decode video"),
+        ("an_image", {"mp4": jpeg_bytes(128), "cls": b"0"}, "is not a usable clip: the file is an image (JPEG)"),
     ],
 )
 def test_a_bad_clip_sample_is_one_line_naming_the_shard_and_key_exit_2(tmp_path, key, members, says):

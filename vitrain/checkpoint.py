@@ -210,6 +210,8 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint verify: {path} does not exist; give a run folder or a step folder")
+    if path.is_file():
+        raise CheckpointError(f"checkpoint verify: {path} is a file, not a run or step folder; give {_folder_of(path)}")
     if _STEP_DIR.match(path.name):
         steps = [path]
     else:
@@ -222,6 +224,8 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
         kind = " (DeepSpeed's files)" if (step / DEEPSPEED_DIR).is_dir() else ""
         if not (step / COMPLETE_FILE).is_file():
             report.append((step, False, f"incomplete: no {COMPLETE_FILE} marker (its write was interrupted)"))
+        elif not _marker_reads(step):
+            report.append((step, False, f"damaged: its {COMPLETE_FILE} marker cannot be read (not the JSON it was)"))
         elif not is_complete(step):
             report.append((step, False, f"damaged: a file is missing or its size differs from {COMPLETE_FILE}"))
         else:
@@ -238,6 +242,28 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
             checked = "each file matches its XXH3-64" if listed.get(CHECKSUM) else "sizes match (no checksums: older)"
             report.append((step, True, f"intact: {len(listed['files'])} files, {size:.1f} MiB, {checked}{kind}"))
     return report
+
+
+def _folder_of(file: Path) -> str:
+    """What to verify instead of a file: the step or run folder it belongs to, where it belongs to one."""
+    parent = file.parent
+    if _STEP_DIR.match(parent.name):
+        return f"its step folder {parent} (or the run folder {run_dir_of(parent)}, for every step)"
+    if parent.name == CHECKPOINT_DIR:
+        return f"the run folder {parent.parent}"
+    if (parent / CHECKPOINT_DIR).is_dir():
+        return f"the run folder {parent}"
+    return f"a run folder (the one holding {CHECKPOINT_DIR}/) or a step folder ({CHECKPOINT_DIR}/step_00000100 in it)"
+
+
+def _marker_reads(path: Path) -> bool:
+    """Whether a step folder's COMPLETE marker is what a save writes, a JSON object with a "files" object: a garbled
+    one is named as such, not taken for a missing or short file."""
+    try:
+        listed = json.loads((Path(path) / COMPLETE_FILE).read_text())
+        return isinstance(listed, dict) and isinstance(listed.get("files"), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def is_complete(path: Path) -> bool:
@@ -257,8 +283,11 @@ def is_complete(path: Path) -> bool:
         return False
 
 
-def step_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first; incomplete step folders are skipped with a warning."""
+def step_dirs(run_dir: Path, warn: bool = True) -> list[Path]:
+    """Complete checkpoints of a run, oldest first; incomplete step folders are skipped, with a warning where `warn`.
+
+    A command lists a run's steps many times (to choose one, to find the newer ones, at each prune, for the summary):
+    only the call that chooses the checkpoint warns, so that a skipped folder is said once, not at each listing."""
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
@@ -267,15 +296,15 @@ def step_dirs(run_dir: Path) -> list[Path]:
     for _, path in found:
         if is_complete(path):
             complete.append(path)
-        else:
+        elif warn:
             warnings.warn(
                 f"checkpoint {path} is incomplete (its write was interrupted or it was damaged); skipped", stacklevel=2
             )
     return complete
 
 
-def latest(run_dir: Path) -> Path | None:
-    dirs = step_dirs(run_dir)
+def latest(run_dir: Path, warn: bool = True) -> Path | None:
+    dirs = step_dirs(run_dir, warn)
     return dirs[-1] if dirs else None
 
 
@@ -580,7 +609,7 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 def _prune(run_dir: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints of this run and its best one; rename, then delete the rest."""
     keep_best = best(run_dir)
-    dirs = step_dirs(run_dir)
+    dirs = step_dirs(run_dir, warn=False)
     victims = [p for p in dirs[: max(0, len(dirs) - keep)] if p != keep_best]
     for path in victims:  # a crash mid-delete leaves a `.trash-` folder, never a half-deleted step_ folder
         path.rename(path.with_name(f"{_TRASH}{path.name}"))
@@ -891,8 +920,9 @@ def resolve(path: Path) -> Path:
         steps = run_dir / CHECKPOINT_DIR
         if newest is None and steps.is_dir() and any(_STEP_DIR.match(p.name) for p in steps.iterdir()):
             raise CheckpointError(
-                f"run {run_dir} holds no complete checkpoint: every step folder in {steps} lacks its {COMPLETE_FILE} "
-                "marker (its write was interrupted); resume the run to train again from step 0"
+                f"run {run_dir} holds no complete checkpoint: no step folder in {steps} has a valid {COMPLETE_FILE} "
+                "marker (its write was interrupted, or the marker was damaged); resume the run to train again from "
+                "step 0 (they are kept, moved aside)"
             )
         return newest or path
     return path

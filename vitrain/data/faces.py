@@ -15,7 +15,7 @@ import torch
 from vitrain.data.prepared import IDENTITIES, IDENTITIES_SPLIT, PreparedSet, is_prepared, read_manifest, verify_files
 from vitrain.data.recordio import read_insightface
 from vitrain.data.records import RecordSet, class_names
-from vitrain.data.sources import IMAGE_SUFFIXES, ImageSet, decode_files, file_reader, location
+from vitrain.data.sources import IMAGE_SUFFIXES, ImageSet, decode_files, file_reader, location, unreadable_zip
 from vitrain.errors import DataError
 
 FOLDS = 10
@@ -60,8 +60,8 @@ def open_face_tree(root: str | Path) -> FaceTree:
         try:
             with zipfile.ZipFile(root) as archive:
                 names = [n for n in archive.namelist() if not n.endswith("/")]
-        except zipfile.BadZipFile:
-            raise DataError(f"face data {root} is not a readable zip file; give a .zip or a folder") from None
+        except zipfile.BadZipFile as error:
+            raise unreadable_zip(f"face data {root}", root, error) from None
     else:
         names = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
     images = [n for n in names if n.lower().endswith(IMAGE_SUFFIXES) and not _is_clutter(n)]

@@ -268,13 +268,13 @@ class ImageTree:
 
     def __init__(self, root: Path):
         self.root = root
-        self.is_zip = root.suffix.lower() == ".zip"
+        self.is_zip = root.suffix.lower() == ".zip" and not root.is_dir()  # an unpacker may name a folder data.zip
         if self.is_zip:
             try:
                 with zipfile.ZipFile(root) as archive:
                     self.names = archive.namelist()  # folders end with "/", as on disk below
-            except zipfile.BadZipFile:
-                raise DataError(f"data.root={root} is not a readable zip file") from None
+            except zipfile.BadZipFile as error:
+                raise unreadable_zip(f"data.root={root}", root, error) from None
         else:
             self.names = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
             self.names += [p.relative_to(root).as_posix() + "/" for p in root.rglob("*") if p.is_dir()]
@@ -330,6 +330,16 @@ class ImageTree:
                 continue
             found.append(self.location(name))
         return found
+
+
+def unreadable_zip(what: str, root: Path, error: zipfile.BadZipFile) -> DataError:
+    """The error for a .zip that zipfile cannot open: most often one cut short by an interrupted download or copy (a
+    zip's directory sits at its end), so the fix is a fresh copy; `python -m zipfile -t` checks one without unzip."""
+    return DataError(
+        f"{what} is not a readable zip file ({error}, {root.stat().st_size:,} bytes: cut short by an interrupted "
+        f"download or copy, or not a zip); copy or download it again (python -m zipfile -t {root} checks it), or "
+        "give the unpacked folder"
+    )
 
 
 def location(root: str | Path, is_zip: bool, name: str) -> str:

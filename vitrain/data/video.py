@@ -317,6 +317,9 @@ def _read_video(data: bytes, gray: bool) -> np.ndarray:
         raise _BadClip("the video file is empty (0 bytes)")
     try:
         with av.open(io.BytesIO(data)) as container:
+            image = _image_format(container.format.name)
+            if image:
+                raise _BadClip(f"the file is an image ({image}), not a video")
             if not container.streams.video:
                 raise _BadClip("the file has no video stream")
             fmt = "gray" if gray else "rgb24"
@@ -327,6 +330,15 @@ def _read_video(data: bytes, gray: bool) -> np.ndarray:
         raise _BadClip("the video has no frames (zero length)")
     video = np.stack(frames)
     return video[..., None] if gray else video
+
+
+def _image_format(demuxer: str) -> str:
+    """The image kind ("JPEG", "PNG", ...) when FFmpeg's demuxer is one of its still-image readers (jpeg_pipe,
+    png_pipe, image2, ...), else "". FFmpeg opens a lone image as a one-frame video stream, so an image under a video
+    name decoded and trained as a still clip. yuv4mpegpipe (raw video) does not end in _pipe: it stays a video."""
+    if demuxer in ("image2", "image2pipe"):
+        return "image2"
+    return demuxer.removesuffix("_pipe").upper() if demuxer.endswith("_pipe") else ""
 
 
 def _read_frames(read, clip: str, files: list[str], gray: bool) -> np.ndarray:

@@ -110,7 +110,8 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
         notes.append(f"{run_dir} was stopped by {signal_name} after step {step}: continuing it")
     if checkpoint is None:
         checkpoint = _newest_intact(run_dir, notes)
-        if checkpoint is None and ckpt.step_dirs(run_dir):  # every complete step damaged: refuse, keep them all
+        # Every complete step damaged: refuse, keep them all.
+        if checkpoint is None and ckpt.step_dirs(run_dir, warn=False):
             raise CheckpointError(
                 f"--resume: every checkpoint of {run_dir} is damaged (`vitrain checkpoint verify {run_dir}` names "
                 "the files); restore them from a copy, or start a new run without --resume"
@@ -121,11 +122,21 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
                     f"--resume: {run_dir} holds no complete checkpoint and no vitrain run; start without --resume"
                 )
             notes.append(f"{run_dir} holds no complete checkpoint yet: starting it over from step 0")
-            return RunChoice(run_dir, None, notes=notes)
+            return RunChoice(run_dir, None, notes=notes, newer=_step_folders_after(run_dir, None))
     if not checked:  # read_meta (here or the caller's) verifies the checksums: a damaged step is refused by name
         check(checkpoint, ckpt.read_meta(checkpoint))
-    newer = [p for p in ckpt.step_dirs(run_dir) if p.name > checkpoint.name]
-    return RunChoice(run_dir, checkpoint, notes=notes, newer=newer)
+    return RunChoice(run_dir, checkpoint, notes=notes, newer=_step_folders_after(run_dir, checkpoint))
+
+
+def _step_folders_after(run_dir: Path, checkpoint: Path | None) -> list[Path]:
+    """The run's step folders after `checkpoint` (all of them for None), incomplete ones too: the continued run saves
+    those steps again, and a save replaces a folder of its step, while an incomplete one may be whole files under a
+    damaged marker."""
+    root = run_dir / ckpt.CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    after = "" if checkpoint is None else checkpoint.name
+    return sorted(p for p in root.iterdir() if ckpt.is_step_dir(p) and p.is_dir() and p.name > after)
 
 
 def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
@@ -142,15 +153,24 @@ def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
     return None
 
 
-def move_aside(newer: list[Path], checkpoint: Path) -> list[str]:
-    """Going back to an earlier step, once it has loaded (rank 0): move the run's newer checkpoints aside, so that
-    they are neither taken for the newest (by --resume or a restart) nor pruned in place of the new ones."""
+def move_aside(newer: list[Path], checkpoint: Path | None) -> list[str]:
+    """Going back to an earlier step (None: starting over), once it has loaded (rank 0): move the run's newer step
+    folders aside, so that they are neither taken for the newest (by --resume or a restart) nor pruned or replaced
+    by the new saves of their steps."""
     for path in newer:
-        path.rename(path.with_name(f"{SUPERSEDED}{path.name}"))
+        # A step moved aside before (a run gone back twice) keeps its name: the later copy takes the next number.
+        target, copy = path.with_name(f"{SUPERSEDED}{path.name}"), 1
+        while target.exists():
+            copy += 1
+            target = path.with_name(f"{SUPERSEDED}{path.name}-{copy}")
+        path.rename(target)
     if not newer:
         return []
-    ckpt.fsync_dir(checkpoint.parent)
+    ckpt.fsync_dir(newer[0].parent)
     names = ", ".join(p.name for p in newer)
+    if checkpoint is None:
+        invalid = f"no valid {ckpt.COMPLETE_FILE} marker"
+        return [f"starting over from step 0: {names} ({invalid}) moved aside as {SUPERSEDED}step_*"]
     return [f"continuing the earlier {checkpoint.name}: the newer {names} moved aside as {SUPERSEDED}step_*"]
 
 
@@ -205,7 +225,7 @@ def resume_choice(run_dir: Path, resume: bool | str, env: Mapping[str, str] = os
             return str((mine or stopped)[-1])
         resume = "auto" if job is not None else False
     if resume == "auto":
-        return (run_dir / RUN_FILE).exists() or bool(ckpt.step_dirs(run_dir))
+        return (run_dir / RUN_FILE).exists() or bool(ckpt.step_dirs(run_dir, warn=False))
     return resume
 
 
@@ -409,7 +429,7 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
         'restore it from a copy (each checkpoint\'s meta.json holds the config it was saved with, under "config")'
     )
     if not saved_file.is_file():
-        if ckpt.step_dirs(run_dir):  # config.yaml is written as a run starts, before its first checkpoint
+        if ckpt.step_dirs(run_dir, warn=False):  # config.yaml is written as a run starts, before its first checkpoint
             raise CheckpointError(f"--resume: {saved_file} is missing from the run folder; {restore_it}")
         return load_config(base=to_dict(cfg)), {}  # a run that never started (or no run: choose_run says so)
     try:

@@ -273,8 +273,7 @@ class Trainer:
                     self.kept = broadcast_object(self._kept_summary() if self.is_main else None)
                 with all_or_none(f"writing to the run folder {self.run_dir}"):
                     if self.is_main and self.kept is None:
-                        if self.resume_path is not None:
-                            self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
+                        self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
                         runs.write_run_files(self)
                     wanted = self.is_main and self.kept is None
                     sinks = open_sinks(self.cfg, self.run_dir) if wanted else []  # tensorboard, wandb, mlflow
@@ -459,7 +458,7 @@ class Trainer:
         with self.watchdog.paused():
             path = self.save() if self.saved_step != self.step else None
             self.wait_for_save()
-            path = path or ckpt.latest(self.run_dir)
+            path = path or ckpt.latest(self.run_dir, warn=False)
             requeued = None
             with all_or_none(f"marking {self.run_dir} stopped"):  # every rank exits once the requeue is asked
                 if self.is_main:
