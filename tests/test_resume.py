@@ -260,3 +260,28 @@ def test_loading_on_another_world_size_says_what_happens_to_the_rng_states(two_r
     log = (two_rank_runs / "to_one" / "log.txt").read_text()
     assert "checkpoint from 2 processes, 1 now: ranks 0-0 continue their own RNG states" in log
     assert "the states of ranks 1-1 are not used" in log
+
+
+def _lrs(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in records if "lr" in r}
+
+
+def test_a_resume_with_other_steps_per_epoch_continues_the_schedule_at_the_same_point_of_training(tmp_path):
+    # 64 training samples of 16: 4 steps per epoch; stopped after 2 (half of epoch 1), resumed with 2 micro-batches
+    # a step: 2 steps per epoch.
+    data = {"synthetic_samples": 80}  # 16 of them held out
+    half = tiny_config(tmp_path, "half", train={"max_steps": 2, "epochs": 3}, data=data)
+    Trainer(half).fit()
+    half.train.max_steps, half.train.accum_steps = 0, 2
+    resumed = Trainer(half, resume=True)
+    resumed.fit()
+    said = "the lr schedule continues at its step 1 of 2 per epoch (the checkpoint's 2 of 4), the same point of"
+    assert said in " ".join(resumed.notes)
+    whole = tiny_config(tmp_path, "whole", train={"max_steps": 0, "epochs": 3, "accum_steps": 2}, data=data)
+    Trainer(whole).fit()
+    # The uninterrupted 2-step epochs' rates from their step 2 on; before, the resumed run read step 2 of 6 as its
+    # step 3 (warmup ended a step early) and trained a step past the schedule's end at the minimum rate.
+    got, reference = _lrs(tmp_path / "half"), _lrs(tmp_path / "whole")
+    assert sorted(got) == list(range(1, 8)) and sorted(reference) == list(range(1, 7))
+    assert [got[s] for s in range(3, 8)] == pytest.approx([reference[s] for s in range(2, 7)], rel=1e-12)

@@ -967,7 +967,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointError(f"checkpoint {meta_file} holds no config; it was not written by vitrain")
-    for key in ("step", "epoch"):  # the run's progress: whole numbers, or a resume fails deep in the schedule
+    # The run's progress: whole numbers, or a resume fails deep in the schedule (the last two: absent before 2026-11).
+    for key in ("step", "epoch", "schedule_step", "steps_per_epoch"):
         value = meta.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CheckpointError(

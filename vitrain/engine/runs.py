@@ -363,6 +363,10 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
         "precision": trainer.engine.state_dict(),
         "step": trainer.step,
         "epoch": trainer.epoch,
+        # Where the lr schedule stands, in steps of this layout: a resume with another number of steps per epoch
+        # (train.accum_steps, the world size) continues it at the same point of training (restore).
+        "schedule_step": trainer.step + trainer.schedule_offset,
+        "steps_per_epoch": trainer.steps_per_epoch,
         "loader": trainer.train_loader.position(trainer.epoch, trainer.resume_at, trainer.batch_in_epoch).to_dict(),
         "best_metric": trainer.best_metric,
         "best_metric_name": trainer.task.best_metric,
@@ -373,6 +377,23 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
         "wall_s": trainer.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
         "setup_s": trainer.setup_s,
     }
+
+
+def _schedule_step(meta: dict[str, Any], steps_per_epoch: int, notes: list[str]) -> int:
+    """The step the lr schedule (and token dropping, progressive resizing) continues from. A checkpoint written with
+    another number of steps per epoch (train.accum_steps, the world size or the batch changed on resume) stood at
+    the same share of training in its own steps: counted in this run's, its step would skip or repeat part of the
+    schedule (half of warmup skipped, and the run's last steps at the minimum rate, after 1 -> 2 accumulation)."""
+    at, saved = meta.get("schedule_step", meta["step"]), meta.get("steps_per_epoch")
+    if not saved or saved == steps_per_epoch:
+        return at
+    moved = round(at * steps_per_epoch / saved)
+    notes.append(
+        f"{steps_per_epoch} steps per epoch, {saved} when the checkpoint was written: the lr schedule continues at "
+        f"its step {moved} of {steps_per_epoch} per epoch (the checkpoint's {at} of {saved}), the same point of "
+        f"training; step numbers go on from {meta['step']}"
+    )
+    return moved
 
 
 def restore(trainer: Trainer, path: Path) -> None:
@@ -392,6 +413,7 @@ def restore(trainer: Trainer, path: Path) -> None:
             "saved with, or start a new run from its weights (`vitrain export`, then model.init_from=)"
         ) from mismatch
     trainer.step, trainer.epoch = meta["step"], meta["epoch"]
+    trainer.schedule_offset = _schedule_step(meta, trainer.steps_per_epoch, trainer.notes) - meta["step"]
     # Checkpoints before the loader kept its Position held the epoch's consumed samples as samples_in_epoch.
     saved = meta.get("loader") or {"epoch": meta["epoch"], "samples": meta.get("samples_in_epoch", 0)}
     trainer.resume_at, trainer.batch_in_epoch = Position.from_dict(saved), 0

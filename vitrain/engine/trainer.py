@@ -189,6 +189,7 @@ class Trainer:
         self.forward = self.engine.forward  # what computes the loss and the evaluation
         self.precision = getattr(self.engine, "precision", None)  # the native engine's policy (tools and tests)
         self.step = self.epoch = 0
+        self.schedule_offset = 0  # the lr schedule's step minus self.step, after a resume that changed steps/epoch
         self.epoch_batches: Any = None  # the current epoch's batch iterator
         self.resume_at: Any = None  # the loader Position a resume continues this epoch from (None: its start)
         self.batch_in_epoch = 0  # micro-batches of the current epoch consumed since then
@@ -503,12 +504,13 @@ class Trainer:
     def schedule_position(self) -> float:
         """The step the lr schedule is read at: the step, or under schedule.horizon=time the share of the training
         time budget spent so far, in steps (whichever is further)."""
+        at = self.step + self.schedule_offset
         if self.cfg.schedule.horizon != "time":
-            return self.step
+            return at
         budget = self.cfg.train.time_limit_s - self.setup_s - self.last_eval_s
         now = max_over_ranks(self.wall_s(), self.device)  # one lr on every rank: the slowest rank's clock
         spent = (now - self.setup_s) / max(budget, 1e-9)
-        return max(float(self.step), min(spent, 1.0) * self.total_steps)
+        return max(float(at), min(spent, 1.0) * self.total_steps)
 
     def image_size(self, position: float) -> int:
         """The training image size at schedule position `position` (data.min_size; else model.image_size)."""
