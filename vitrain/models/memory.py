@@ -1,14 +1,22 @@
 """Memory model: bytes per device for a ViT under single/ddp/zero1/zero2/zero3, pipeline stages, offload and AC.
 
-Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020): weights, gradients, optimizer
-states (AdamW: two fp32 moments) and, for mixed precision, an fp32 master copy of the weights. Each ZeRO
-stage divides one more of them by the number of devices N:
+Model states are what vitrain's native engine allocates (AdamW: two fp32 moments), in bytes per parameter with N
+data-parallel devices; amp_o2 (bf16 or fp16) under single/ddp/zero1 adds the fp32 master copy the optimizer steps
+and the fp32 gradients vitrain/precision.py makes for it from the low-dtype working copy's at each step:
 
-    stage      weights    gradients   optimizer + master
-    ddp        P w        P g         P (o + m)
-    zero1      P w        P g         P (o + m) / N
-    zero2      P w / N    P g / N     P (o + m) / N      + gathered weights (kept from forward to backward)
-    zero3      P w / N    P g / N     P (o + m) / N      + the FSDP units in flight (one block each with wrap=block)
+    strategy        fp32: weights, gradients, moments   amp_o2: working weights, gradients, moments, master, its grads
+    single, ddp     4 + 4 + 8 = 16                      2 + 2 + 8 + 4 + 4 = 20
+    zero1           4 + 4 + 8 / N                       2 + 2 + 8 / N + 4 + 4
+    zero2, zero3    (4 + 4 + 8) / N                     (4 + 4 + 8) / N: fp32 shards, FSDP2's gathered units below
+
+ddp's gradients are its all-reduce buckets (the parameters' gradients are views into them), kept between steps.
+zero1 is DDP plus ZeroRedundancyOptimizer over the whole fp32 model: each rank keeps the moments of its own slice
+only, but every weight, every gradient and, under amp_o2, the whole master copy and all its gradients; so amp_o2
+costs 4 bytes per parameter more than fp32 under single, ddp and zero1, where the ZeRO paper's accounting
+(DeepSpeed's: 2 + 2 + 12 / N under stage 1) would say it saves. The master gradients exist from the step to the
+next zero_grad (the CPU's flat optimizer under single keeps them), and are added to the activations' peak like
+every other state: on a GPU, where they are freed before the next forward, that bounds the peak from above by up to
+4 bytes per parameter.
 
 FSDP2 adds transient full-size copies: the all-gathered parameters of the unit being computed and of the one
 being prefetched, and the unsharded gradients of a unit plus the flat buffer they are reduce-scattered from.
@@ -44,11 +52,12 @@ from vitrain.models.plan import check_stages
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 BUILDS = ("whole", "sharded")
-# bytes per element: weights, gradients, optimizer moments, fp32 master copy, activations
+# bytes per element: weights, gradients, optimizer moments, fp32 master copy, its gradients, activations
 PRECISIONS = {
-    "fp32": (4, 4, 8, 0, 4),
-    "bf16": (2, 2, 8, 4, 2),  # mixed precision: bf16 compute copies, fp32 master weights and moments
-    "fp16": (2, 2, 8, 4, 2),
+    "fp32": (4, 4, 8, 0, 0, 4),
+    # amp_o2: low-dtype working weights and gradients, fp32 moments, fp32 master weights and their fp32 gradients
+    "bf16": (2, 2, 8, 4, 4, 2),
+    "fp16": (2, 2, 8, 4, 4, 2),
 }
 # FSDP2 units in flight at the peak (wrap=block): the block being computed plus the prefetched one.
 UNITS_IN_FLIGHT = 2
@@ -68,10 +77,11 @@ class MemoryEstimate:
     host_bytes: int = 0
     build: int = 0  # held while the model is built, before it is sharded or split (the whole fp32 model)
     baseline: int = 0  # the process without the model: interpreter, torch, process group (CPU) or CUDA context
+    master_gradients: int = 0  # amp_o2 under single/ddp/zero1: the fp32 gradients the optimizer steps with
 
     @property
     def model_states(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.master + self.gathered
+        return self.weights + self.gradients + self.optimizer + self.master + self.master_gradients + self.gathered
 
     @property
     def total(self) -> int:
@@ -166,11 +176,12 @@ def estimate(
     check_stages(pipeline_stages, cfg.depth, "pipeline_stages")
     if offload and strategy not in ("zero2", "zero3"):
         raise ConfigError(f"offload needs strategy zero2 or zero3 (FSDP2), got {strategy}")
-    w, g, o, m, a = PRECISIONS[precision]
+    w, g, o, m, mg, a = PRECISIONS[precision]
     sharded = strategy in ("zero2", "zero3")
     if sharded:
-        # FSDP2 mixed precision: fp32 shards are the master, low-dtype copies exist only while gathered.
-        w, g, m = FP32, FP32, 0
+        # FSDP2 mixed precision: fp32 shards are the master, low-dtype copies exist only while gathered, and
+        # gradients are reduce-scattered straight into fp32 shards (no second gradient copy).
+        w, g, m, mg = FP32, FP32, 0, 0
     gathered_w = PRECISIONS[precision][0]
     whole, stage = complexity(cfg).params, cfg
     params = whole
@@ -180,7 +191,9 @@ def estimate(
     shard = {"single": (1, 1, 1), "ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (n, n, n), "zero3": (n, n, n)}
     w_div, g_div, o_div = shard[strategy]
     weights, gradients = params * w // w_div, params * g // g_div
-    optimizer, master = params * o // o_div, params * m // o_div
+    # zero1's master copy and its gradients are whole on every rank (ZeroRedundancyOptimizer over the fp32 model,
+    # precision.py's step fills every master gradient); zero2/zero3 have none.
+    optimizer, master, master_gradients = params * o // o_div, params * m, params * mg
     gathered = 0
     if sharded and n > 1:
         unit = {"block": _block_params(cfg), "sublayer": _sublayer_params(cfg)}.get(wrap, params)
@@ -215,6 +228,7 @@ def estimate(
         host_bytes=host,
         build=whole * FP32 if build == "whole" else 0,
         baseline=baseline_bytes,
+        master_gradients=master_gradients,
     )
 
 
@@ -350,6 +364,7 @@ def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
         ("gradients", est.gradients),
         ("optimizer states", est.optimizer),
         ("fp32 master copy", est.master),
+        ("fp32 master gradients", est.master_gradients),
         ("FSDP units in flight", est.gathered),
         ("activations", est.activations),
         ("total in training", est.total),
