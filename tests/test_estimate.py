@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -117,6 +118,46 @@ def test_checkpointing_keeps_a_fraction_of_the_activations():
     kept = activation_bytes(BASE, batch=32, ac=True, bytes_per_element=4)
     assert kept < full / 5
     assert activation_bytes(BASE, batch=64, ac=False, bytes_per_element=4) == 2 * full
+
+
+def _block_and_outside(cfg, batch):
+    """fp32 bytes of one block's saved activations, of one block's input and of everything outside the blocks."""
+    full = activation_bytes(cfg, batch=batch, ac=False, bytes_per_element=4)
+    block = full - activation_bytes(dataclasses.replace(cfg, depth=cfg.depth - 1), batch, False, 4)
+    block_input = 4 * batch * (cfg.num_patches + 1) * cfg.width  # the class token beside the patches
+    return block, block_input, full - cfg.depth * block
+
+
+@pytest.mark.parametrize(
+    ("every_k", "kept", "recomputed"),
+    [
+        (1, 1, 12),  # every block: the inputs, and one block's tensors while it is recomputed
+        (4, 9, 3),  # blocks 0, 4, 8: nine blocks keep theirs; backward frees 9-11 before block 8 is recomputed
+        (11, 11, 2),  # blocks 0, 11: block 11 is recomputed first, beside the ten kept blocks
+    ],
+)
+def test_checkpointing_every_kth_block_keeps_the_others_activations(every_k, kept, recomputed):
+    block, block_input, outside = _block_and_outside(BASE, 32)
+    expected = outside + kept * block + recomputed * block_input
+    assert activation_bytes(BASE, batch=32, ac=True, bytes_per_element=4, every_k=every_k) == expected
+    est = estimate(BASE, devices=2, strategy="zero3", ac=True, batch=32, checkpoint_every_k=every_k)
+    assert est.activations == expected
+
+
+def test_cli_counts_a_configs_every_k_checkpointing(tmp_path, capsys):
+    # Audit s19: parallel.activation_checkpointing=every_k was estimated as checkpointing every block.
+    config = tmp_path / "everyk.yaml"
+    config.write_text(
+        "model: {preset: vit_base_patch16}\n"
+        "parallel: {strategy: zero3, activation_checkpointing: every_k, checkpoint_every_k: 4}\n"
+        "train: {batch_size: 32}\n"
+    )
+    assert main(["estimate", "ViT-B/16", "--config", str(config), "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ac=True" in out and "checkpoint_every_k=4" in out
+    block, block_input, outside = _block_and_outside(BASE, 32)
+    gib = (outside + 9 * block + 3 * block_input) / 2**30
+    assert f"{'activations':<22}{gib:>10.2f} GiB" in out
 
 
 def test_devices_needed_is_the_smallest_count_that_fits():

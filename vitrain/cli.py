@@ -183,6 +183,12 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--offload", action="store_true", default=None, help="sharded states in host memory")
     estimate.add_argument("--ac", action="store_true", default=None, help="per-block activation checkpointing")
     estimate.add_argument(
+        "--checkpoint-every-k",
+        type=positive_int,
+        metavar="K",
+        help="checkpoint only blocks 0, K, 2K, ... (parallel.activation_checkpointing=every_k; implies --ac)",
+    )
+    estimate.add_argument(
         "--batch", type=positive_int, help="images (clips for a video preset) per device and step (default 1)"
     )
     estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="fp32, or amp_o2 in this dtype")
@@ -527,7 +533,8 @@ def _estimate(args: argparse.Namespace) -> int:
         "strategy": args.strategy,
         "wrap": args.wrap,
         "offload": args.offload,
-        "ac": args.ac,
+        "ac": True if args.checkpoint_every_k else args.ac,
+        "checkpoint_every_k": args.checkpoint_every_k,
         "batch": args.batch,
         "precision": args.precision,
         "pipeline_stages": args.pipeline_stages,
@@ -570,6 +577,8 @@ def _recipe_setting(cfg) -> dict:
         "wrap": auto_wrap(p.strategy) if p.wrap == "auto" else p.wrap,  # a config's auto, estimated as its rule
         "offload": p.offload == "params",
         "ac": p.activation_checkpointing != "none",
+        # every_k recomputes blocks 0, k, 2k, ... only: the others keep their activations.
+        **({"checkpoint_every_k": p.checkpoint_every_k} if p.activation_checkpointing == "every_k" else {}),
         "batch": cfg.train.batch_size,
         # amp_o1 keeps fp32 weights: its states are fp32's (its low-dtype activations are counted as fp32).
         "precision": cfg.precision.dtype if cfg.precision.mode == "amp_o2" else "fp32",

@@ -21,7 +21,9 @@ every other state: on a GPU, where they are freed before the next forward, that 
 FSDP2 adds transient full-size copies: the all-gathered parameters of the unit being computed and of the one
 being prefetched, and the unsharded gradients of a unit plus the flat buffer they are reduce-scattered from.
 Activations are per device (they do not shrink with N): every block's saved tensors without checkpointing;
-with per-block checkpointing only each block's input plus one block's tensors during its recompute.
+with per-block checkpointing only each block's input plus one block's tensors during its recompute; with every k-th
+block checkpointed (blocks 0, k, 2k, ...: parallel.activation_checkpointing=every_k) those keep their input and the
+others all their tensors.
 
 Mixed precision under zero2/zero3 is FSDP2's `MixedPrecisionPolicy`: the sharded parameters stay fp32 (they are
 the master copy, no second one), gradients are reduced into fp32 shards, and only the gathered units and the
@@ -108,8 +110,9 @@ def _sublayer_params(cfg: ModelConfig) -> int:
     return max(attention, 2 * d * h + h + d)
 
 
-def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: int) -> int:
-    """Saved activations of one training step on one device with `batch` images."""
+def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: int, every_k: int = 1) -> int:
+    """Saved activations of one training step on one device with `batch` images; with `ac` the blocks 0, k, 2k, ...
+    (k = `every_k`; 1: every block) keep only their input and recompute the rest in backward."""
     one = complexity(dataclasses.replace(cfg, depth=1), batch).activations
     block = complexity(dataclasses.replace(cfg, depth=2), batch).activations - one
     outside = one - block  # patch embedding, final norm, head
@@ -117,7 +120,13 @@ def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: 
         return (outside + cfg.depth * block) * bytes_per_element
     tokens = cfg.num_patches + (1 if cfg.pool == "cls" else 0)
     block_input = batch * tokens * cfg.width
-    return (outside + cfg.depth * block_input + block) * bytes_per_element
+    recomputed = range(0, cfg.depth, every_k)  # as parallel/activation_checkpoint.py chooses them
+    kept = cfg.depth - len(recomputed)
+    # Backward reaches the last recomputed block after freeing the kept blocks behind it: its recompute (one
+    # block's tensors) raises the peak only where no kept block follows it; else the peak is where backward starts.
+    after = cfg.depth - 1 - recomputed[-1]
+    held = max(kept, kept - after + 1)
+    return (outside + len(recomputed) * block_input + held * block) * bytes_per_element
 
 
 def _root_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -150,6 +159,7 @@ def estimate(
     wrap: str = "block",
     offload: bool = False,
     ac: bool = False,
+    checkpoint_every_k: int = 1,
     batch: int = 1,
     precision: str = "fp32",
     prefetch: bool = True,
@@ -161,7 +171,8 @@ def estimate(
     """Per-process bytes for training `cfg` with AdamW on `devices` processes, `batch` images per process and step.
 
     With `pipeline_stages` S > 1 the processes form S stages x devices / S data-parallel ranks, `strategy` acting
-    over the data-parallel ranks; `microbatches` 0 means 2 S.
+    over the data-parallel ranks; `microbatches` 0 means 2 S. `ac` with `checkpoint_every_k` k > 1: only blocks
+    0, k, 2k, ... are checkpointed (each pipeline stage counts its own blocks from 0).
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy} is unknown; choose one of: {', '.join(STRATEGIES)}")
@@ -169,8 +180,10 @@ def estimate(
         raise ConfigError(f"precision={precision} is unknown; choose one of: {', '.join(PRECISIONS)}")
     if build not in BUILDS:
         raise ConfigError(f"build={build} is unknown; choose one of: {', '.join(BUILDS)}")
-    if devices <= 0 or batch <= 0:
-        raise ConfigError(f"devices={devices} and batch={batch} must be positive")
+    if devices <= 0 or batch <= 0 or checkpoint_every_k <= 0:
+        raise ConfigError(
+            f"devices={devices}, batch={batch} and checkpoint_every_k={checkpoint_every_k} must be positive"
+        )
     if pipeline_stages <= 0 or devices % pipeline_stages:
         raise ConfigError(f"pipeline_stages={pipeline_stages} must divide devices={devices}")
     check_stages(pipeline_stages, cfg.depth, "pipeline_stages")
@@ -213,7 +226,7 @@ def estimate(
     if offload:
         host = weights + gradients + optimizer + master
         weights = gradients = optimizer = master = 0
-    activations = activation_bytes(stage, batch, ac, a)
+    activations = activation_bytes(stage, batch, ac, a, checkpoint_every_k)
     if pipeline_stages > 1:
         # 1F1B: the first stage holds up to S micro-batches' activations of the step's M.
         micro = microbatches or 2 * pipeline_stages
