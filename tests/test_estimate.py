@@ -85,7 +85,7 @@ def test_each_zero_stage_divides_its_states_by_the_devices(strategy, divided):
 
 
 def test_zero3_gathers_two_blocks_where_zero2_keeps_all_weights():
-    zero2 = estimate(BASE, devices=4, strategy="zero2")
+    zero2 = estimate(BASE, devices=4, strategy="zero2", wrap="block")
     zero3 = estimate(BASE, devices=4, strategy="zero3")
     d, h = 768, 3072
     block = (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d) + 4 * d  # qkv, proj, fc1, fc2, norms
@@ -94,6 +94,27 @@ def test_zero3_gathers_two_blocks_where_zero2_keeps_all_weights():
     root = P - 12 * block  # patch embedding, class token, positions, final norm, head
     # fp32: two blocks' weights in flight, one block's gradients plus its reduce-scatter buffer, the root unit.
     assert zero3.gathered == 4 * (2 * block + 2 * block + root)
+
+
+def test_the_default_wrap_is_what_a_run_with_wrap_auto_uses():
+    # parallel.wrap=auto without autotune (models/plan.py auto_wrap): the whole model under zero2, blocks under zero3.
+    assert estimate(BASE, devices=4, strategy="zero2") == estimate(BASE, devices=4, strategy="zero2", wrap="model")
+    assert estimate(BASE, devices=4, strategy="zero3") == estimate(BASE, devices=4, strategy="zero3", wrap="block")
+
+
+@pytest.mark.parametrize("config", [None, "vit-huge-fsdp"])  # the recipe: zero3, wrap=block
+def test_cli_estimates_zero2_with_the_wrap_auto_gives_it_and_says_so(config, capsys, tmp_path):
+    # Audit s19: `--strategy zero2` was estimated with block units, which a zero2 run with wrap=auto does not use.
+    command = ["estimate", "ViT-B/16", "--devices", "2", "--strategy", "zero2", "--batch", "1"]
+    if config:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text("model: {preset: vit_base_patch16}\nparallel: {strategy: zero3, wrap: auto}\n")
+        command += ["--config", str(recipe)]
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "wrap=model (parallel.wrap=auto without autotune)" in out
+    gathered = estimate(BASE, devices=2, strategy="zero2", wrap="model").gathered
+    assert f"{'FSDP units in flight':<22}{gathered / 2**30:>10.2f} GiB" in out
 
 
 def test_sublayer_wrap_gathers_less_than_block_wrap():

@@ -524,8 +524,9 @@ def _export(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
     from vitrain.models.memory import breakdown, grid, largest, preset_models, table
+    from vitrain.models.plan import auto_wrap
 
-    setting = {"strategy": "zero3", "wrap": "block", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
+    setting = {"strategy": "zero3", "wrap": "auto", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
     setting.update(pipeline_stages=1, build="whole")
     if args.config:
         setting.update(_recipe_setting(_load([args.config])))
@@ -542,8 +543,13 @@ def _estimate(args: argparse.Namespace) -> int:
     }
     setting.update({k: v for k, v in flags.items() if v is not None})
     setting.update(baseline_bytes=int(args.baseline_gib * 2**30))
+    shown = dict(setting)
+    # auto (the default, or a config's) is resolved after the flags: --strategy may change what it resolves to.
+    if setting["wrap"] == "auto":
+        setting["wrap"] = auto_wrap(setting["strategy"])
+        shown["wrap"] = f"{setting['wrap']} (parallel.wrap=auto without autotune)"
     devices = args.devices or [1]
-    header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **setting}.items())
+    header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **shown}.items())
     fields = {"image_size": args.image_size, "patch_size": args.patch_size}
     # The whole answer is made before any of it is printed: a refused setting prints only its error line.
     if args.largest:
@@ -567,14 +573,12 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _recipe_setting(cfg) -> dict:
     """What `vitrain estimate` needs from a config: how it is parallelized, its precision and batch per device."""
-    from vitrain.models.plan import auto_wrap
-
     p = cfg.parallel
     if cfg.precision.mode == "pure":
         raise ConfigError("vitrain estimate models fp32, amp_o1 and amp_o2; precision.mode=pure is not modelled")
     return {
         "strategy": p.strategy,
-        "wrap": auto_wrap(p.strategy) if p.wrap == "auto" else p.wrap,  # a config's auto, estimated as its rule
+        "wrap": p.wrap,  # auto is resolved by the caller, for the strategy a flag may set instead
         "offload": p.offload == "params",
         "ac": p.activation_checkpointing != "none",
         # every_k recomputes blocks 0, k, 2k, ... only: the others keep their activations.

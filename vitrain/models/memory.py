@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from vitrain.config import ModelConfig
 from vitrain.errors import ConfigError
 from vitrain.models import complexity
-from vitrain.models.plan import check_stages
+from vitrain.models.plan import auto_wrap, check_stages
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 BUILDS = ("whole", "sharded")
@@ -156,7 +156,7 @@ def estimate(
     cfg: ModelConfig,
     devices: int,
     strategy: str,
-    wrap: str = "block",
+    wrap: str = "auto",
     offload: bool = False,
     ac: bool = False,
     checkpoint_every_k: int = 1,
@@ -172,7 +172,8 @@ def estimate(
 
     With `pipeline_stages` S > 1 the processes form S stages x devices / S data-parallel ranks, `strategy` acting
     over the data-parallel ranks; `microbatches` 0 means 2 S. `ac` with `checkpoint_every_k` k > 1: only blocks
-    0, k, 2k, ... are checkpointed (each pipeline stage counts its own blocks from 0).
+    0, k, 2k, ... are checkpointed (each pipeline stage counts its own blocks from 0). `wrap` "auto" is the FSDP
+    unit a run with parallel.wrap=auto uses where autotune does not time it (the whole model under zero2).
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy} is unknown; choose one of: {', '.join(STRATEGIES)}")
@@ -189,6 +190,7 @@ def estimate(
     check_stages(pipeline_stages, cfg.depth, "pipeline_stages")
     if offload and strategy not in ("zero2", "zero3"):
         raise ConfigError(f"offload needs strategy zero2 or zero3 (FSDP2), got {strategy}")
+    wrap = auto_wrap(strategy) if wrap == "auto" else wrap
     w, g, o, m, mg, a = PRECISIONS[precision]
     sharded = strategy in ("zero2", "zero3")
     if sharded:
