@@ -212,18 +212,30 @@ def estimate(
     gathered = 0
     if sharded and n > 1:
         unit = {"block": _block_params(cfg), "sublayer": _sublayer_params(cfg)}.get(wrap, params)
-        units = min(UNITS_IN_FLIGHT if prefetch else 1, stage.depth) if wrap != "model" else 1
-        # Gradients: a unit's unsharded gradients plus the fp32 flat buffer they are reduce-scattered from.
-        gathered = unit * (PRECISIONS[precision][1] + FP32)
-        if strategy == "zero3":
-            gathered += units * unit * gathered_w  # only the units in flight
-            if wrap != "model":
-                gathered += (params - stage.depth * _block_params(cfg)) * gathered_w  # root: embeddings, head
+        units = min(UNITS_IN_FLIGHT if prefetch else 1, stage.depth)
+        low_g = PRECISIONS[precision][1]
+        resident = 0 if offload else gradients  # gradient shards in device memory
+        if wrap == "model":
+            # One unit, gathered whole in backward under zero2 and zero3 alike. FSDP2 reshards it (frees the
+            # gathered weights) before it allocates the fp32 buffer its gradients are reduce-scattered from, so the
+            # peak holds its unsharded gradients beside either, and no gradient shard yet (the gradient term stands
+            # for part of these bytes, counted once). Measured zero2, 2 ranks: fp32 and bf16 within the per-process
+            # overhead; counting the weights and the buffer together was 4 and 2 bytes per parameter over.
+            gathered = max(0, unit * low_g + max(unit * gathered_w, unit * FP32) - resident)
         else:
-            # zero2 keeps every unit's gathered weights from forward to backward. Backward releases them unit by
-            # unit while the gradient shards fill up, so the peak is at its start: all gathered weights, no
-            # gradient shards yet (the gradient term above stands for the same bytes, counted once).
-            gathered += max(0, params * gathered_w - gradients)
+            # Gradients: a unit's unsharded gradients plus the fp32 flat buffer they are reduce-scattered from. The
+            # unit's own weights are freed before that buffer is made, but with several units the room goes to
+            # reductions left in flight (parallel/overlap.py keeps up to IN_FLIGHT pending on a CPU; FSDP2 overlaps
+            # its own on a GPU), so the unit is counted whole.
+            gathered = unit * (low_g + FP32)
+            if strategy == "zero3":
+                gathered += units * unit * gathered_w  # only the units in flight
+                gathered += (params - stage.depth * _block_params(cfg)) * gathered_w  # root: embeddings, head
+            else:
+                # zero2 keeps every unit's gathered weights from forward to backward. Backward releases them unit
+                # by unit while the gradient shards fill up, so the peak is at its start: all gathered weights, no
+                # gradient shards yet (the gradient term above stands for the same bytes, counted once).
+                gathered += max(0, params * gathered_w - resident)
     host = 0
     if offload:
         host = weights + gradients + optimizer + master
