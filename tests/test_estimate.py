@@ -328,3 +328,27 @@ def test_a_flag_overrides_the_recipes_sharded_build(capsys):
     assert main([*command, "--build", "whole"]) == 0
     out = capsys.readouterr().out
     assert "build=whole" in out and out.splitlines()[2].split()[-1] == "-"  # 120B never fits with a whole build
+
+
+def test_ema_holds_an_fp32_copy_of_the_weights_on_every_rank():
+    # train.ema (vitrain/engine/ema.py): a deep copy of the model in fp32, whole on every rank (single, ddp, zero1).
+    for strategy, precision in [("single", "fp32"), ("ddp", "bf16"), ("zero1", "bf16")]:
+        plain = estimate(BASE, devices=4, strategy=strategy, precision=precision)
+        averaged = estimate(BASE, devices=4, strategy=strategy, precision=precision, ema=True)
+        assert averaged.ema == averaged.model_states - plain.model_states == 4 * P
+    with pytest.raises(ConfigError, match="train.ema"):
+        estimate(BASE, devices=4, strategy="zero3", ema=True)  # the engine refuses it too
+
+
+def test_cli_counts_a_configs_ema(tmp_path, capsys):
+    config = tmp_path / "ema.yaml"
+    config.write_text("parallel: {strategy: ddp}\ntrain: {ema: 0.999}\n")
+    assert main(["estimate", "ViT-B/16", "--config", str(config), "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ema=True" in out and f"{'EMA weights (fp32)':<22}{4 * P / 2**30:>10.2f} GiB" in out
+
+
+def test_cli_refuses_a_deepspeed_config_it_does_not_model(capsys):
+    # DeepSpeed's ZeRO partitions other states than the native engine (and offloads the optimizer on its own).
+    assert main(["estimate", "ViT-B/16", "--config", "face-deepspeed", "--devices", "2"]) == 2
+    assert "train.engine=deepspeed" in capsys.readouterr().err

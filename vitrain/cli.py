@@ -173,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate = sub.add_parser("estimate", help="memory per device for a preset (or all) under a parallel strategy")
     estimate.add_argument("preset", nargs="?", help="a preset name or alias; omit for a table of every preset")
     estimate.add_argument(
-        "--config", help="take strategy, wrap, checkpointing, offload, precision, batch and stages from a recipe"
+        "--config",
+        help="take strategy, wrap, checkpointing, offload, precision, batch, stages and EMA from a recipe",
     )
     estimate.add_argument(
         "--devices", type=positive_int, nargs="+", help="processes (several: a grid of presets x devices)"
@@ -187,6 +188,9 @@ def _parser() -> argparse.ArgumentParser:
         type=positive_int,
         metavar="K",
         help="checkpoint only blocks 0, K, 2K, ... (parallel.activation_checkpointing=every_k; implies --ac)",
+    )
+    estimate.add_argument(
+        "--ema", action="store_true", default=None, help="an fp32 moving average of the weights (train.ema)"
     )
     estimate.add_argument(
         "--batch", type=positive_int, help="images (clips for a video preset) per device and step (default 1)"
@@ -540,6 +544,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "precision": args.precision,
         "pipeline_stages": args.pipeline_stages,
         "build": args.build,
+        "ema": args.ema,
     }
     setting.update({k: v for k, v in flags.items() if v is not None})
     setting.update(baseline_bytes=int(args.baseline_gib * 2**30))
@@ -574,6 +579,14 @@ def _estimate(args: argparse.Namespace) -> int:
 def _recipe_setting(cfg) -> dict:
     """What `vitrain estimate` needs from a config: how it is parallelized, its precision and batch per device."""
     p = cfg.parallel
+    if cfg.train.engine != "native":
+        # DeepSpeed's ZeRO stages partition other states than FSDP2 and ZeroRedundancyOptimizer (stage 1 the fp32
+        # master too, stage 2 not the weights) and offload the optimizer on their own: the native figures would
+        # be wrong for it, silently.
+        raise ConfigError(
+            f"vitrain estimate models the native engine; train.engine={cfg.train.engine} is not modelled: give the "
+            "strategy, precision and batch as flags for the native engine's figures"
+        )
     if cfg.precision.mode == "pure":
         raise ConfigError("vitrain estimate models fp32, amp_o1 and amp_o2; precision.mode=pure is not modelled")
     return {
@@ -589,6 +602,7 @@ def _recipe_setting(cfg) -> dict:
         "pipeline_stages": p.pipeline_stages,
         "microbatches": p.microbatches,
         "build": "sharded" if p.sharded_init else "whole",
+        **({"ema": True} if cfg.train.ema else {}),  # an fp32 copy of the weights (vitrain/engine/ema.py)
     }
 
 

@@ -16,7 +16,8 @@ costs 4 bytes per parameter more than fp32 under single, ddp and zero1, where th
 (DeepSpeed's: 2 + 2 + 12 / N under stage 1) would say it saves. The master gradients exist from the step to the
 next zero_grad (the CPU's flat optimizer under single keeps them), and are added to the activations' peak like
 every other state: on a GPU, where they are freed before the next forward, that bounds the peak from above by up to
-4 bytes per parameter.
+4 bytes per parameter. train.ema adds an fp32 copy of the weights the optimizer steps, whole on every rank (4 bytes
+per parameter; single, ddp and zero1 only, as the engine allows).
 
 FSDP2 adds transient full-size copies: the all-gathered parameters of the unit being computed and of the one
 being prefetched, and the unsharded gradients of a unit plus the flat buffer they are reduce-scattered from.
@@ -80,10 +81,12 @@ class MemoryEstimate:
     build: int = 0  # held while the model is built, before it is sharded or split (the whole fp32 model)
     baseline: int = 0  # the process without the model: interpreter, torch, process group (CPU) or CUDA context
     master_gradients: int = 0  # amp_o2 under single/ddp/zero1: the fp32 gradients the optimizer steps with
+    ema: int = 0  # train.ema: an fp32 copy of the weights, whole on every rank
 
     @property
     def model_states(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.master + self.master_gradients + self.gathered
+        master = self.master + self.master_gradients
+        return self.weights + self.gradients + self.optimizer + master + self.ema + self.gathered
 
     @property
     def total(self) -> int:
@@ -167,13 +170,15 @@ def estimate(
     microbatches: int = 0,
     build: str = "whole",
     baseline_bytes: int = 0,
+    ema: bool = False,
 ) -> MemoryEstimate:
     """Per-process bytes for training `cfg` with AdamW on `devices` processes, `batch` images per process and step.
 
     With `pipeline_stages` S > 1 the processes form S stages x devices / S data-parallel ranks, `strategy` acting
     over the data-parallel ranks; `microbatches` 0 means 2 S. `ac` with `checkpoint_every_k` k > 1: only blocks
     0, k, 2k, ... are checkpointed (each pipeline stage counts its own blocks from 0). `wrap` "auto" is the FSDP
-    unit a run with parallel.wrap=auto uses where autotune does not time it (the whole model under zero2).
+    unit a run with parallel.wrap=auto uses where autotune does not time it (the whole model under zero2). `ema`:
+    train.ema's average of the weights (vitrain/engine/ema.py).
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy} is unknown; choose one of: {', '.join(STRATEGIES)}")
@@ -190,6 +195,10 @@ def estimate(
     check_stages(pipeline_stages, cfg.depth, "pipeline_stages")
     if offload and strategy not in ("zero2", "zero3"):
         raise ConfigError(f"offload needs strategy zero2 or zero3 (FSDP2), got {strategy}")
+    if ema and strategy not in ("single", "ddp", "zero1"):
+        raise ConfigError(
+            f"train.ema averages whole weights on every rank: it needs single, ddp or zero1, got {strategy}"
+        )
     wrap = auto_wrap(strategy) if wrap == "auto" else wrap
     w, g, o, m, mg, a = PRECISIONS[precision]
     sharded = strategy in ("zero2", "zero3")
@@ -256,6 +265,8 @@ def estimate(
         build=whole * FP32 if build == "whole" else 0,
         baseline=baseline_bytes,
         master_gradients=master_gradients,
+        # A deep copy of the model the optimizer steps (the fp32 master under amp_o2), in fp32 on its device.
+        ema=params * FP32 if ema else 0,
     )
 
 
@@ -392,6 +403,7 @@ def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
         ("optimizer states", est.optimizer),
         ("fp32 master copy", est.master),
         ("fp32 master gradients", est.master_gradients),
+        ("EMA weights (fp32)", est.ema),
         ("FSDP units in flight", est.gathered),
         ("activations", est.activations),
         ("total in training", est.total),
