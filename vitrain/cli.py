@@ -173,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate = sub.add_parser("estimate", help="memory per device for a preset (or all) under a parallel strategy")
     estimate.add_argument("preset", nargs="?", help="a preset name or alias; omit for a table of every preset")
     estimate.add_argument(
-        "--config", help="take strategy, wrap, checkpointing, offload, precision, batch and stages from a recipe"
+        "--config",
+        help="take strategy, wrap, checkpointing, offload, precision, batch, stages and EMA from a recipe",
     )
     estimate.add_argument(
         "--devices", type=positive_int, nargs="+", help="processes (several: a grid of presets x devices)"
@@ -182,6 +183,15 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--wrap", choices=["block", "sublayer", "model"])
     estimate.add_argument("--offload", action="store_true", default=None, help="sharded states in host memory")
     estimate.add_argument("--ac", action="store_true", default=None, help="per-block activation checkpointing")
+    estimate.add_argument(
+        "--checkpoint-every-k",
+        type=positive_int,
+        metavar="K",
+        help="checkpoint only blocks 0, K, 2K, ... (parallel.activation_checkpointing=every_k; implies --ac)",
+    )
+    estimate.add_argument(
+        "--ema", action="store_true", default=None, help="an fp32 moving average of the weights (train.ema)"
+    )
     estimate.add_argument(
         "--batch", type=positive_int, help="images (clips for a video preset) per device and step (default 1)"
     )
@@ -518,8 +528,9 @@ def _export(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
     from vitrain.models.memory import breakdown, grid, largest, preset_models, table
+    from vitrain.models.plan import auto_wrap
 
-    setting = {"strategy": "zero3", "wrap": "block", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
+    setting = {"strategy": "zero3", "wrap": "auto", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
     setting.update(pipeline_stages=1, build="whole")
     if args.config:
         setting.update(_recipe_setting(_load([args.config])))
@@ -527,16 +538,23 @@ def _estimate(args: argparse.Namespace) -> int:
         "strategy": args.strategy,
         "wrap": args.wrap,
         "offload": args.offload,
-        "ac": args.ac,
+        "ac": True if args.checkpoint_every_k else args.ac,
+        "checkpoint_every_k": args.checkpoint_every_k,
         "batch": args.batch,
         "precision": args.precision,
         "pipeline_stages": args.pipeline_stages,
         "build": args.build,
+        "ema": args.ema,
     }
     setting.update({k: v for k, v in flags.items() if v is not None})
     setting.update(baseline_bytes=int(args.baseline_gib * 2**30))
+    shown = dict(setting)
+    # auto (the default, or a config's) is resolved after the flags: --strategy may change what it resolves to.
+    if setting["wrap"] == "auto":
+        setting["wrap"] = auto_wrap(setting["strategy"])
+        shown["wrap"] = f"{setting['wrap']} (parallel.wrap=auto without autotune)"
     devices = args.devices or [1]
-    header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **setting}.items())
+    header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **shown}.items())
     fields = {"image_size": args.image_size, "patch_size": args.patch_size}
     # The whole answer is made before any of it is printed: a refused setting prints only its error line.
     if args.largest:
@@ -560,22 +578,31 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _recipe_setting(cfg) -> dict:
     """What `vitrain estimate` needs from a config: how it is parallelized, its precision and batch per device."""
-    from vitrain.models.plan import auto_wrap
-
     p = cfg.parallel
+    if cfg.train.engine != "native":
+        # DeepSpeed's ZeRO stages partition other states than FSDP2 and ZeroRedundancyOptimizer (stage 1 the fp32
+        # master too, stage 2 not the weights) and offload the optimizer on their own: the native figures would
+        # be wrong for it, silently.
+        raise ConfigError(
+            f"vitrain estimate models the native engine; train.engine={cfg.train.engine} is not modelled: give the "
+            "strategy, precision and batch as flags for the native engine's figures"
+        )
     if cfg.precision.mode == "pure":
         raise ConfigError("vitrain estimate models fp32, amp_o1 and amp_o2; precision.mode=pure is not modelled")
     return {
         "strategy": p.strategy,
-        "wrap": auto_wrap(p.strategy) if p.wrap == "auto" else p.wrap,  # a config's auto, estimated as its rule
+        "wrap": p.wrap,  # auto is resolved by the caller, for the strategy a flag may set instead
         "offload": p.offload == "params",
         "ac": p.activation_checkpointing != "none",
+        # every_k recomputes blocks 0, k, 2k, ... only: the others keep their activations.
+        **({"checkpoint_every_k": p.checkpoint_every_k} if p.activation_checkpointing == "every_k" else {}),
         "batch": cfg.train.batch_size,
         # amp_o1 keeps fp32 weights: its states are fp32's (its low-dtype activations are counted as fp32).
         "precision": cfg.precision.dtype if cfg.precision.mode == "amp_o2" else "fp32",
         "pipeline_stages": p.pipeline_stages,
         "microbatches": p.microbatches,
         "build": "sharded" if p.sharded_init else "whole",
+        **({"ema": True} if cfg.train.ema else {}),  # an fp32 copy of the weights (vitrain/engine/ema.py)
     }
 
 

@@ -1,19 +1,30 @@
 """Memory model: bytes per device for a ViT under single/ddp/zero1/zero2/zero3, pipeline stages, offload and AC.
 
-Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020): weights, gradients, optimizer
-states (AdamW: two fp32 moments) and, for mixed precision, an fp32 master copy of the weights. Each ZeRO
-stage divides one more of them by the number of devices N:
+Model states are what vitrain's native engine allocates (AdamW: two fp32 moments), in bytes per parameter with N
+data-parallel devices; amp_o2 (bf16 or fp16) under single/ddp/zero1 adds the fp32 master copy the optimizer steps
+and the fp32 gradients vitrain/precision.py makes for it from the low-dtype working copy's at each step:
 
-    stage      weights    gradients   optimizer + master
-    ddp        P w        P g         P (o + m)
-    zero1      P w        P g         P (o + m) / N
-    zero2      P w / N    P g / N     P (o + m) / N      + gathered weights (kept from forward to backward)
-    zero3      P w / N    P g / N     P (o + m) / N      + the FSDP units in flight (one block each with wrap=block)
+    strategy        fp32: weights, gradients, moments   amp_o2: working weights, gradients, moments, master, its grads
+    single, ddp     4 + 4 + 8 = 16                      2 + 2 + 8 + 4 + 4 = 20
+    zero1           4 + 4 + 8 / N                       2 + 2 + 8 / N + 4 + 4
+    zero2, zero3    (4 + 4 + 8) / N                     (4 + 4 + 8) / N: fp32 shards, FSDP2's gathered units below
+
+ddp's gradients are its all-reduce buckets (the parameters' gradients are views into them), kept between steps.
+zero1 is DDP plus ZeroRedundancyOptimizer over the whole fp32 model: each rank keeps the moments of its own slice
+only, but every weight, every gradient and, under amp_o2, the whole master copy and all its gradients; so amp_o2
+costs 4 bytes per parameter more than fp32 under single, ddp and zero1, where the ZeRO paper's accounting
+(DeepSpeed's: 2 + 2 + 12 / N under stage 1) would say it saves. The master gradients exist from the step to the
+next zero_grad (the CPU's flat optimizer under single keeps them), and are added to the activations' peak like
+every other state: on a GPU, where they are freed before the next forward, that bounds the peak from above by up to
+4 bytes per parameter. train.ema adds an fp32 copy of the weights the optimizer steps, whole on every rank (4 bytes
+per parameter; single, ddp and zero1 only, as the engine allows).
 
 FSDP2 adds transient full-size copies: the all-gathered parameters of the unit being computed and of the one
 being prefetched, and the unsharded gradients of a unit plus the flat buffer they are reduce-scattered from.
 Activations are per device (they do not shrink with N): every block's saved tensors without checkpointing;
-with per-block checkpointing only each block's input plus one block's tensors during its recompute.
+with per-block checkpointing only each block's input plus one block's tensors during its recompute; with every k-th
+block checkpointed (blocks 0, k, 2k, ...: parallel.activation_checkpointing=every_k) those keep their input and the
+others all their tensors.
 
 Mixed precision under zero2/zero3 is FSDP2's `MixedPrecisionPolicy`: the sharded parameters stay fp32 (they are
 the master copy, no second one), gradients are reduced into fp32 shards, and only the gathered units and the
@@ -40,15 +51,16 @@ from dataclasses import dataclass
 from vitrain.config import ModelConfig
 from vitrain.errors import ConfigError
 from vitrain.models import complexity
-from vitrain.models.plan import check_stages
+from vitrain.models.plan import auto_wrap, check_stages
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 BUILDS = ("whole", "sharded")
-# bytes per element: weights, gradients, optimizer moments, fp32 master copy, activations
+# bytes per element: weights, gradients, optimizer moments, fp32 master copy, its gradients, activations
 PRECISIONS = {
-    "fp32": (4, 4, 8, 0, 4),
-    "bf16": (2, 2, 8, 4, 2),  # mixed precision: bf16 compute copies, fp32 master weights and moments
-    "fp16": (2, 2, 8, 4, 2),
+    "fp32": (4, 4, 8, 0, 0, 4),
+    # amp_o2: low-dtype working weights and gradients, fp32 moments, fp32 master weights and their fp32 gradients
+    "bf16": (2, 2, 8, 4, 4, 2),
+    "fp16": (2, 2, 8, 4, 4, 2),
 }
 # FSDP2 units in flight at the peak (wrap=block): the block being computed plus the prefetched one.
 UNITS_IN_FLIGHT = 2
@@ -68,10 +80,13 @@ class MemoryEstimate:
     host_bytes: int = 0
     build: int = 0  # held while the model is built, before it is sharded or split (the whole fp32 model)
     baseline: int = 0  # the process without the model: interpreter, torch, process group (CPU) or CUDA context
+    master_gradients: int = 0  # amp_o2 under single/ddp/zero1: the fp32 gradients the optimizer steps with
+    ema: int = 0  # train.ema: an fp32 copy of the weights, whole on every rank
 
     @property
     def model_states(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.master + self.gathered
+        master = self.master + self.master_gradients
+        return self.weights + self.gradients + self.optimizer + master + self.ema + self.gathered
 
     @property
     def total(self) -> int:
@@ -98,8 +113,9 @@ def _sublayer_params(cfg: ModelConfig) -> int:
     return max(attention, 2 * d * h + h + d)
 
 
-def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: int) -> int:
-    """Saved activations of one training step on one device with `batch` images."""
+def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: int, every_k: int = 1) -> int:
+    """Saved activations of one training step on one device with `batch` images; with `ac` the blocks 0, k, 2k, ...
+    (k = `every_k`; 1: every block) keep only their input and recompute the rest in backward."""
     one = complexity(dataclasses.replace(cfg, depth=1), batch).activations
     block = complexity(dataclasses.replace(cfg, depth=2), batch).activations - one
     outside = one - block  # patch embedding, final norm, head
@@ -107,7 +123,13 @@ def activation_bytes(cfg: ModelConfig, batch: int, ac: bool, bytes_per_element: 
         return (outside + cfg.depth * block) * bytes_per_element
     tokens = cfg.num_patches + (1 if cfg.pool == "cls" else 0)
     block_input = batch * tokens * cfg.width
-    return (outside + cfg.depth * block_input + block) * bytes_per_element
+    recomputed = range(0, cfg.depth, every_k)  # as parallel/activation_checkpoint.py chooses them
+    kept = cfg.depth - len(recomputed)
+    # Backward reaches the last recomputed block after freeing the kept blocks behind it: its recompute (one
+    # block's tensors) raises the peak only where no kept block follows it; else the peak is where backward starts.
+    after = cfg.depth - 1 - recomputed[-1]
+    held = max(kept, kept - after + 1)
+    return (outside + len(recomputed) * block_input + held * block) * bytes_per_element
 
 
 def _root_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -137,9 +159,10 @@ def estimate(
     cfg: ModelConfig,
     devices: int,
     strategy: str,
-    wrap: str = "block",
+    wrap: str = "auto",
     offload: bool = False,
     ac: bool = False,
+    checkpoint_every_k: int = 1,
     batch: int = 1,
     precision: str = "fp32",
     prefetch: bool = True,
@@ -147,11 +170,15 @@ def estimate(
     microbatches: int = 0,
     build: str = "whole",
     baseline_bytes: int = 0,
+    ema: bool = False,
 ) -> MemoryEstimate:
     """Per-process bytes for training `cfg` with AdamW on `devices` processes, `batch` images per process and step.
 
     With `pipeline_stages` S > 1 the processes form S stages x devices / S data-parallel ranks, `strategy` acting
-    over the data-parallel ranks; `microbatches` 0 means 2 S.
+    over the data-parallel ranks; `microbatches` 0 means 2 S. `ac` with `checkpoint_every_k` k > 1: only blocks
+    0, k, 2k, ... are checkpointed (each pipeline stage counts its own blocks from 0). `wrap` "auto" is the FSDP
+    unit a run with parallel.wrap=auto uses where autotune does not time it (the whole model under zero2). `ema`:
+    train.ema's average of the weights (vitrain/engine/ema.py).
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy} is unknown; choose one of: {', '.join(STRATEGIES)}")
@@ -159,18 +186,26 @@ def estimate(
         raise ConfigError(f"precision={precision} is unknown; choose one of: {', '.join(PRECISIONS)}")
     if build not in BUILDS:
         raise ConfigError(f"build={build} is unknown; choose one of: {', '.join(BUILDS)}")
-    if devices <= 0 or batch <= 0:
-        raise ConfigError(f"devices={devices} and batch={batch} must be positive")
+    if devices <= 0 or batch <= 0 or checkpoint_every_k <= 0:
+        raise ConfigError(
+            f"devices={devices}, batch={batch} and checkpoint_every_k={checkpoint_every_k} must be positive"
+        )
     if pipeline_stages <= 0 or devices % pipeline_stages:
         raise ConfigError(f"pipeline_stages={pipeline_stages} must divide devices={devices}")
     check_stages(pipeline_stages, cfg.depth, "pipeline_stages")
     if offload and strategy not in ("zero2", "zero3"):
         raise ConfigError(f"offload needs strategy zero2 or zero3 (FSDP2), got {strategy}")
-    w, g, o, m, a = PRECISIONS[precision]
+    if ema and strategy not in ("single", "ddp", "zero1"):
+        raise ConfigError(
+            f"train.ema averages whole weights on every rank: it needs single, ddp or zero1, got {strategy}"
+        )
+    wrap = auto_wrap(strategy) if wrap == "auto" else wrap
+    w, g, o, m, mg, a = PRECISIONS[precision]
     sharded = strategy in ("zero2", "zero3")
     if sharded:
-        # FSDP2 mixed precision: fp32 shards are the master, low-dtype copies exist only while gathered.
-        w, g, m = FP32, FP32, 0
+        # FSDP2 mixed precision: fp32 shards are the master, low-dtype copies exist only while gathered, and
+        # gradients are reduce-scattered straight into fp32 shards (no second gradient copy).
+        w, g, m, mg = FP32, FP32, 0, 0
     gathered_w = PRECISIONS[precision][0]
     whole, stage = complexity(cfg).params, cfg
     params = whole
@@ -180,27 +215,41 @@ def estimate(
     shard = {"single": (1, 1, 1), "ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (n, n, n), "zero3": (n, n, n)}
     w_div, g_div, o_div = shard[strategy]
     weights, gradients = params * w // w_div, params * g // g_div
-    optimizer, master = params * o // o_div, params * m // o_div
+    # zero1's master copy and its gradients are whole on every rank (ZeroRedundancyOptimizer over the fp32 model,
+    # precision.py's step fills every master gradient); zero2/zero3 have none.
+    optimizer, master, master_gradients = params * o // o_div, params * m, params * mg
     gathered = 0
     if sharded and n > 1:
         unit = {"block": _block_params(cfg), "sublayer": _sublayer_params(cfg)}.get(wrap, params)
-        units = min(UNITS_IN_FLIGHT if prefetch else 1, stage.depth) if wrap != "model" else 1
-        # Gradients: a unit's unsharded gradients plus the fp32 flat buffer they are reduce-scattered from.
-        gathered = unit * (PRECISIONS[precision][1] + FP32)
-        if strategy == "zero3":
-            gathered += units * unit * gathered_w  # only the units in flight
-            if wrap != "model":
-                gathered += (params - stage.depth * _block_params(cfg)) * gathered_w  # root: embeddings, head
+        units = min(UNITS_IN_FLIGHT if prefetch else 1, stage.depth)
+        low_g = PRECISIONS[precision][1]
+        resident = 0 if offload else gradients  # gradient shards in device memory
+        if wrap == "model":
+            # One unit, gathered whole in backward under zero2 and zero3 alike. FSDP2 reshards it (frees the
+            # gathered weights) before it allocates the fp32 buffer its gradients are reduce-scattered from, so the
+            # peak holds its unsharded gradients beside either, and no gradient shard yet (the gradient term stands
+            # for part of these bytes, counted once). Measured zero2, 2 ranks: fp32 and bf16 within the per-process
+            # overhead; counting the weights and the buffer together was 4 and 2 bytes per parameter over.
+            gathered = max(0, unit * low_g + max(unit * gathered_w, unit * FP32) - resident)
         else:
-            # zero2 keeps every unit's gathered weights from forward to backward. Backward releases them unit by
-            # unit while the gradient shards fill up, so the peak is at its start: all gathered weights, no
-            # gradient shards yet (the gradient term above stands for the same bytes, counted once).
-            gathered += max(0, params * gathered_w - gradients)
+            # Gradients: a unit's unsharded gradients plus the fp32 flat buffer they are reduce-scattered from. The
+            # unit's own weights are freed before that buffer is made, but with several units the room goes to
+            # reductions left in flight (parallel/overlap.py keeps up to IN_FLIGHT pending on a CPU; FSDP2 overlaps
+            # its own on a GPU), so the unit is counted whole.
+            gathered = unit * (low_g + FP32)
+            if strategy == "zero3":
+                gathered += units * unit * gathered_w  # only the units in flight
+                gathered += (params - stage.depth * _block_params(cfg)) * gathered_w  # root: embeddings, head
+            else:
+                # zero2 keeps every unit's gathered weights from forward to backward. Backward releases them unit
+                # by unit while the gradient shards fill up, so the peak is at its start: all gathered weights, no
+                # gradient shards yet (the gradient term above stands for the same bytes, counted once).
+                gathered += max(0, params * gathered_w - resident)
     host = 0
     if offload:
         host = weights + gradients + optimizer + master
         weights = gradients = optimizer = master = 0
-    activations = activation_bytes(stage, batch, ac, a)
+    activations = activation_bytes(stage, batch, ac, a, checkpoint_every_k)
     if pipeline_stages > 1:
         # 1F1B: the first stage holds up to S micro-batches' activations of the step's M.
         micro = microbatches or 2 * pipeline_stages
@@ -215,6 +264,9 @@ def estimate(
         host_bytes=host,
         build=whole * FP32 if build == "whole" else 0,
         baseline=baseline_bytes,
+        master_gradients=master_gradients,
+        # A deep copy of the model the optimizer steps (the fp32 master under amp_o2), in fp32 on its device.
+        ema=params * FP32 if ema else 0,
     )
 
 
@@ -350,6 +402,8 @@ def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
         ("gradients", est.gradients),
         ("optimizer states", est.optimizer),
         ("fp32 master copy", est.master),
+        ("fp32 master gradients", est.master_gradients),
+        ("EMA weights (fp32)", est.ema),
         ("FSDP units in flight", est.gathered),
         ("activations", est.activations),
         ("total in training", est.total),
