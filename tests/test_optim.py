@@ -15,6 +15,7 @@ from vitrain.errors import ConfigError
 from vitrain.models import VisionTransformer, create_model
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.lamb_lars import Lamb, Lars
+from vitrain.optim.optimizers import layer_id
 
 CPU = torch.device("cpu")
 TINY_VIT = dataclasses.replace(TINY_MODEL, depth=3)  # three blocks: layer decay has depths to tell apart
@@ -76,6 +77,15 @@ def test_the_distillation_token_and_head_are_grouped_as_the_class_token_and_head
     for name in ("head", "head_dist"):
         assert owner[f"{name}.weight"]["lr_scale"] == 10.0 and owner[f"{name}.weight"]["weight_decay"] == 0.01, name
         assert owner[f"{name}.bias"]["lr_scale"] == 10.0 and owner[f"{name}.bias"]["weight_decay"] == 0.0, name
+
+
+def test_timms_vit_names_sit_in_the_layers_of_timms_layer_decay():
+    # timm's models (model.name=timm:...) are grouped by name too: its stem (group_matcher) is layer 0, register
+    # tokens and the norm before the blocks included; before, they were at the top, with the head's lr.
+    for name in ("patch_embed.proj.weight", "cls_token", "reg_token", "dist_token", "pos_embed", "norm_pre.weight"):
+        assert layer_id(name, 12) == 0, name
+    assert layer_id("blocks.3.attn.qkv.weight", 12) == 4
+    assert layer_id("norm.weight", 12) == layer_id("fc_norm.weight", 12) == layer_id("head.weight", 12) == 13
 
 
 def test_build_optimizer_sets_each_group_lr_from_its_scale():
