@@ -69,6 +69,10 @@ def _train_engines(out_dir):
         Trainer(digits(out_dir, name, "train.engine=deepspeed", f"parallel.strategy={strategy}")).fit()
     user = f"train.deepspeed_config={out_dir / 'ds.json'}"
     Trainer(digits(out_dir, "deepspeed_user_json", "train.engine=deepspeed", "parallel.strategy=zero2", user)).fit()
+    # 64 images a rank as one batch and as 2 micro-batches, without the random crops (drawn per batch)
+    for name, batch, accum in (("deepspeed_64x1", 64, 1), ("deepspeed_32x2", 32, 2)):
+        grouped = (f"train.batch_size={batch}", f"train.accum_steps={accum}", "data.crop_padding=0")
+        Trainer(digits(out_dir, name, "train.engine=deepspeed", "parallel.strategy=zero2", *grouped)).fit()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +91,15 @@ def test_deepspeed_stage_gives_the_native_engines_losses_on_two_ranks(runs, name
     for step, loss in reference.items():
         assert got[step] == pytest.approx(loss, abs=1e-4), f"{name} step {step}"
     assert len({round(v, 6) for v in reference.values()}) > 1  # training moved
+
+
+def test_an_accumulated_deepspeed_step_logs_the_loss_of_its_whole_batch(runs):
+    # DeepSpeed counts the micro-steps itself; the step's loss is still the mean over them, as one batch of 64 logs.
+    # Before, the last micro-batch's loss alone.
+    reference, got = losses(runs / "deepspeed_64x1"), losses(runs / "deepspeed_32x2")
+    assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5]
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), f"step {step}"
 
 
 def _train_stage1(out_dir):

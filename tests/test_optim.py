@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from tests.conftest import TINY_MODEL
 from vitrain.config import CONFIG_DIR, OptimConfig, load_config
 from vitrain.errors import ConfigError
-from vitrain.models import create_model
+from vitrain.models import VisionTransformer, create_model
 from vitrain.optim import build_optimizer, param_groups, resolve_impl
 from vitrain.optim.lamb_lars import Lamb, Lars
+from vitrain.optim.optimizers import layer_id
 
 CPU = torch.device("cpu")
 TINY_VIT = dataclasses.replace(TINY_MODEL, depth=3)  # three blocks: layer decay has depths to tell apart
@@ -61,6 +62,30 @@ def test_layer_decay_scales_lr_by_depth_from_the_head():
     assert owner["blocks.0.mlp.fc1.weight"]["lr_scale"] == 0.125
     assert owner["patch_embed.proj.weight"]["lr_scale"] == 0.0625
     assert owner["pos_embed"]["lr_scale"] == 0.0625
+
+
+def test_the_distillation_token_and_head_are_grouped_as_the_class_token_and_head():
+    # As timm's DeiT: dist_token is in no_weight_decay() and in the embeddings' layer (group_matcher's stem), and
+    # head_dist is a classifier like head. Before, dist_token had weight decay 0.05 and lr_scale 1.0 under
+    # layer_decay=0.75 (cls_token: 0 and 0.42), and head_dist kept the blocks' lr and weight decay.
+    model = VisionTransformer(TINY_VIT, distilled=True)
+    cfg = OptimConfig(weight_decay=0.05, layer_decay=0.75, head_lr_scale=10.0, head_weight_decay=0.01)
+    owner = group_of(model, param_groups(model, cfg))
+    for name in ("cls_token", "dist_token", "pos_embed"):
+        assert owner[name]["weight_decay"] == 0.0, name
+        assert owner[name]["lr_scale"] == pytest.approx(0.75**4), name  # 3 blocks: the embeddings 4 layers down
+    for name in ("head", "head_dist"):
+        assert owner[f"{name}.weight"]["lr_scale"] == 10.0 and owner[f"{name}.weight"]["weight_decay"] == 0.01, name
+        assert owner[f"{name}.bias"]["lr_scale"] == 10.0 and owner[f"{name}.bias"]["weight_decay"] == 0.0, name
+
+
+def test_timms_vit_names_sit_in_the_layers_of_timms_layer_decay():
+    # timm's models (model.name=timm:...) are grouped by name too: its stem (group_matcher) is layer 0, register
+    # tokens and the norm before the blocks included; before, they were at the top, with the head's lr.
+    for name in ("patch_embed.proj.weight", "cls_token", "reg_token", "dist_token", "pos_embed", "norm_pre.weight"):
+        assert layer_id(name, 12) == 0, name
+    assert layer_id("blocks.3.attn.qkv.weight", 12) == 4
+    assert layer_id("norm.weight", 12) == layer_id("fc_norm.weight", 12) == layer_id("head.weight", 12) == 13
 
 
 def test_build_optimizer_sets_each_group_lr_from_its_scale():

@@ -74,6 +74,13 @@ def test_two_stages_on_two_ranks_match_one_process_for_five_steps(runs, name):
     _assert_same_losses(losses(runs / name), losses(runs / reference), range(1, 6))
 
 
+@pytest.mark.parametrize("name", ["single_accum", "1f1b_accum"])
+def test_an_accumulated_step_logs_the_loss_of_its_whole_batch(runs, name):
+    # 2 micro-steps of 8 (the pipeline's each in its micro-batches) log the mean over the 16 images, as one batch of
+    # 16 does; before, the last micro-step's loss alone.
+    _assert_same_losses(losses(runs / name), losses(runs / "single"), range(1, 6))
+
+
 def test_amp_o2_stages_under_zero3_stay_within_1e_2_of_one_process(runs):
     reference, got = losses(runs / "single_o2"), losses(runs / "1f1b_zero3_o2")
     assert sorted(got) == [1, 2, 3, 4, 5]

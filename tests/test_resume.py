@@ -285,3 +285,33 @@ def test_a_resume_with_other_steps_per_epoch_continues_the_schedule_at_the_same_
     got, reference = _lrs(tmp_path / "half"), _lrs(tmp_path / "whole")
     assert sorted(got) == list(range(1, 8)) and sorted(reference) == list(range(1, 7))
     assert [got[s] for s in range(3, 8)] == pytest.approx([reference[s] for s in range(2, 7)], rel=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["loop", "flat"])
+def test_a_resume_takes_the_parameter_groups_from_its_config_and_the_moments_from_the_checkpoint(
+    tmp_path, monkeypatch, impl
+):
+    # The checkpoint's groups came from the optim.* values and the grouping rule it was written with. Before, the
+    # per-tensor kernels (loop, fused: CUDA's auto) took them back: optim.weight_decay=0.1 given on resume ran at
+    # the saved 0.05, and a grouping since changed (head_dist a head, dist_token without decay) was refused, or
+    # mapped onto the wrong groups, which then lacked their betas (KeyError at the first step). flat kept this run's.
+    from vitrain.optim import optimizers
+
+    cfg = tiny_config(tmp_path, "run", train={"max_steps": 2}, optim={"impl": impl, "head_lr_scale": 2.0})
+    monkeypatch.setattr(optimizers, "HEAD_PREFIXES", ())  # the run was written under another grouping rule
+    saved = Trainer(cfg)
+    saved.fit()
+    moments = {
+        n: s["exp_avg"].clone() for n, s in ckpt.training_state(saved.model, saved.engine.optimizer)[1]["state"].items()
+    }
+    monkeypatch.undo()
+    cfg.optim.weight_decay = 0.1
+    resumed = Trainer(cfg, resume=True)
+    resumed.fit()  # at its last step already: loads the checkpoint, trains no more
+    optimizer = resumed.engine.optimizer
+    scales = {(g["lr_scale"], g["weight_decay"]) for g in optimizer.param_groups}
+    assert scales == {(1.0, 0.0), (1.0, 0.1), (2.0, 0.0), (2.0, 0.1)}
+    state = ckpt.training_state(resumed.model, optimizer)[1]["state"]
+    assert set(state) == set(moments)
+    for name, moment in moments.items():
+        assert torch.equal(state[name]["exp_avg"], moment), name

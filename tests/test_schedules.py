@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
+import torch
 
 from tests.conftest import TINY_MODEL, TRUNK_FIELDS, model_overrides
 from vitrain.cli import main
@@ -30,9 +32,59 @@ def test_warmup_cosine_ramps_linearly_then_decays_to_min_lr():
 def test_onecycle_starts_low_peaks_at_pct_and_ends_far_below():
     s = schedule("onecycle", onecycle_pct=0.3, div_factor=25, final_div_factor=1e4)
     assert s(0) == pytest.approx(1 / 25)
-    assert s(30) == pytest.approx(1.0)
-    assert max(s(i) for i in range(100)) == pytest.approx(1.0)
-    assert s(100) == pytest.approx(1 / 25 / 1e4)
+    assert s(29) == 1.0  # the ramp's last step: 0.3 x 100 - 1, as torch's OneCycleLR
+    assert max(s(i) for i in range(100)) == 1.0
+    assert s(99) == pytest.approx(1 / 25 / 1e4)  # the run's last step runs at the final lr
+    assert s(100) == s(99)
+
+
+def torch_onecycle(peak: float, total: int, pct: float, div: float, final_div: float) -> list[float]:
+    """The lr each of torch's optimizer steps runs at under OneCycleLR (read before the step, then scheduler.step)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=peak, total_steps=total, pct_start=pct, anneal_strategy="cos", cycle_momentum=False,
+        div_factor=div, final_div_factor=final_div, three_phase=False,
+    )  # fmt: skip
+    lrs = []
+    for _ in range(total):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize(
+    "total, pct, div, final_div",
+    [(66, 0.3, 25.0, 1e4), (100, 0.25, 10.0, 100.0), (7, 0.3, 25.0, 1e4), (3, 0.3, 25.0, 1e4), (1, 0.5, 25.0, 1e4)],
+)
+def test_onecycle_is_torchs_one_cycle_lr_step_for_step(total, pct, div, final_div):
+    # Before, the ramp ran over int(pct x T) steps and the decay to step T: over 66 steps the last ran at 2.24e-6
+    # (torch: 8e-9), the one before at 8.9e-6 (2.3e-6), the ramp 0.5-2% low. (7, 0.3): the ramp ends mid-step;
+    # (3, 0.3) and (1, 0.5): before step 0.
+    s = schedule("onecycle", total=total, peak=2e-3, onecycle_pct=pct, div_factor=div, final_div_factor=final_div)
+    assert [s(i) for i in range(total)] == pytest.approx(torch_onecycle(2e-3, total, pct, div, final_div), rel=1e-12)
+
+
+def test_a_one_step_onecycle_ramp_starts_at_its_low_lr():
+    # pct x T = 1: torch's OneCycleLR divides 0 by 0 at step 0; the ramp's one step runs at lr / div_factor.
+    s = schedule("onecycle", total=10, onecycle_pct=0.1, div_factor=25, final_div_factor=1e4)
+    assert s(0) == pytest.approx(1 / 25)
+    assert s(9) == pytest.approx(1 / 25 / 1e4)
+
+
+def test_a_onecycle_run_logs_torchs_one_cycle_lr_at_each_step(tmp_path):
+    # The trainer reads step s's lr (s from 1 in metrics.jsonl) at schedule step s - 1, before the step runs, as
+    # torch's optimizer step s - 1 runs at OneCycleLR's lr: the whole run's lrs, the final one included.
+    out = tmp_path / "runs"
+    overrides = [*model_overrides(dataclasses.replace(TINY_MODEL, depth=1)), "train.batch_size=256", "train.epochs=2"]
+    overrides += ["log.progress=false", "log.every_steps=1", "schedule.name=onecycle", f"log.out_dir={out}"]
+    assert main(["train", "digits", *overrides, "name=onecycle"]) == 0
+    records = [json.loads(line) for line in (out / "onecycle" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in records if "lr" in r}
+    s = load_config(CONFIG_DIR / "digits.yaml", ["schedule.name=onecycle"]).schedule
+    expected = torch_onecycle(2e-3, len(logged), s.onecycle_pct, s.div_factor, s.final_div_factor)  # digits' lr
+    assert sorted(logged) == list(range(1, len(expected) + 1))
+    assert [logged[s] for s in sorted(logged)] == pytest.approx(expected, rel=1e-12)
 
 
 def test_cyclic_falls_to_min_mid_cycle_and_shrinks_each_cycle():

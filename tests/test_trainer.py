@@ -108,6 +108,22 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
 
 
+def test_an_accumulated_step_logs_the_mean_loss_of_its_micro_batches(tmp_path):
+    # A step of 64 images logs their mean loss, whether they came as one batch or as 2 micro-batches of 32; before,
+    # the accumulated step logged its last micro-batch's alone (step 1: 2.325479 against 2.325912, grad_norm equal).
+    big = load_config(None, tiny_overrides(tmp_path, "name=big", "train.batch_size=64", "train.max_steps=3"))
+    acc = load_config(
+        None, tiny_overrides(tmp_path, "name=acc", "train.batch_size=32", "train.accum_steps=2", "train.max_steps=3")
+    )
+    Trainer(big).fit()
+    Trainer(acc).fit()
+    expected, got = step_records(big.run_dir), step_records(acc.run_dir)
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step, record in expected.items():
+        assert got[step]["loss"] == pytest.approx(record["loss"], abs=1e-6), f"step {step}"
+        assert got[step]["grad_norm"] == pytest.approx(record["grad_norm"], rel=1e-5), f"step {step}"
+
+
 def test_rerun_without_resume_starts_a_new_folder_and_keeps_the_checkpoint(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, "train.max_steps=2"))
     Trainer(cfg).fit()

@@ -1050,9 +1050,14 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
                 param.copy_(wanted["model"][name])
         return
     model_state, optim_state = get_state_dict(model, optimizer)
+    # Only the per-parameter state is read, as flat and zero1 do: the groups (lr scale, weight decay, betas) are this
+    # run's optim.* and grouping rule. The saved ones, laid over these by group index, kept a checkpoint's weight
+    # decay over the one given on resume, and after a change of grouping left groups without their betas.
+    groups = optim_state.pop("param_groups")
     state = {"model": model_state, "optim": optim_state}
     _dcp_load(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    optim_state = {**state["optim"], "param_groups": groups}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
 
 
 def _load_zero1(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:

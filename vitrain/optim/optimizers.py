@@ -13,8 +13,13 @@ from vitrain.optim.flat import flat_optimizer
 from vitrain.optim.lamb_lars import Lamb, Lars
 from vitrain.optim.muon import Muon
 
-NO_DECAY_NAMES = ("pos_embed", "cls_token")
-HEAD_PREFIX = "head."
+# The embedding tokens and tables, as timm's ViT/DeiT no_weight_decay(): also the distillation token (DeiT) and
+# register tokens (timm's models run here too). They sit with the patch embedding at layer 0 (timm's stem group).
+TOKEN_NAMES = ("pos_embed", "cls_token", "dist_token", "reg_token")
+# Layer 0 for layer decay: timm's stem group (group_matcher), the norm before the blocks of its CLIP-style ViTs too.
+STEM_PREFIXES = ("patch_embed.", "norm_pre.", *TOKEN_NAMES)
+# The classifiers: the head and DeiT's distillation head, which timm's DeiT also treats as a head.
+HEAD_PREFIXES = ("head.", "head_dist.")
 # Which kernels each optimizer has; `auto` takes the first one the device can run.
 KERNELS = {
     "adamw": ("fused", "foreach", "loop", "flat"),
@@ -27,7 +32,7 @@ KERNELS = {
 
 def layer_id(name: str, num_layers: int) -> int:
     """0 for the embeddings, i + 1 for blocks.i, num_layers + 1 for the final norm and the head."""
-    if name.startswith(("patch_embed.", "cls_token", "pos_embed")):
+    if name.startswith(STEM_PREFIXES):
         return 0
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1
@@ -54,8 +59,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     head_wd = head_weight_decay(cfg)
     groups: dict[tuple[float, float], dict] = {}
     for name, param in named:
-        no_decay = param.ndim <= 1 or name.split(".")[-1] in NO_DECAY_NAMES
-        is_head = name.startswith(HEAD_PREFIX)
+        no_decay = param.ndim <= 1 or name.split(".")[-1] in TOKEN_NAMES
+        is_head = name.startswith(HEAD_PREFIXES)
         lr_scale = cfg.layer_decay ** (num_layers + 1 - layer_id(name, num_layers))
         if is_head:
             lr_scale *= cfg.head_lr_scale
