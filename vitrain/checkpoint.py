@@ -218,7 +218,7 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
         root = path if path.name == CHECKPOINT_DIR else path / CHECKPOINT_DIR
         if not root.is_dir():
             raise CheckpointError(f"checkpoint verify: {path} holds no {CHECKPOINT_DIR}/ folder; give a run folder")
-        steps = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+        steps = step_folders(root.parent)
     report = []
     for step in steps:
         kind = " (DeepSpeed's files)" if (step / DEEPSPEED_DIR).is_dir() else ""
@@ -283,17 +283,22 @@ def is_complete(path: Path) -> bool:
         return False
 
 
+def step_folders(run_dir: Path) -> list[Path]:
+    """Every step folder of a run, complete or not, oldest first (step_dirs keeps the complete ones)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    return [path for _, path in found]
+
+
 def step_dirs(run_dir: Path, warn: bool = True) -> list[Path]:
     """Complete checkpoints of a run, oldest first; incomplete step folders are skipped, with a warning where `warn`.
 
     A command lists a run's steps many times (to choose one, to find the newer ones, at each prune, for the summary):
     only the call that chooses the checkpoint warns, so that a skipped folder is said once, not at each listing."""
-    root = Path(run_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return []
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
     complete = []
-    for _, path in found:
+    for path in step_folders(run_dir):
         if is_complete(path):
             complete.append(path)
         elif warn:

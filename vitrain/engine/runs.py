@@ -132,11 +132,8 @@ def _step_folders_after(run_dir: Path, checkpoint: Path | None) -> list[Path]:
     """The run's step folders after `checkpoint` (all of them for None), incomplete ones too: the continued run saves
     those steps again, and a save replaces a folder of its step, while an incomplete one may be whole files under a
     damaged marker."""
-    root = run_dir / ckpt.CHECKPOINT_DIR
-    if not root.is_dir():
-        return []
     after = "" if checkpoint is None else checkpoint.name
-    return sorted(p for p in root.iterdir() if ckpt.is_step_dir(p) and p.is_dir() and p.name > after)
+    return [p for p in ckpt.step_folders(run_dir) if p.name > after]
 
 
 def _newest_intact(run_dir: Path, notes: list[str]) -> Path | None:
