@@ -93,13 +93,21 @@ def test_digits_recipe_reaches_95_percent_on_held_out_digits(tmp_path):
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
 
 
-def test_gradient_accumulation_matches_one_large_batch(tmp_path):
-    big = load_config(None, tiny_overrides(tmp_path, "name=big", "train.batch_size=64", "train.max_steps=3"))
+@pytest.fixture(scope="module")
+def big_and_accumulated(tmp_path_factory):
+    """The same 3 steps of 64 images, as one batch of 64 and as 2 accumulated micro-batches of 32 (configs, trained)."""
+    out = tmp_path_factory.mktemp("accumulation")
+    big = load_config(None, tiny_overrides(out, "name=big", "train.batch_size=64", "train.max_steps=3"))
     acc = load_config(
-        None, tiny_overrides(tmp_path, "name=acc", "train.batch_size=32", "train.accum_steps=2", "train.max_steps=3")
+        None, tiny_overrides(out, "name=acc", "train.batch_size=32", "train.accum_steps=2", "train.max_steps=3")
     )
     Trainer(big).fit()
     Trainer(acc).fit()
+    return big, acc
+
+
+def test_gradient_accumulation_matches_one_large_batch(big_and_accumulated):
+    big, acc = big_and_accumulated
     a, b = create_model(big.model), create_model(acc.model)
     ckpt.load_model_weights(ckpt.latest(big.run_dir), a)
     ckpt.load_model_weights(ckpt.latest(acc.run_dir), b)
@@ -108,15 +116,10 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_an_accumulated_step_logs_the_mean_loss_of_its_micro_batches(tmp_path):
+def test_an_accumulated_step_logs_the_mean_loss_of_its_micro_batches(big_and_accumulated):
     # A step of 64 images logs their mean loss, whether they came as one batch or as 2 micro-batches of 32; before,
     # the accumulated step logged its last micro-batch's alone (step 1: 2.325479 against 2.325912, grad_norm equal).
-    big = load_config(None, tiny_overrides(tmp_path, "name=big", "train.batch_size=64", "train.max_steps=3"))
-    acc = load_config(
-        None, tiny_overrides(tmp_path, "name=acc", "train.batch_size=32", "train.accum_steps=2", "train.max_steps=3")
-    )
-    Trainer(big).fit()
-    Trainer(acc).fit()
+    big, acc = big_and_accumulated
     expected, got = step_records(big.run_dir), step_records(acc.run_dir)
     assert sorted(got) == sorted(expected) == [1, 2, 3]
     for step, record in expected.items():
