@@ -13,7 +13,7 @@ from tests.distributed_helpers import losses, run_two_ranks, tiny_config, whole_
 from tests.test_checkpoint import TEN_STEPS
 from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
-from vitrain.engine import Trainer
+from vitrain.engine import Trainer, runs
 from vitrain.errors import CheckpointError
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import rank
@@ -267,12 +267,28 @@ def _lrs(run_dir) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in records if "lr" in r}
 
 
-def test_a_resume_with_other_steps_per_epoch_continues_the_schedule_at_the_same_point_of_training(tmp_path):
+def _meta_before_steps_per_epoch(trainer, is_best=False):
+    """checkpoint_meta as written before meta.json kept where the schedule stands."""
+    meta = CHECKPOINT_META(trainer, is_best)
+    del meta["schedule_step"], meta["steps_per_epoch"]
+    return meta
+
+
+CHECKPOINT_META = runs.checkpoint_meta
+
+
+@pytest.mark.parametrize("written_by", ["this vitrain", "an older vitrain"])
+def test_a_resume_with_other_steps_per_epoch_continues_the_schedule_at_the_same_point_of_training(
+    tmp_path, monkeypatch, written_by
+):
     # 64 training samples of 16: 4 steps per epoch; stopped after 2 (half of epoch 1), resumed with 2 micro-batches
-    # a step: 2 steps per epoch.
+    # a step: 2 steps per epoch. An older checkpoint has no steps per epoch: they are counted from its config.
     data = {"synthetic_samples": 80}  # 16 of them held out
     half = tiny_config(tmp_path, "half", train={"max_steps": 2, "epochs": 3}, data=data)
+    if written_by == "an older vitrain":
+        monkeypatch.setattr(runs, "checkpoint_meta", _meta_before_steps_per_epoch)
     Trainer(half).fit()
+    monkeypatch.undo()
     half.train.max_steps, half.train.accum_steps = 0, 2
     resumed = Trainer(half, resume=True)
     resumed.fit()
@@ -285,6 +301,21 @@ def test_a_resume_with_other_steps_per_epoch_continues_the_schedule_at_the_same_
     got, reference = _lrs(tmp_path / "half"), _lrs(tmp_path / "whole")
     assert sorted(got) == list(range(1, 8)) and sorted(reference) == list(range(1, 7))
     assert [got[s] for s in range(3, 8)] == pytest.approx([reference[s] for s in range(2, 7)], rel=1e-12)
+
+
+def test_an_older_checkpoint_whose_steps_per_epoch_cannot_be_counted_is_said_to_continue_unmapped(tmp_path):
+    from types import SimpleNamespace
+
+    cfg = tiny_config(tmp_path, "run")
+    meta = {"config": runs.to_dict(cfg), "world_size": 2, "step": 6}  # 2 replicas then, 1 now
+    stream = SimpleNamespace()  # a loader that cannot count another split (the streaming one)
+    one = SimpleNamespace(data_size=1)
+    trainer = SimpleNamespace(cfg=cfg, steps_per_epoch=10, notes=[], train_loader=stream, dist=one)
+    assert runs._schedule_step(meta, trainer) == 6
+    assert "the lr schedule continues at its step 6 counted in this run's 10 steps per epoch" in trainer.notes[0]
+    trainer.train_loader, trainer.notes = SimpleNamespace(batches_with=lambda replicas: 10 // replicas), []
+    assert runs._schedule_step(meta, trainer) == 12  # 5 steps per epoch then, 10 now: the same share of training
+    assert "(the checkpoint's 6 of 5)" in trainer.notes[0]
 
 
 @pytest.mark.parametrize("impl", ["loop", "flat"])

@@ -198,6 +198,13 @@ class PermutationPosition:
         return resume_order(len(self.data), epoch, self.seed, self.shuffle, self.rank, self.world_size,
                             self.batch_size, self.drop_last, start, self.repeats)  # fmt: skip
 
+    def __len__(self) -> int:
+        return self.batches_with(self.world_size)
+
+    def batches_with(self, world_size: int) -> int:
+        """How many batches an epoch has had the data been split over `world_size` replicas (len(self) at its own)."""
+        return batches_per_epoch(len(self.data), self.batch_size, world_size, self.drop_last)
+
     def batches_left(self, start: int | Position | None = None) -> int:
         """How many batches `epoch(e, start)` yields."""
         return self.plan(0, start)[2]
@@ -238,9 +245,6 @@ class BatchLoader(PermutationPosition):
         self.prefetch = prefetch
         # Pinned host memory lets the copy to an accelerator run asynchronously (untested here: no GPU).
         self.pin = device.type == "cuda"
-
-    def __len__(self) -> int:
-        return batches_per_epoch(len(self.data), self.batch_size, self.world_size, self.drop_last)
 
     def order(self, epoch: int) -> torch.Tensor:
         n = len(self.data)

@@ -23,7 +23,6 @@ from vitrain.data.loader import (
     PermutationPosition,
     Position,
     batch_generator,
-    batches_per_epoch,
     from_workers,
     loader_generator,
     mask_padding,
@@ -141,9 +140,6 @@ class PlainLoader(PermutationPosition):
         self.world_size = world_size
         self.drop_last = drop_last
         self.seed = data.seed
-
-    def __len__(self) -> int:
-        return batches_per_epoch(len(self.data), self.batch_size, self.world_size, self.drop_last)
 
     def epoch(self, epoch: int, start: int | Position | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.data)

@@ -27,6 +27,7 @@ from vitrain.errors import CheckpointError, ConfigError
 from vitrain.files import atomic_write, folder_problem
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
+from vitrain.parallel.pipeline import pipeline_ranks
 from vitrain.weights import WEIGHTS_FILE
 
 if TYPE_CHECKING:
@@ -376,18 +377,39 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
     }
 
 
-def _schedule_step(meta: dict[str, Any], steps_per_epoch: int, notes: list[str]) -> int:
+def _saved_steps_per_epoch(meta: dict[str, Any], trainer: Trainer) -> int | None:
+    """The checkpoint's steps per epoch. A checkpoint written before meta.json kept them: this run's loader counts
+    them from the checkpoint's replicas (world size over pipeline ranks) and train.accum_steps, as the batch and the
+    data are frozen on resume; None where the replicas differ and the loader cannot count another split."""
+    if meta.get("steps_per_epoch"):
+        return meta["steps_per_epoch"]
+    saved = load_config(base=meta["config"], check=False)
+    replicas = meta.get("world_size", 1) // pipeline_ranks(saved.parallel)
+    if replicas == trainer.dist.data_size:
+        return len(trainer.train_loader) // saved.train.accum_steps
+    batches_with = getattr(trainer.train_loader, "batches_with", None)
+    return batches_with(replicas) // saved.train.accum_steps if batches_with else None
+
+
+def _schedule_step(meta: dict[str, Any], trainer: Trainer) -> int:
     """The step the lr schedule (and token dropping, progressive resizing) continues from. A checkpoint written with
     another number of steps per epoch (train.accum_steps, the world size or the batch changed on resume) stood at
     the same share of training in its own steps: counted in this run's, its step would skip or repeat part of the
     schedule (half of warmup skipped, and the run's last steps at the minimum rate, after 1 -> 2 accumulation)."""
-    at, saved = meta.get("schedule_step", meta["step"]), meta.get("steps_per_epoch")
-    if not saved or saved == steps_per_epoch:
+    at, now = meta.get("schedule_step", meta["step"]), trainer.steps_per_epoch
+    saved = _saved_steps_per_epoch(meta, trainer)
+    if saved is None:
+        trainer.notes.append(
+            f"checkpoint written before checkpoints kept their steps per epoch, under another layout (world size, "
+            f"pipeline or train.accum_steps), from a loader that cannot count them for it: the lr schedule continues "
+            f"at its step {at} counted in this run's {now} steps per epoch, which may skip or repeat part of it"
+        )
+    if not saved or saved == now:
         return at
-    moved = round(at * steps_per_epoch / saved)
-    notes.append(
-        f"{steps_per_epoch} steps per epoch, {saved} when the checkpoint was written: the lr schedule continues at "
-        f"its step {moved} of {steps_per_epoch} per epoch (the checkpoint's {at} of {saved}), the same point of "
+    moved = round(at * now / saved)
+    trainer.notes.append(
+        f"{now} steps per epoch, {saved} when the checkpoint was written: the lr schedule continues at "
+        f"its step {moved} of {now} per epoch (the checkpoint's {at} of {saved}), the same point of "
         f"training; step numbers go on from {meta['step']}"
     )
     return moved
@@ -410,7 +432,7 @@ def restore(trainer: Trainer, path: Path) -> None:
             "saved with, or start a new run from its weights (`vitrain export`, then model.init_from=)"
         ) from mismatch
     trainer.step, trainer.epoch = meta["step"], meta["epoch"]
-    trainer.schedule_offset = _schedule_step(meta, trainer.steps_per_epoch, trainer.notes) - meta["step"]
+    trainer.schedule_offset = _schedule_step(meta, trainer) - meta["step"]
     # Checkpoints before the loader kept its Position held the epoch's consumed samples as samples_in_epoch.
     saved = meta.get("loader") or {"epoch": meta["epoch"], "samples": meta.get("samples_in_epoch", 0)}
     trainer.resume_at, trainer.batch_in_epoch = Position.from_dict(saved), 0
