@@ -514,3 +514,31 @@ def test_lr_find_runs_under_deepspeed_on_two_ranks(tmp_path):
     assert rows[0] == "lr,loss,smoothed_loss" and 3 <= len(rows) - 1 <= 8
     lrs = [float(row.split(",")[0]) for row in rows[1:]]
     assert lrs[0] == pytest.approx(1e-5) and lrs == sorted(lrs)
+
+
+def _resume_with_another_weight_decay(out_dir) -> None:
+    """Train 2 steps under optim.weight_decay=0.05, resume for a third with 0.1; keep the groups' weight decay as
+    DeepSpeed's load leaves them."""
+    from vitrain.engine.deepspeed import DeepSpeedEngine
+
+    seen: list[float] = []
+    load = DeepSpeedEngine.load
+
+    def load_and_look(self, path, meta):
+        restored = load(self, path, meta)
+        seen.extend(group["weight_decay"] for group in self.optimizer.param_groups)
+        return restored
+
+    DeepSpeedEngine.load = load_and_look  # this spawned process only
+    run = ("train.engine=deepspeed", "parallel.strategy=zero2", "model.depth=1")
+    Trainer(digits(out_dir, "decay", *run, "train.max_steps=2", "optim.weight_decay=0.05")).fit()
+    Trainer(digits(out_dir, "decay", *run, "train.max_steps=3", "optim.weight_decay=0.1"), resume=True).fit()
+    (out_dir / "seen.json").write_text(json.dumps(seen))
+
+
+def test_optim_values_given_on_resume_hold_under_deepspeed_as_under_the_native_engine(tmp_path):
+    # DeepSpeed's load put the saved groups' values back: optim.weight_decay=0.1 given on resume ran at 0.05.
+    _one_process(_resume_with_another_weight_decay, tmp_path)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert sorted(set(seen)) == [0.0, 0.1]  # the parameters without decay (norms, biases) and the rest
+    assert losses(tmp_path / "decay").keys() == {1, 2, 3}

@@ -507,10 +507,15 @@ class DeepSpeedEngine:
                 refuse_code(load_dir / DEEPSPEED_DIR)
         previous = self.ds._config.load_universal_checkpoint
         self.ds._config.load_universal_checkpoint = reshard  # DeepSpeed reads the switch at load time only
+        # DeepSpeed's load puts the saved groups' values back (weight decay, betas, eps, layer decay's lr_scale): the
+        # run's own, from the optim.* it resumes with, are kept, as under the native engine; only the state is read.
+        own = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
         try:
             self.ds.load_checkpoint(str(load_dir), tag=DEEPSPEED_DIR, load_lr_scheduler_states=False)
         finally:
             self.ds._config.load_universal_checkpoint = previous
+        for group, values in zip(self.optimizer.param_groups, own, strict=True):
+            group.update(values)
         if self.head is not None:
             self.head.load_checkpoint(path, self.head_optimizer)
         rng_file = Path(path) / RNG_FILE.format(rank=rank())
