@@ -480,6 +480,8 @@ def _orl_steps(out_dir):
     Trainer(load_config(CONFIG_DIR / "face-orl.yaml", overrides)).fit()
 
 
+# slow: 33 s on a Zen 4; the face task under DeepSpeed runs in the default suite with synthetic faces (face_runs)
+@pytest.mark.slow
 @pytest.mark.skipif(not ORL.is_file(), reason=f"the ORL faces are not at {ORL}")
 def test_the_face_orl_recipe_trains_under_deepspeed_with_the_sharded_head_on_two_ranks(tmp_path):
     run_two_ranks(_orl_steps, tmp_path)

@@ -193,6 +193,12 @@ def test_cli_counts_a_configs_every_k_checkpointing(tmp_path, capsys):
     block, block_input, outside = _block_and_outside(BASE, 32)
     gib = (outside + 9 * block + 3 * block_input) / 2**30
     assert f"{'activations':<22}{gib:>10.2f} GiB" in out
+    # --ac asks for every block, over the config's every_k (review s19: the config's k was kept)
+    assert main(["estimate", "ViT-B/16", "--config", str(config), "--devices", "8", "--ac"]) == 0
+    out = capsys.readouterr().out
+    assert "ac=True" in out and "checkpoint_every_k" not in out
+    gib = (outside + block + 12 * block_input) / 2**30  # every block: as every_k=1
+    assert f"{'activations':<22}{gib:>10.2f} GiB" in out
 
 
 def test_devices_needed_is_the_smallest_count_that_fits():

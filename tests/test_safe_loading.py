@@ -265,6 +265,8 @@ def test_an_index_declaring_a_huge_state_is_refused_before_anything_is_allocated
     assert snapshot(run_dir) == before
 
 
+# slow: 72 s on a Zen 4; test_deepspeed.py's pickle test refuses a DeepSpeed file in the default run
+@pytest.mark.slow
 def test_a_deepspeed_file_holding_a_pickle_is_one_line_naming_it_without_torchs_advice(tmp_path, monkeypatch):
     if importlib.util.find_spec("deepspeed") is None:  # the runs below import it, this process need not
         pytest.skip("DeepSpeed is not installed: pip install 'vitrain[deepspeed]'")

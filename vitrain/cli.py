@@ -547,6 +547,8 @@ def _estimate(args: argparse.Namespace) -> int:
         "ema": args.ema,
     }
     setting.update({k: v for k, v in flags.items() if v is not None})
+    if args.ac and not args.checkpoint_every_k:  # --ac is every block: a config's every_k gives way to it
+        setting.pop("checkpoint_every_k", None)
     setting.update(baseline_bytes=int(args.baseline_gib * 2**30))
     shown = dict(setting)
     # auto (the default, or a config's) is resolved after the flags: --strategy may change what it resolves to.
