@@ -369,6 +369,8 @@ def _fp32_modules_sharded(out_dir):
     (out_dir / f"seen{torch.distributed.get_rank()}.json").write_text(json.dumps(seen))
 
 
+# slow: 22 s on a Zen 4; fp32_modules under one process and a user's module under zero3 run in the default suite
+@pytest.mark.slow
 def test_layers_named_in_fp32_modules_compute_in_fp32_under_zero2_and_zero3_on_two_ranks_like_one_process(tmp_path):
     from tests.distributed_helpers import losses
     from vitrain.engine import Trainer

@@ -111,6 +111,8 @@ def test_eval_of_checkpoint_from_another_model_exits_2(trained_run):
     assert snapshot(trained_run) == before
 
 
+# slow: 11 s on a Zen 4
+@pytest.mark.slow
 def test_eval_of_a_classification_run_refuses_the_face_and_detection_flags(trained_run, tmp_path):
     result = run_cli("eval", str(trained_run), "--out", str(tmp_path / "ev"))
     assert_one_line_error(result, r"--out is for face and detection models; .* task\.name=classification")

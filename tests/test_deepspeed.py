@@ -172,6 +172,8 @@ def command(tmp_path_factory):
     return files
 
 
+# slow: 18 s on a Zen 4 (a whole zero3 command for its stderr)
+@pytest.mark.slow
 def test_a_zero3_run_prints_no_deprecation_of_the_torch_collectives_deepspeed_calls(command):
     assert "is deprecated" not in command["rank0.err"] + command["rank1.err"]
     assert "precision fp32" in command["rank0.err"]  # rank 0's log is in the file
@@ -370,6 +372,8 @@ print(json.dumps({"steps": summary["steps"], **{k: os.environ.get(k) for k in ("
 """
 
 
+# slow: 12 s on a Zen 4
+@pytest.mark.slow
 def test_a_library_run_without_torchrun_leaves_no_launcher_variables_behind(tmp_path, monkeypatch):
     for name in ("LOCAL_RANK", "LOCAL_SIZE", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -392,6 +396,8 @@ def test_deepspeed_on_several_processes_without_local_rank_is_refused_in_one_lin
     assert "LOCAL_RANK" not in os.environ
 
 
+# slow: 13 s on a Zen 4
+@pytest.mark.slow
 def test_a_native_checkpoint_is_refused_by_the_deepspeed_engine(tmp_path):
     with pytest.raises(ProcessRaisedException, match=r"written by train.engine=native; resume it with train.engine="):
         _one_process(_native_then_deepspeed, tmp_path)

@@ -153,6 +153,8 @@ def test_a_timm_teacher_without_weights_offline_says_how_to_get_them(tmp_path, m
         load_teacher(cfg)
 
 
+# slow: 9 s on a Zen 4
+@pytest.mark.slow
 def test_a_teacher_of_other_classes_is_refused_in_one_line_with_exit_2(tmp_path):
     _export_teacher(tmp_path, model=dataclasses.replace(TINY_MODEL, num_classes=7))
     done = run_cli("train", "digits", f"train.distill.teacher={tmp_path / 'teacher'}", f"log.out_dir={tmp_path}")
@@ -283,6 +285,8 @@ def _two_rank_job(out_dir):
         trainer.fit()
 
 
+# slow: 16 s on a Zen 4; distillation and sharding each run in the default suite
+@pytest.mark.slow
 def test_two_ranks_shard_the_teacher_like_the_student_and_train_like_one_process(tmp_path):
     _export_teacher(tmp_path)
     Trainer(tiny_config(tmp_path, "single", train={"distill": {"teacher": str(tmp_path / "teacher")}})).fit()

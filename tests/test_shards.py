@@ -344,6 +344,8 @@ def test_a_truncated_shard_is_one_line_naming_it_and_exit_2(tmp_path):
     assert done.returncode == 2 and "s-01.tar" in _last_line(done) and "truncated" in _last_line(done)
 
 
+# slow: 14 s on a Zen 4; other bad shards are refused in one line in the default suite
+@pytest.mark.slow
 def test_a_sample_without_a_label_is_one_line_or_skipped_and_counted_with_skip_bad(tmp_path):
     folder = tmp_path / "nolabel"
     folder.mkdir()
@@ -395,6 +397,8 @@ def test_an_index_of_the_wrong_structure_is_one_line_naming_it(tmp_path, saved, 
         load_index(urls, "data.root")
 
 
+# slow: 10 s on a Zen 4; a truncated shard is refused in one line in the default suite
+@pytest.mark.slow
 def test_a_recordio_file_with_a_wrong_magic_or_an_index_past_its_end_is_one_line_and_exit_2(tmp_path):
     out = _pack(tmp_path, "recordio")
     rec, idx = out / "train.rec", out / "train.idx"
