@@ -268,6 +268,8 @@ def test_datasets_handed_to_the_library_train_without_a_data_source(tmp_path):
     assert summary["steps"] == 2 and summary["params"] == sum(p.numel() for p in UserNet(1, 4).parameters())
 
 
+# slow: 9 s on a Zen 4
+@pytest.mark.slow
 def test_a_module_handed_to_the_library_leaves_with_its_own_layer_classes(tmp_path):
     """Engines swap CPU linear layers (and a patch embedding's conv) to the CPU kernels' classes
     (vitrain/models/kernels.py) for training only."""

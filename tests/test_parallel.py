@@ -184,6 +184,8 @@ def _sharded_face_model_equals_a_whole_build(out_dir):
     (out_dir / f"mismatched{torch.distributed.get_rank()}.json").write_text(json.dumps(mismatched))
 
 
+# slow: 8 s on a Zen 4; sharded init of the classifier runs in the default suite
+@pytest.mark.slow
 def test_sharded_init_draws_the_whole_builds_weights_for_a_face_model(tmp_path):
     run_two_ranks(_sharded_face_model_equals_a_whole_build, tmp_path)
     for rank in (0, 1):
@@ -250,6 +252,8 @@ def _zero2_warnings(out_dir):
     (out_dir / f"zero2_warnings{rank}.json").write_text(json.dumps([str(w.message) for w in shown]))
 
 
+# slow: 8 s on a Zen 4
+@pytest.mark.slow
 def test_a_zero2_run_of_vitrains_vit_warns_of_no_view_it_never_modifies(tmp_path):
     # FSDP2 warned that the root returned a view in every low-precision zero2 run; nothing modifies it in place.
     run_two_ranks(_zero2_warnings, tmp_path)

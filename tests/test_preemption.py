@@ -315,6 +315,8 @@ def test_a_rank_stuck_in_a_step_ends_the_job_within_the_watchdog_deadline_with_e
     assert leftover == [], "processes of the hung job were left behind"
 
 
+# slow: 9 s on a Zen 4
+@pytest.mark.slow
 def test_a_second_signal_during_the_stop_save_changes_nothing(tmp_path):
     args = [*SYNTHETIC, "train.epochs=2", f"log.out_dir={tmp_path}", "name=twice"]
     done = torchrun("term_twice:all:2", *args)

@@ -264,6 +264,8 @@ def test_every_source_resumes_mid_epoch_with_the_same_keys_and_reshards_without_
 # ---------------------------------------------------------------------------------------------- pack and train
 
 
+# slow: 27 s on a Zen 4; a rerun pack and a packed video tree that trains run in the default suite
+@pytest.mark.slow
 def test_pack_writes_shards_and_recordio_that_train_and_hold_the_source_bytes(tmp_path):
     shards = _pack(tmp_path, "shards")
     names = sorted(p.name for p in shards.glob("*.tar"))  # 40 train and 8 test images in shards of 7
@@ -291,6 +293,8 @@ def test_a_rerun_pack_keeps_finished_shards_and_writes_only_missing_ones(tmp_pat
     assert (out / "train-000001.tar").stat().st_mtime_ns == kept
 
 
+# slow: 11 s on a Zen 4
+@pytest.mark.slow
 def test_recordio_packs_of_real_faces_hold_the_folder_bytes_and_train_face_orl(tmp_path):
     orl = shared_data("orl-faces.zip")
     out = tmp_path / "orl"

@@ -173,6 +173,8 @@ def _train(cfg) -> None:
     Trainer(cfg).fit()
 
 
+# slow: 9 s on a Zen 4
+@pytest.mark.slow
 def test_only_rank_0_logs_a_two_rank_run(tmp_path, file_store):
     cfg = tiny_config(
         tmp_path,

@@ -95,6 +95,8 @@ def test_a_face_checkpoint_holds_the_head_by_identity_rows(runs):
     assert tuple(index["head.state.exp_avg"].size) == (5, 16)
 
 
+# slow: 7 s on a Zen 4; fp16 and export are tested for images in the default suite
+@pytest.mark.slow
 def test_fp16_amp_o2_face_run_exports_finite_fp32_weights_and_statistics(tmp_path):
     from safetensors.torch import load_file
 
