@@ -13,6 +13,7 @@ from tests.distributed_helpers import losses, run_two_ranks, tiny_config, whole_
 from tests.test_checkpoint import TEN_STEPS
 from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
+from vitrain.config import to_dict
 from vitrain.engine import Trainer, runs
 from vitrain.errors import CheckpointError
 from vitrain.parallel import broadcast_object
@@ -267,14 +268,14 @@ def _lrs(run_dir) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in records if "lr" in r}
 
 
+CHECKPOINT_META = runs.checkpoint_meta
+
+
 def _meta_before_steps_per_epoch(trainer, is_best=False):
     """checkpoint_meta as written before meta.json kept where the schedule stands."""
     meta = CHECKPOINT_META(trainer, is_best)
     del meta["schedule_step"], meta["steps_per_epoch"]
     return meta
-
-
-CHECKPOINT_META = runs.checkpoint_meta
 
 
 @pytest.mark.parametrize("written_by", ["this vitrain", "an older vitrain"])
@@ -307,7 +308,7 @@ def test_an_older_checkpoint_whose_steps_per_epoch_cannot_be_counted_is_said_to_
     from types import SimpleNamespace
 
     cfg = tiny_config(tmp_path, "run")
-    meta = {"config": runs.to_dict(cfg), "world_size": 2, "step": 6}  # 2 replicas then, 1 now
+    meta = {"config": to_dict(cfg), "world_size": 2, "step": 6}  # 2 replicas then, 1 now
     stream = SimpleNamespace()  # a loader that cannot count another split (the streaming one)
     one = SimpleNamespace(data_size=1)
     trainer = SimpleNamespace(cfg=cfg, steps_per_epoch=10, notes=[], train_loader=stream, dist=one)
