@@ -808,7 +808,9 @@ class SafeFileSystemReader(FileSystemReader):
         for name, items in per_file.items():
             self._check_data_file(name, listed)  # again where it is opened, whoever read the index
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                with warnings.catch_warnings():  # bytes that read as another pickle protocol: the line below says it
+                    warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except VitrainError:
                 raise
             except Exception as exc:
@@ -861,7 +863,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         try:
-            loaded = torch.load(value, weights_only=True)
+            with warnings.catch_warnings():  # torch's note on another pickle protocol is no news to a user
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError:
             raise _refused(self.path, f"an object that is not plain data (at {read_item.dest_index.fqn})") from None
         if self.flatten_state_dict:
