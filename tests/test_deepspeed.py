@@ -19,7 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch.multiprocessing.spawn import ProcessRaisedException  # noqa: E402
 
-from tests.conftest import run_cli  # noqa: E402
+from tests.conftest import reseal_with_checksums, run_cli  # noqa: E402
 from tests.distributed_helpers import free_port, losses, run_two_ranks, torchrun_env  # noqa: E402
 from tests.face.helpers import face_config, make_faces  # noqa: E402
 from vitrain import checkpoint as ckpt  # noqa: E402
@@ -417,8 +417,21 @@ def test_a_deepspeed_file_whose_pickle_would_run_code_is_refused_before_it_is_re
     monkeypatch.setenv("VITRAIN_TEST_MARKER", str(marker))
     states = next(run.glob(f"checkpoints/*/{ckpt.DEEPSPEED_DIR}/mp_rank_00_model_states.pt"))
     torch.save({"module": {}, "payload": _RunsCode()}, states)
-    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    reseal_with_checksums(states.parent.parent)  # else refused as damaged, before its pickle is looked at
+    result = run_cli("export", str(run), str(tmp_path / "out"), warnings="")
+    assert result.returncode == 2 and f"checkpoint file {states} holds more than tensors" in result.stderr
     assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_damaged_deepspeed_file_is_one_line_without_torchs_note_on_its_pickle_protocol(checkpointed, tmp_path):
+    run = tmp_path / "damaged"
+    shutil.copytree(checkpointed / "export_ddp", run)
+    states = next(run.glob(f"checkpoints/*/{ckpt.DEEPSPEED_DIR}/mp_rank_00_model_states.pt"))
+    states.write_bytes(b"\x80" * 4096)  # read as a pickle of protocol 128, which torch warns of beside its error
+    reseal_with_checksums(states.parent.parent)
+    result = run_cli("export", str(run), str(tmp_path / "out"), warnings="")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"checkpoint file {states} cannot be read" in result.stderr
 
 
 # ---------------------------------------------------------------------------------------------- face task

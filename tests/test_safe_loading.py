@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import run_cli, tiny_overrides
+from tests.conftest import reseal_with_checksums, run_cli, tiny_overrides
 from tests.distributed_helpers import free_port, tiny_config, torchrun_env
 from vitrain import checkpoint as ckpt
 from vitrain.cli import main
@@ -178,14 +178,6 @@ def test_an_old_protocol_pickle_as_init_from_gives_its_error_and_no_torch_warnin
 # ---------------------------------------------------------------------------------------------- an index that lies
 # DCP's `.metadata` says where each tensor's bytes are and how large it is; an attacker who hands out a whole folder
 # rewrites it and COMPLETE's checksums with it (`checkpoint verify` then finds every file intact).
-
-
-def reseal_with_checksums(step_dir, leave_out=()):
-    """Rewrite COMPLETE with sizes and checksums of the folder's files (subfolders too), as an attacker would."""
-    files = {p.relative_to(step_dir).as_posix(): p.stat().st_size for p in sorted(step_dir.rglob("*")) if p.is_file()}
-    files = {name: size for name, size in files.items() if name != ckpt.COMPLETE_FILE and name not in leave_out}
-    sums = ckpt.file_checksums(step_dir, sorted(files))
-    (step_dir / ckpt.COMPLETE_FILE).write_text(json.dumps({"step": 1, "files": files, ckpt.CHECKSUM: sums}))
 
 
 def rewrite_index(step_dir, change, leave_out=()):
