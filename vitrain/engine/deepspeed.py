@@ -80,6 +80,18 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
+def _skip_inference_comm_op(deepspeed: Any) -> None:
+    """DeepSpeed's CPU communication backend compiles a C++ shared-memory op (`deepspeed_shm_comm`) when it starts,
+    40-50 s on 2 cores and again whenever another environment compiled it last, for `inference_all_reduce`, which
+    only its inference tensor parallelism calls; ZeRO training never does. Marked incompatible, the backend starts
+    without it and training's collectives are torch.distributed's, as they were."""
+    if torch.cuda.is_available():
+        return
+    ops = getattr(deepspeed.ops, "__compatible_ops__", None)  # DeepSpeed probes every op here on first access
+    if isinstance(ops, dict):
+        ops["deepspeed_shm_comm"] = False
+
+
 def _local_rank_for_deepspeed(dist: DistInfo) -> dict[str, str]:
     """deepspeed.initialize asserts that LOCAL_RANK is set, as torchrun and DeepSpeed's launcher set it. One process
     without a launcher (`python -m vitrain train ... train.engine=deepspeed`) runs in the one-process group vitrain
@@ -311,7 +323,8 @@ class DeepSpeedEngine:
         self.env_set: list[str] = []
         try:
             self._set_env(launcher_env)
-            # DeepSpeed prints that it built its shm communication op on stdout, where `vitrain train` writes its JSON.
+            _skip_inference_comm_op(deepspeed)
+            # DeepSpeed prints what it built or probed on stdout, where `vitrain train` writes its JSON.
             with contextlib.redirect_stdout(io.StringIO()):
                 self.ds, self.optimizer, _, _ = deepspeed.initialize(
                     model=model, optimizer=optimizer, config=self.config
@@ -323,8 +336,8 @@ class DeepSpeedEngine:
             # DeepSpeed's CPU accelerator counts a node's devices with a numactl subprocess on every call unless
             # LOCAL_SIZE gives the count (DeepSpeed's launcher sets it, torchrun does not), and ZeRO-3 asks on every
             # gradient reduction. Set only after initialize: a LOCAL_SIZE equal to the world size when DeepSpeed's
-            # communication starts makes its shm op map a 66 MB /dev/shm segment per rank, never unlinked, for an
-            # inference all-reduce vitrain does not use.
+            # communication starts would make its shm op, were it built (`_skip_inference_comm_op`), map a 66 MB
+            # /dev/shm segment per rank, never unlinked, for an inference all-reduce vitrain does not use.
             self._set_env({"LOCAL_SIZE": os.environ.get("LOCAL_WORLD_SIZE", "1")})
         self.model = model  # the ds engine's module: under ZeRO-3 its parameters are partitioned
         self.fp16 = _enabled(self.config, "fp16")
