@@ -82,9 +82,9 @@ def import_deepspeed() -> Any:
 
 def _skip_inference_comm_op(deepspeed: Any) -> None:
     """DeepSpeed's CPU communication backend compiles a C++ shared-memory op (`deepspeed_shm_comm`) when it starts,
-    40-50 s on 2 cores and again whenever another environment compiled it last, for `inference_all_reduce`, which
-    only its inference tensor parallelism calls; ZeRO training never does. Marked incompatible, the backend starts
-    without it and training's collectives are torch.distributed's, as they were."""
+    35-50 s on 2 cores and again whenever another environment compiled it last, for `inference_all_reduce`, which
+    only its inference tensor parallelism calls; ZeRO training never does. Marked incompatible (for the rest of the
+    process), the backend starts without it and training's collectives are torch.distributed's, as they were."""
     if torch.cuda.is_available():
         return
     ops = getattr(deepspeed.ops, "__compatible_ops__", None)  # DeepSpeed probes every op here on first access
