@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.conftest import shared_data
 from tests.data_helpers import jpeg_bytes, zip_tree
@@ -189,19 +191,31 @@ def test_an_unreadable_or_empty_video_is_one_line_naming_it(tmp_path, content, r
 
 
 @needs_av
-@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
-def test_an_image_named_as_a_video_is_a_bad_clip_not_a_one_frame_one(tmp_path, fmt):
-    # FFmpeg opens a lone image as a one-frame stream (jpeg_pipe, png_pipe): it decoded, and trained as a still clip.
+@pytest.mark.parametrize("fmt, said", [("JPEG", "JPEG"), ("PNG", "PNG"), ("GIF", "GIF, one frame")])
+def test_an_image_named_as_a_video_is_a_bad_clip_not_a_one_frame_one(tmp_path, fmt, said):
+    # FFmpeg opens a lone image as a one-frame stream (jpeg_pipe, png_pipe, gif): it decoded, and trained as a still
+    # clip. An animated GIF stays a video (below).
     make_clip_tree(tmp_path, actors=2, frames=4, files=True)
     (tmp_path / "b" / "actor0_1.mp4").write_bytes(jpeg_bytes(128, fmt))
     with pytest.raises(DataError) as error:
         video_source(video_cfg(tmp_path, "data.video_frames=false", "data.val_match=actor1_"))
     message = str(error.value)
-    assert "\n" not in message and "b/actor0_1.mp4" in message and f"is an image ({fmt}), not a video" in message
+    assert "\n" not in message and "b/actor0_1.mp4" in message and f"is an image ({said}), not a video" in message
     assert "data.skip_bad=0" in message
     train, _ = video_source(video_cfg(tmp_path, "data.video_frames=false", "data.val_match=actor1_", "data.skip_bad=1"))
     assert "b/actor0_1.mp4" not in train.names and train.videos == 3
     assert [where.rsplit("/", 2)[-2:] for where, _ in train.skipped.undecodable] == [["b", "actor0_1.mp4"]]
+
+
+@needs_av
+def test_an_animated_gif_under_a_video_name_is_a_video(tmp_path):
+    make_clip_tree(tmp_path, actors=2, frames=4, files=True)
+    frames = [Image.fromarray(np.full((8, 8, 3), 40 * k, np.uint8)) for k in range(3)]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
+    (tmp_path / "b" / "actor0_1.mp4").write_bytes(out.getvalue())
+    train, _ = video_source(video_cfg(tmp_path, "data.video_frames=false", "data.val_match=actor1_"))
+    assert train.lengths[train.names.index("b/actor0_1.mp4")].item() == 3
 
 
 @needs_av

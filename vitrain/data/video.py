@@ -317,7 +317,8 @@ def _read_video(data: bytes, gray: bool) -> np.ndarray:
         raise _BadClip("the video file is empty (0 bytes)")
     try:
         with av.open(io.BytesIO(data)) as container:
-            image = _image_format(container.format.name)
+            demuxer = container.format.name
+            image = _image_format(demuxer)
             if image:
                 raise _BadClip(f"the file is an image ({image}), not a video")
             if not container.streams.video:
@@ -328,8 +329,14 @@ def _read_video(data: bytes, gray: bool) -> np.ndarray:
         raise _BadClip(f"cannot decode video ({type(error).__name__}: {error.strerror or error})") from None
     if not frames:
         raise _BadClip("the video has no frames (zero length)")
+    if len(frames) == 1 and demuxer in STILL_OR_ANIMATED:  # a still GIF is an image, as a JPEG is
+        raise _BadClip(f"the file is an image ({demuxer.upper()}, one frame), not a video")
     video = np.stack(frames)
     return video[..., None] if gray else video
+
+
+# FFmpeg's demuxers of image formats that may hold an animation: with several frames a clip, with one an image.
+STILL_OR_ANIMATED = ("gif", "apng")
 
 
 def _image_format(demuxer: str) -> str:
