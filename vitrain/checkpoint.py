@@ -57,6 +57,7 @@ from vitrain.files import atomic_write, fsync_dir
 from vitrain.optim.flat import ensure_state, is_flat, per_parameter_state
 from vitrain.parallel.distributed import all_or_none, is_distributed, rank
 from vitrain.parallel.strategies import unwrap
+from vitrain.weights import without_protocol_note
 
 FORMAT_VERSION = 3
 CHECKPOINT_DIR = "checkpoints"
@@ -729,8 +730,7 @@ def read_rng_file(file: Path) -> dict[str, torch.Tensor]:
     """A per-rank RNG file (`rng_state()` saved with torch.save: DeepSpeed's step folders keep one per rank), read
     with weights_only=True; anything but such a state is one line naming the file."""
     try:
-        with warnings.catch_warnings():  # torch's note on another pickle protocol is no news to a user
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        with without_protocol_note():
             state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise not_loadable(file, exc) from None
@@ -808,8 +808,7 @@ class SafeFileSystemReader(FileSystemReader):
         for name, items in per_file.items():
             self._check_data_file(name, listed)  # again where it is opened, whoever read the index
             try:
-                with warnings.catch_warnings():  # bytes that read as another pickle protocol: the line below says it
-                    warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                with without_protocol_note():  # DCP reads each item with torch.load
                     super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except VitrainError:
                 raise
@@ -863,8 +862,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         try:
-            with warnings.catch_warnings():  # torch's note on another pickle protocol is no news to a user
-                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            with without_protocol_note():
                 loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError:
             raise _refused(self.path, f"an object that is not plain data (at {read_item.dest_index.fqn})") from None
@@ -999,8 +997,7 @@ def _read_json_meta(meta_file: Path) -> dict[str, Any]:
 def _read_legacy_meta(meta_file: Path) -> dict[str, Any]:
     """Format 2's pickled meta.pt, read with weights_only=True: plain data and tensors, never code."""
     try:
-        with warnings.catch_warnings():  # torch's note on the pickle protocol of old files is no news to a user
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        with without_protocol_note():
             meta = torch.load(meta_file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise _refused(meta_file, "objects that are not plain data") from None

@@ -3,8 +3,10 @@ imports."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,18 @@ from vitrain.files import atomic_write, check_output_folder
 from vitrain.onnx_export import ONNX_FILES
 
 FORMATS = ("vitrain", "timm", "onnx")  # onnx: vitrain/onnx_export.py
+
+
+@contextlib.contextmanager
+def without_protocol_note() -> Iterator[None]:
+    """Around a torch.load(weights_only=True) of a file a user handed in: torch's warning of a pickle protocol other
+    than 2 (an older file's, or damaged bytes that read as one) is no news to a user, who gets vitrain's own line
+    where the read fails. Held only for the read (catch_warnings puts the filters back after it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        yield
+
+
 WEIGHTS_FILE = "model.safetensors"
 # Every file an export of each format writes into its folder: an existing one is replaced only with --overwrite.
 EXPORT_FILES = {
@@ -193,8 +207,7 @@ def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, t
 
             state: Any = load_file(str(path))
         else:
-            with warnings.catch_warnings():  # torch's note on an old pickle protocol: the error below says enough
-                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            with without_protocol_note():
                 state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         what = type(exc).__name__

@@ -59,6 +59,7 @@ from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.parallel.strategies import prepare_layers
 from vitrain.precision import LowPrecisionIO, Resolved, TrainingDiverged, any_rank, check_finite, resolve
+from vitrain.weights import without_protocol_note
 
 ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 DEEPSPEED_DIR = ckpt.DEEPSPEED_DIR  # DeepSpeed's own files inside a vitrain step folder (its checkpoint "tag")
@@ -683,8 +684,7 @@ def refuse_code(folder: Path) -> None:
     allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
     for file in sorted(folder.rglob("*.pt")):
         try:
-            with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected pickle protocol")  # the error below says it
+            with torch.serialization.safe_globals(allowed), without_protocol_note():
                 torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # an UnpicklingError naming the global, or a damaged file
             reason = ckpt.load_error(exc)  # without torch's advice to load it with weights_only=False
