@@ -8,8 +8,7 @@ round), on this process's threads (2 by default) with freed host memory kept in 
    GEMM accumulates onto it) against oneDNN's linear with the bias in the GEMM's epilogue (train.fused_linear);
 2. the patch embedding's forward + backward in bf16: oneDNN's convolution against one GEMM over the patches
    (train.fused_linear);
-3. manual attention's forward + backward: autograd over the plain ops against the one autograd function, and that
-   function over all rows at once against its cache-sized chunks (bf16 and fp32);
+3. manual attention's forward + backward: autograd over the plain ops against the one autograd function;
 4. amp_o2's fp32 LayerNorm on bf16 activations: the cast hooks against precision.compile_norms's compiled kernel;
 5. the whole training step (`vitrain bench run`, amp_o2 bf16 + manual attention) with a switch (--step-switch,
    train.fused_linear by default) true against false, one process per run.
@@ -107,30 +106,6 @@ def attention(rounds: int) -> dict:
     return {"attention bf16": _pair(times, "plain ops", "function")}
 
 
-def attention_chunks(rounds: int) -> dict:
-    """The function over all (batch x head) rows at once against its cache-sized chunks (ATTENTION_CHUNK_BYTES),
-    in bf16 and fp32."""
-    results = {}
-    chunk_bytes = kernels.ATTENTION_CHUNK_BYTES
-    for dtype in (torch.bfloat16, torch.float32):
-        qkv = torch.randn(BATCH, TOKENS, 3 * WIDTH, dtype=dtype, requires_grad=True)
-        grad = torch.randn(BATCH, TOKENS, WIDTH, dtype=dtype)
-
-        def run(chunk: int, qkv=qkv, grad=grad) -> None:
-            kernels.ATTENTION_CHUNK_BYTES = chunk
-            try:
-                qkv.grad = None
-                kernels.manual_attention(qkv, HEADS, False).backward(grad)
-            finally:
-                kernels.ATTENTION_CHUNK_BYTES = chunk_bytes
-
-        rows = kernels.attention_chunk(BATCH * HEADS, TOKENS, qkv.element_size())
-        name = f"attention {str(dtype).removeprefix('torch.')} in chunks of {rows} rows"
-        times = _race({"one chunk": lambda run=run: run(2**62), "chunks": lambda run=run: run(chunk_bytes)}, rounds)
-        results[name] = _pair(times, "one chunk", "chunks")
-    return results
-
-
 def patch_embedding(rounds: int) -> dict:
     """The 16 x 16 patch embedding (3 -> WIDTH channels) forward + backward in bf16 as ViT's PatchEmbed uses it (the
     output flattened to tokens), the image taking no gradient: oneDNN's convolution against the conv as one GEMM over
@@ -206,8 +181,7 @@ def main() -> None:
     reuse_freed_host_memory()
     torch.manual_seed(0)
     result = {"cpu": cpu_description(), "threads": args.threads, "torch": torch.__version__}
-    layers = linear_layers(args.rounds) | patch_embedding(args.rounds) | attention(args.rounds)
-    layers |= attention_chunks(args.rounds) | norms(args.rounds)
+    layers = linear_layers(args.rounds) | patch_embedding(args.rounds) | attention(args.rounds) | norms(args.rounds)
     result["layers"] = layers
     if args.step_rounds:
         result["step"] = whole_step(args.step_rounds, STEPS, args.step_switch)
@@ -227,9 +201,7 @@ def main() -> None:
     for name, row in result["layers"].items():
         slow, fast = [v for k, v in row.items() if k != "speedup"]
         mark = " ~" if row["speedup"]["overlaps_1x"] else ""
-        if "chunks" in name:
-            change = f"all {BATCH * HEADS} (batch x head) rows at once -> chunks"
-        elif "attention" in name:
+        if "attention" in name:
             change = "plain ops -> one function"
         elif "LayerNorm" in name:
             change = "hooks (upcast, norm, downcast) -> one compiled kernel"

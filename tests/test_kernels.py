@@ -48,31 +48,6 @@ def test_manual_attention_function_has_the_plain_ops_gradients(seq_first: bool, 
 
 
 @pytest.mark.parametrize("seq_first", [False, True])
-def test_manual_attention_in_chunks_computes_what_one_chunk_does(seq_first: bool, monkeypatch: pytest.MonkeyPatch):
-    """The CPU function takes attention's (batch x head) rows a cache-sized chunk at a time, in a multiple of the
-    threads; a last, shorter chunk included, values and gradients are those of the whole batch in one chunk."""
-    torch.manual_seed(3)
-    threads, heads, n = torch.get_num_threads(), 2, 5
-    qkv = torch.randn(threads + 1, n, 3 * heads * 4, dtype=torch.float64)  # 2 x (threads + 1) rows
-    if seq_first:
-        qkv = qkv.transpose(0, 1).contiguous()
-    grad = torch.randn(qkv.shape[:-1] + (heads * 4,), dtype=torch.float64)
-    results = []
-    for chunk_bytes in (2**40, threads * n * n * 8):  # one chunk; chunks of `threads` rows, the last of 2
-        monkeypatch.setattr(kernels, "ATTENTION_CHUNK_BYTES", chunk_bytes)
-        x = qkv.clone().requires_grad_()
-        out = manual_attention(x, heads, seq_first)
-        results.append((out, *torch.autograd.grad(out, x, grad)))
-    assert kernels.attention_chunk(2 * (threads + 1), n, 8) == threads
-    assert torch.autograd.gradcheck(lambda t: manual_attention(t, heads, seq_first), (qkv.clone().requires_grad_(),))
-    for chunked, whole in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
-    # fewer rows than the threads' multiple: at least one thread's share, at most all the rows
-    monkeypatch.setattr(kernels, "ATTENTION_CHUNK_BYTES", 1)
-    assert kernels.attention_chunk(1, n, 8) == 1 and kernels.attention_chunk(4 * threads, n, 8) == threads
-
-
-@pytest.mark.parametrize("seq_first", [False, True])
 def test_manual_attention_in_bf16_matches_the_plain_ops(seq_first: bool, monkeypatch: pytest.MonkeyPatch):
     """Under autocast (amp_o1) and on bf16 activations (amp_o2): the bf16 values of autograd over the plain ops, the
     scale applied inside the score GEMM included (within bf16 rounding: CPUs' bf16 bmm may sum in another order)."""

@@ -188,10 +188,8 @@ class _ManualAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(d)) v from the fused QKV projection's output, as `bmm`s (what autotune picks over the
     CPU's flash kernel for bf16). Forward splits the heads in one copy and applies the scale inside the GEMMs
     (baddbmm's alpha), not in a pass of its own; backward writes dq, dk and dv into one buffer and merges it back
-    to the projection's layout in one pass (autograd's path: a scale pass, a stack and a copy). The GEMMs and the
-    softmax take the (batch x head) rows a chunk at a time (attention_chunk). ViT-S/16's attention at batch 64,
-    bf16: 1.16x (1.09-1.26) the plain ops (results/cpu-kernels-baddbmm); the chunks 1.07x in bf16 and 1.15x in
-    fp32 on top of that (results/cpu-kernels-attention-chunks)."""
+    to the projection's layout in one pass (autograd's path: a scale pass, a stack and a copy). ViT-S/16's
+    attention at batch 64, bf16: 1.16x (1.09-1.26) the plain ops (results/cpu-kernels-baddbmm)."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Tensor:
@@ -201,21 +199,14 @@ class _ManualAttention(torch.autograd.Function):
         split = torch.empty(src.shape, dtype=qkv.dtype, device=qkv.device)  # (3, B, H, N, d)
         split.copy_(src)
         q, k, v = (t.view(b * heads, n, d) for t in split.unbind(0))
-        rows = b * heads
-        probs = torch.empty((rows, n, n), dtype=qkv.dtype, device=qkv.device)
-        out = torch.empty((rows, n, d), dtype=qkv.dtype, device=qkv.device)
-        chunk = attention_chunk(rows, n, qkv.element_size())
-        scores = torch.empty((chunk, n, n), dtype=qkv.dtype, device=qkv.device)
-        for s in range(0, rows, chunk):  # a chunk's scores stay in cache from their GEMM to the softmax
-            e = min(s + chunk, rows)
-            part = scores[: e - s]
-            torch.baddbmm(part, q[s:e], k[s:e].transpose(1, 2), beta=0, alpha=scale, out=part)  # the scale in the GEMM
-            torch.softmax(part, dim=-1, out=probs[s:e])
-            torch.bmm(probs[s:e], v[s:e], out=out[s:e])
+        scores = torch.empty((b * heads, n, n), dtype=qkv.dtype, device=qkv.device)
+        torch.baddbmm(scores, q, k.transpose(1, 2), beta=0, alpha=scale, out=scores)  # the scale in the GEMM
+        probs = torch.softmax(scores, dim=-1)
         del scores
+        out = torch.bmm(probs, v).view(b, heads, n, d)
         ctx.save_for_backward(q, k, v, probs)
         ctx.dims = (b, n, heads, d, scale, seq_first)
-        return merge_heads(out.view(b, heads, n, d), seq_first)
+        return merge_heads(out, seq_first)
 
     @staticmethod
     @once_differentiable  # its backward writes into buffers (out=): no graph of its own for a second derivative
@@ -226,38 +217,15 @@ class _ManualAttention(torch.autograd.Function):
             g = grad.view(n, b, heads, d).permute(1, 2, 0, 3).reshape(b * heads, n, d)
         else:
             g = grad.view(b, n, heads, d).transpose(1, 2).reshape(b * heads, n, d)
-        rows = b * heads
-        dsplit = torch.empty((3, rows, n, d), dtype=grad.dtype, device=grad.device)
-        chunk = attention_chunk(rows, n, grad.element_size())
-        dprobs = torch.empty((chunk, n, n), dtype=grad.dtype, device=grad.device)
-        dscores = torch.empty((chunk, n, n), dtype=grad.dtype, device=grad.device)
-        for s in range(0, rows, chunk):  # a chunk's score gradients stay in cache between their four GEMMs
-            e = min(s + chunk, rows)
-            p, gp, ds = probs[s:e], dprobs[: e - s], dscores[: e - s]
-            torch.bmm(p.transpose(1, 2), g[s:e], out=dsplit[2, s:e])
-            torch.bmm(g[s:e], v[s:e].transpose(1, 2), out=gp)
-            torch.ops.aten._softmax_backward_data.out(gp, p, -1, p.dtype, grad_input=ds)
-            torch.baddbmm(dsplit[0, s:e], ds, k[s:e], beta=0, alpha=scale, out=dsplit[0, s:e])
-            torch.baddbmm(dsplit[1, s:e], ds.transpose(1, 2), q[s:e], beta=0, alpha=scale, out=dsplit[1, s:e])
+        dsplit = torch.empty((3, b * heads, n, d), dtype=grad.dtype, device=grad.device)
+        torch.bmm(probs.transpose(1, 2), g, out=dsplit[2])
+        dscores = torch._softmax_backward_data(torch.bmm(g, v.transpose(1, 2)), probs, -1, probs.dtype)
+        torch.baddbmm(dsplit[0], dscores, k, beta=0, alpha=scale, out=dsplit[0])
+        torch.baddbmm(dsplit[1], dscores.transpose(1, 2), q, beta=0, alpha=scale, out=dsplit[1])
         dsplit = dsplit.view(3, b, heads, n, d)
         if seq_first:
             return dsplit.permute(3, 1, 0, 2, 4).reshape(n, b, 3 * heads * d), None, None
         return dsplit.permute(1, 3, 0, 2, 4).reshape(b, n, 3 * heads * d), None, None
-
-
-# A chunk's N x N scores in bytes (in backward, their gradients twice): small enough for the CPUs' caches, so the
-# GEMM that writes them and the softmax that reads them meet in cache rather than in memory. 4 MiB ran faster than 1,
-# 2 and 8 on ViT-S/16 b64 in bf16 on a Zen 4; in fp32 1-8 MiB were within each other's spread.
-ATTENTION_CHUNK_BYTES = 4 * 2**20
-
-
-def attention_chunk(rows: int, n: int, element_size: int) -> int:
-    """How many of attention's (batch x head) rows a chunk of manual attention's CPU function takes: about
-    ATTENTION_CHUNK_BYTES of scores, in a multiple of the threads (`bmm` shares its batch among them: 3 rows on 2
-    threads ran 0.85x the unchunked function in fp32 at 577 tokens, 2 or 4 rows 1.1x)."""
-    threads = max(1, torch.get_num_threads())
-    fit = ATTENTION_CHUNK_BYTES // (n * n * element_size) // threads * threads
-    return min(rows, max(threads, fit))
 
 
 def manual_attention(qkv: torch.Tensor, heads: int, seq_first: bool) -> torch.Tensor:
