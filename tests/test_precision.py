@@ -149,6 +149,63 @@ def test_o2_compile_norms_runs_each_layernorm_and_its_casts_as_one_compiled_kern
         torch.testing.assert_close(compiled.float(), plain.float(), rtol=1e-2, atol=1e-2)
 
 
+COMPILED_NORM_AGAINST_EAGER = """
+import json, torch
+from torch import nn
+from vitrain.precision import CompiledFp32LayerNorm, _layer_norm_in_fp32
+norm = nn.LayerNorm(64)
+norm.__class__, norm.out_dtype = CompiledFp32LayerNorm, torch.bfloat16
+x = torch.randn(8, 17, 64, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+compiled = norm(x)
+compiled.float().square().sum().backward()
+grad, x.grad = x.grad, None
+eager = _layer_norm_in_fp32(x, norm.weight, norm.bias, (64,), norm.eps, torch.bfloat16)
+eager.float().square().sum().backward()
+gaps = [(compiled.float() - eager.float()).abs().max(), (grad.float() - x.grad.float()).abs().max()]
+print(json.dumps([gap.item() for gap in gaps]))
+"""
+
+
+@pytest.mark.slow  # two processes that each import and run inductor: ~40 s
+def test_compiled_norms_from_a_cache_built_for_another_instruction_set_stay_right(tmp_path):
+    """Inductor's cache does not key its C++ by the vector instruction set (torch 2.13): a norm compiled natively and
+    loaded under ATEN_CPU_CAPABILITY=default (scalar code, as on another host sharing the folder) came back wrong;
+    vitrain pins cpp.simdlen so that the two are told apart (device.key_compiled_cpu_kernels)."""
+    from vitrain.precision import compile_norms_problem
+
+    if compile_norms_problem(CPU) is not None:
+        pytest.skip(f"torch.compile needs {compile_norms_problem(CPU)}")
+    base = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    base["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # one folder, fresh, shared by the two
+    for capability in (None, "default"):
+        env = base if capability is None else {**base, "ATEN_CPU_CAPABILITY": capability}
+        done = subprocess.run(
+            [sys.executable, "-c", COMPILED_NORM_AGAINST_EAGER], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, (capability, done.stderr[-2000:])
+        out, grad = json.loads(done.stdout.splitlines()[-1])
+        assert out < 0.05 and grad < 0.05, (capability, out, grad)
+
+
+def test_compiled_cpu_kernels_carry_the_vector_width_in_inductors_cache_key():
+    """The width goes into inductor's config (which its FX graph cache hashes); one a user set stays."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from vitrain.device import key_compiled_cpu_kernels
+
+    with config.patch({"cpp.simdlen": None}):  # inductor's own patch: its value comes back on exit
+        picked = pick_vec_isa()
+        key_compiled_cpu_kernels("cuda")
+        assert config.cpp.simdlen is None
+        key_compiled_cpu_kernels("cpu")
+        assert config.cpp.simdlen == picked.bit_width()
+        assert pick_vec_isa() == picked  # pinned to its width, inductor picks the same instruction set
+    with config.patch({"cpp.simdlen": 256}):
+        key_compiled_cpu_kernels("cpu")
+        assert config.cpp.simdlen == 256
+
+
 def test_compile_norms_without_a_compiler_is_one_line_naming_the_field(monkeypatch):
     from vitrain import precision
 

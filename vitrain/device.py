@@ -94,6 +94,22 @@ def cpu_description() -> str:
     return f"CPU: {model}{vendor}; bf16 matrix units (AMX): {units}; avx512_bf16: {avx}{capped}"
 
 
+def key_compiled_cpu_kernels(device_type: str) -> None:
+    """Before torch.compile on a CPU: make inductor's cache tell vector instruction sets apart. Its FX graph cache
+    key holds inductor's config but not the instruction set it generated C++ for (torch 2.13), so a graph generated
+    for AVX-512 and loaded where ATEN_CPU_CAPABILITY=avx2 (or on an AVX2 host sharing the cache folder) is built
+    for AVX2 and computes NaNs, and the other way round writes past its buffers (glibc aborts). Setting cpp.simdlen
+    to the width inductor picks anyway generates the same code and puts the width in the key. A simdlen set by the
+    user is kept; a no-op off the CPU."""
+    if device_type != "cpu":
+        return
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if config.cpp.simdlen is None:
+        config.cpp.simdlen = pick_vec_isa().bit_width()
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's description line."""
     if device.type == "cuda":

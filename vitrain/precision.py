@@ -60,6 +60,7 @@ from vitrain.device import (
     LOW_DTYPES,
     bf16_emulated_here,
     cpu_has_bf16_matmul_units,
+    key_compiled_cpu_kernels,
     resolve_device,
     synchronize,
 )
@@ -291,8 +292,10 @@ def _layer_norm_in_fp32(
 
 
 @functools.cache
-def _compiled_layer_norm() -> Callable[..., torch.Tensor]:
-    """One compiled function for every norm of the run (weights are its inputs, so the shapes pick the graph)."""
+def _compiled_layer_norm(device_type: str) -> Callable[..., torch.Tensor]:
+    """One compiled function for every norm of the run on a device kind (weights are its inputs, so the shapes pick
+    the graph)."""
+    key_compiled_cpu_kernels(device_type)
     return torch.compile(_layer_norm_in_fp32)
 
 
@@ -308,7 +311,7 @@ class CompiledFp32LayerNorm(nn.LayerNorm):
         args = (x, self.weight, self.bias, tuple(self.normalized_shape), self.eps, self.out_dtype)
         if not torch.is_grad_enabled() or plain_graph():  # compile, export and tracing see the plain ops
             return _layer_norm_in_fp32(*args)
-        return _compiled_layer_norm()(*args)
+        return _compiled_layer_norm(x.device.type)(*args)
 
 
 def fp32_between(module: nn.Module, dtype: torch.dtype, compile_norms: bool) -> None:

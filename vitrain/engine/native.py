@@ -13,7 +13,7 @@ from torch import nn
 
 from vitrain import checkpoint as ckpt
 from vitrain.config import Config
-from vitrain.device import PhaseTimer
+from vitrain.device import PhaseTimer, key_compiled_cpu_kernels
 from vitrain.engine.ema import WeightAverage
 from vitrain.engine.protocol import COMPENSATION, EMA, HEAD, LossFn, forward_then_backward
 from vitrain.errors import ConfigError
@@ -71,6 +71,8 @@ class NativeEngine:
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)
         if isinstance(self.optimizer, Muon):  # Newton-Schulz in bf16 where the run computes in it (autotune: fast)
             self.optimizer.ns_dtype = torch.bfloat16 if self.precision.dtype == torch.bfloat16 else torch.float32
+        if cfg.train.compile:
+            key_compiled_cpu_kernels(device.type)
         self.forward = torch.compile(working) if cfg.train.compile else working
         if pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
             self.forward = pipeline
