@@ -189,7 +189,7 @@ def test_compiled_norms_from_a_cache_built_for_another_instruction_set_stay_righ
 
 def test_compiled_cpu_kernels_carry_the_vector_width_in_inductors_cache_key():
     """The width goes into inductor's config (which its FX graph cache hashes); one a user set stays."""
-    from torch._inductor import config
+    from torch._inductor import config, cpu_vec_isa
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     from vitrain.device import key_compiled_cpu_kernels
@@ -204,6 +204,17 @@ def test_compiled_cpu_kernels_carry_the_vector_width_in_inductors_cache_key():
     with config.patch({"cpp.simdlen": 256}):
         key_compiled_cpu_kernels("cpu")
         assert config.cpp.simdlen == 256
+    # Where pinning the width would pick another instruction set of that width, the config stays as it was.
+    by_width = {None: "avx512 (asked for by ATEN_CPU_CAPABILITY)", 512: "amx (the first of 512 bits)"}
+    with config.patch({"cpp.simdlen": None}), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: _Isa(by_width[config.cpp.simdlen]))
+        key_compiled_cpu_kernels("cpu")
+        assert config.cpp.simdlen is None
+
+
+class _Isa(str):
+    def bit_width(self) -> int:
+        return 512
 
 
 def test_compile_norms_without_a_compiler_is_one_line_naming_the_field(monkeypatch):

@@ -107,7 +107,10 @@ def key_compiled_cpu_kernels(device_type: str) -> None:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     if config.cpp.simdlen is None:
-        config.cpp.simdlen = pick_vec_isa().bit_width()
+        picked = pick_vec_isa()
+        config.cpp.simdlen = picked.bit_width()
+        if pick_vec_isa() != picked:  # two instruction sets of one width, the first not the one picked: as it was
+            config.cpp.simdlen = None
 
 
 def device_name(device: torch.device) -> str:
