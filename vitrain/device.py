@@ -109,7 +109,10 @@ def key_compiled_cpu_kernels(device_type: str) -> None:
     if config.cpp.simdlen is None:
         picked = pick_vec_isa()
         config.cpp.simdlen = picked.bit_width()
-        if pick_vec_isa() != picked:  # two instruction sets of one width, the first not the one picked: as it was
+        # Pinned, inductor takes the first instruction set of that width. In torch 2.13 that is always the one it
+        # picked (one x86 set of each width is in its list, AMX and AVX-512 VNNI before plain AVX-512); where a torch
+        # lists another first, the config stays as it was and the code as it would be.
+        if pick_vec_isa() != picked:
             config.cpp.simdlen = None
 
 

@@ -71,9 +71,10 @@ class NativeEngine:
         self.optimizer = build_parallel_optimizer(model, cfg.optim, cfg.parallel, device)
         if isinstance(self.optimizer, Muon):  # Newton-Schulz in bf16 where the run computes in it (autotune: fast)
             self.optimizer.ns_dtype = torch.bfloat16 if self.precision.dtype == torch.bfloat16 else torch.float32
+        self.forward = working
         if cfg.train.compile:
             key_compiled_cpu_kernels(device.type)
-        self.forward = torch.compile(working) if cfg.train.compile else working
+            self.forward = torch.compile(working)
         if pipeline is not None:  # the schedule trains; evaluation runs the stages one after the other
             self.forward = pipeline
         self.head = head
