@@ -306,6 +306,7 @@ class DeepSpeedEngine:
         prepare_layers(model, cfg.parallel, dist.device)
         # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
         optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")
+        self.groups = group_names(model, optimizer)  # DeepSpeed keeps its state by group: saved to tell a change
         self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
         # DeepSpeed's ZeRO collectives call these deprecated torch functions: DeepSpeed's to change, not the user's.
         # Filtered for the whole process, as DeepSpeed calls them from its hooks on every step; shown once they would
@@ -477,7 +478,12 @@ class DeepSpeedEngine:
     # ------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.resolved.mode, "zero_stage": self.stage, "deepspeed_config": self.config}
+        return {
+            "mode": self.resolved.mode,
+            "zero_stage": self.stage,
+            "deepspeed_config": self.config,
+            "param_groups": self.groups,
+        }
 
     def save(self, run_dir: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
         if self.head is not None:  # a diverged head keeps the last good checkpoint instead of saving inf/NaN
@@ -508,10 +514,12 @@ class DeepSpeedEngine:
                     f"checkpoint {path} was saved under ZeRO stage {saved_stage} (parallel.strategy="
                     f"{meta.get('strategy')}); resume with the same parallel.strategy"
                 )
-            # ZeRO 1-3 keep one flat optimizer partition per rank, which DeepSpeed reads only on as many ranks: on
-            # another count the step folder is converted once into DeepSpeed's universal checkpoint (whole tensors
-            # per parameter), which any count loads.
-            reshard = saved_ranks != self.dist.world_size and self.stage > 0
+            # ZeRO 1-3 keep one flat optimizer partition per rank and parameter group, which DeepSpeed reads only on
+            # as many ranks into the same groups: on another count, or after the groups changed (optim.weight_decay
+            # to or from 0, optim.layer_decay, the grouping rule), the step folder is converted once into DeepSpeed's
+            # universal checkpoint (whole tensors per parameter), which any count and grouping loads.
+            regrouped = self._regrouped(path, meta)
+            reshard = (saved_ranks != self.dist.world_size or regrouped) and self.stage > 0
             if reshard and rank() == 0:
                 universal_checkpoint(Path(path))
         load_dir = Path(path)
@@ -538,6 +546,23 @@ class DeepSpeedEngine:
         if state is None:
             return False
         ckpt.set_rng_state(state)
+        return True
+
+    def _regrouped(self, path: Path, meta: dict[str, Any]) -> bool:
+        """Whether the checkpoint's parameter groups differ from this run's, where DeepSpeed's universal checkpoint
+        loads them parameter by parameter (unknown for checkpoints written before vitrain kept them: taken as the
+        same). Where it cannot, refused in one line (runs.restore names the optim.* values changed): stage 0 keeps
+        torch's optimizer state, indexed by position in its groups; stages 1-2 fill only as many groups as the
+        checkpoint holds (DeepSpeed 0.19's loader pairs them by index), so more groups would start without state."""
+        saved = (meta.get("precision") or {}).get("param_groups")
+        if saved is None or saved == self.groups:
+            return False
+        if self.stage == 0 or (self.stage < 3 and len(self.groups) > len(saved)):
+            how = "by position in its groups" if self.stage == 0 else "into at most as many groups as it saved"
+            raise ckpt.StateMismatch(
+                f"checkpoint {path} holds DeepSpeed's optimizer state in {len(saved)} parameter groups and this run "
+                f"has {len(self.groups)}: DeepSpeed loads it {how} under parallel.strategy={self.cfg.parallel.strategy}"
+            )
         return True
 
     @staticmethod
@@ -625,6 +650,12 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
             raise CheckpointError(f"checkpoint {path}: {name} holds inf/NaN; export an earlier checkpoint")
         weights[name] = tensor.contiguous()
     return weights
+
+
+def group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The optimizer's parameter groups as the names of their parameters, in order: how DeepSpeed lays its state."""
+    names = {param: name for name, param in model.named_parameters()}
+    return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
 
 
 def universal_checkpoint(path: Path) -> Path:
