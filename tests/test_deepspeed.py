@@ -571,9 +571,10 @@ def test_optim_values_given_on_resume_hold_under_deepspeed_as_under_the_native_e
     assert losses(tmp_path / "decay").keys() == {1, 2, 3}
 
 
-def _resume_regrouped(out_dir, strategies: tuple[str, ...], change: str) -> None:
-    """Per strategy: train 2 steps, then resume for a third with `change`, which regroups the parameters. Keeps each
-    parameter's fp32 weight and AdamW moments as saved and as loaded (ZeRO 1-3), or the refusal's line (stage 0)."""
+def _resume_changed(out_dir, strategies: tuple[str, ...], change: str, first: str = "precision.mode=fp32") -> None:
+    """Per strategy: train 2 steps under `first`, then resume for a third with `change` (one that regroups the
+    parameters or changes the weights' dtype). Keeps each parameter's fp32 master weight and AdamW moments as saved
+    and as loaded, or the line refusing the resume."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from vitrain.engine.deepspeed import DeepSpeedEngine
@@ -603,13 +604,15 @@ def _resume_regrouped(out_dir, strategies: tuple[str, ...], change: str) -> None
     def load_and_keep(self, path, meta):
         restored = load(self, path, meta)
         kept["loaded"] = per_parameter(self)
+        if self.stage < 3:  # the weights the forward computes with (stage 3's are partitioned)
+            kept["module"] = {name: param.detach().clone() for name, param in self.ds.module.named_parameters()}
         return restored
 
     DeepSpeedEngine.save, DeepSpeedEngine.load = save_and_keep, load_and_keep  # this spawned process only
     for strategy in strategies:
         kept.clear()
         run = ("train.engine=deepspeed", f"parallel.strategy={strategy}", "model.depth=1", "log.every_steps=1")
-        Trainer(digits(out_dir, strategy, *run, "train.max_steps=2")).fit()
+        Trainer(digits(out_dir, strategy, *run, "train.max_steps=2", first)).fit()
         config = (out_dir / strategy / "config.yaml").read_text()
         try:
             Trainer(digits(out_dir, strategy, *run, "train.max_steps=3", change), resume=True).fit()
@@ -620,11 +623,13 @@ def _resume_regrouped(out_dir, strategies: tuple[str, ...], change: str) -> None
         torch.save(kept, out_dir / f"{strategy}.pt")
 
 
-def _check_regrouped_resume(out_dir, strategy: str) -> None:
+def _check_changed_resume(out_dir, strategy: str) -> None:
     kept = torch.load(out_dir / f"{strategy}.pt", weights_only=True)
     assert kept["loaded"].keys() == kept["saved"].keys()
     for key, saved in kept["saved"].items():
         assert torch.equal(kept["loaded"][key], saved), key
+    for name, weight in kept.get("module", {}).items():  # the model's weights are the masters, in its dtype
+        assert torch.equal(weight, kept["loaded"][f"{name}.fp32"].to(weight.dtype)), name
     assert losses(out_dir / strategy).keys() == {1, 2, 3}
     assert (out_dir / strategy / "checkpoints" / "step_00000002" / UNIVERSAL_DIR).is_dir()
 
@@ -634,8 +639,8 @@ def test_a_deepspeed_resume_with_other_parameter_groups_loads_each_parameters_st
     # group: its load failed on an unrelated setting ("parameter-alignment layout", stages 1-2) or a count of groups
     # (stages 0 and 3). Now stages 1-3 load through the universal checkpoint, parameter by parameter; stage 0, whose
     # state is indexed by position, is refused in one line naming the value changed.
-    _one_process(_resume_regrouped, tmp_path, ("zero2", "ddp"), "optim.weight_decay=0")
-    _check_regrouped_resume(tmp_path, "zero2")
+    _one_process(_resume_changed, tmp_path, ("zero2", "ddp"), "optim.weight_decay=0")
+    _check_changed_resume(tmp_path, "zero2")
     refused = (tmp_path / "ddp.refused").read_text()
     assert "optim.weight_decay=0.0 (saved with 0.05)" in refused and "resume with the values it was saved" in refused
     assert losses(tmp_path / "ddp").keys() == {1, 2}
@@ -645,8 +650,29 @@ def test_a_deepspeed_resume_with_other_parameter_groups_loads_each_parameters_st
 def test_more_parameter_groups_on_resume_load_under_deepspeed_stage_3_and_are_refused_under_stage_1(tmp_path):
     # optim.layer_decay=0.75: 6 groups where the run saved 2. Stage 3's universal load fills every group; stages 1-2's
     # pairs the saved groups with the first ones by index and left the other 4 without moments (a silent restart).
-    _one_process(_resume_regrouped, tmp_path, ("zero3", "zero1"), "optim.layer_decay=0.75")
-    _check_regrouped_resume(tmp_path, "zero3")
+    _one_process(_resume_changed, tmp_path, ("zero3", "zero1"), "optim.layer_decay=0.75")
+    _check_changed_resume(tmp_path, "zero3")
     refused = (tmp_path / "zero1.refused").read_text()
     assert "optim.layer_decay=0.75 (saved with 1.0)" in refused
     assert losses(tmp_path / "zero1").keys() == {1, 2}
+
+
+def test_a_deepspeed_resume_between_bf16_and_fp32_weights_loads_the_fp32_masters_or_says_why_not(tmp_path):
+    # precision.mode=auto resolves by the machine: a run started where bf16 wins and resumed where it does not trains
+    # fp32 weights. DeepSpeed names its optimizer files by the weights' dtype and failed to find them
+    # (FileNotFoundError, stages 1-3) or a key of another optimizer's state (KeyError, stage 0). Stages 1-3 now load
+    # the fp32 masters and moments through the universal checkpoint; stage 0 is refused, naming the precision to
+    # resume with.
+    _one_process(_resume_changed, tmp_path, ("zero2", "ddp"), "precision.mode=fp32", "precision.mode=amp_o2")
+    _check_changed_resume(tmp_path, "zero2")
+    refused = (tmp_path / "ddp.refused").read_text()
+    assert "holds DeepSpeed's state of bf16 weights and this run trains fp32 ones" in refused
+    assert "resume with precision.mode=amp_o2 precision.dtype=bf16" in refused
+    assert losses(tmp_path / "ddp").keys() == {1, 2}
+
+
+@pytest.mark.slow
+def test_deepspeed_stage_1_and_3_runs_of_fp32_weights_resume_in_bf16(tmp_path):
+    _one_process(_resume_changed, tmp_path, ("zero1", "zero3"), "precision.mode=amp_o2")
+    for strategy in ("zero1", "zero3"):
+        _check_changed_resume(tmp_path, strategy)

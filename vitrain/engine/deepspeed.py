@@ -514,12 +514,15 @@ class DeepSpeedEngine:
                     f"checkpoint {path} was saved under ZeRO stage {saved_stage} (parallel.strategy="
                     f"{meta.get('strategy')}); resume with the same parallel.strategy"
                 )
-            # ZeRO 1-3 keep one flat optimizer partition per rank and parameter group, which DeepSpeed reads only on
-            # as many ranks into the same groups: on another count, or after the groups changed (optim.weight_decay
-            # to or from 0, optim.layer_decay, the grouping rule), the step folder is converted once into DeepSpeed's
-            # universal checkpoint (whole tensors per parameter), which any count and grouping loads.
+            # ZeRO 1-3 keep one flat optimizer partition per rank and parameter group, in files named by the weights'
+            # dtype, which DeepSpeed reads only on as many ranks, into the same groups, in the same dtype: on another
+            # count, after the groups changed (optim.weight_decay to or from 0, optim.layer_decay, the grouping rule)
+            # or between fp32 and bf16 weights (precision.mode=auto resolving otherwise on another machine), the step
+            # folder is converted once into DeepSpeed's universal checkpoint (whole fp32 tensors per parameter),
+            # which any count, grouping and dtype loads.
+            retyped = self._retyped(path, meta)
             regrouped = self._regrouped(path, meta)
-            reshard = (saved_ranks != self.dist.world_size or regrouped) and self.stage > 0
+            reshard = (saved_ranks != self.dist.world_size or regrouped or retyped) and self.stage > 0
             if reshard and rank() == 0:
                 universal_checkpoint(Path(path))
         load_dir = Path(path)
@@ -546,6 +549,26 @@ class DeepSpeedEngine:
         if state is None:
             return False
         ckpt.set_rng_state(state)
+        return True
+
+    def _retyped(self, path: Path, meta: dict[str, Any]) -> bool:
+        """Whether the checkpoint's weights were trained in another dtype than this run's (fp32, bf16, fp16), where
+        the universal checkpoint loads them; refused in one line where it cannot: stage 0 keeps another optimizer's
+        state per dtype (torch's, or DeepSpeed's bf16 or fp16 one), and fp16's loss scale state is not carried across
+        (untested here: DeepSpeed runs no fp16 on a CPU)."""
+        saved_config = (meta.get("precision") or {}).get("deepspeed_config")
+        if saved_config is None:
+            return False
+        saved, now = _weights_dtype(saved_config), _weights_dtype(self.config)
+        if saved == now:
+            return False
+        if self.stage == 0 or "fp16" in (saved, now):
+            raise CheckpointError(
+                f"checkpoint {path} holds DeepSpeed's state of {saved} weights and this run trains {now} ones "
+                f"(precision.mode={self.cfg.precision.mode} resolves to {self.resolved.mode}); DeepSpeed cannot load "
+                f"one into the other under parallel.strategy={self.cfg.parallel.strategy}: resume with "
+                f"{_PRECISION_OF[saved]}"
+            )
         return True
 
     def _regrouped(self, path: Path, meta: dict[str, Any]) -> bool:
@@ -610,6 +633,19 @@ class DeepSpeedEngine:
 
 def _enabled(config: dict[str, Any], section: str) -> bool:
     return bool(config.get(section, {}).get("enabled"))
+
+
+def _weights_dtype(config: dict[str, Any]) -> str:
+    """The dtype DeepSpeed keeps the model's weights in under `config` (and names its optimizer files by)."""
+    return "bf16" if _enabled(config, "bf16") else "fp16" if _enabled(config, "fp16") else "fp32"
+
+
+# What gives each weights dtype back on resume (amp_o1 bf16 trains fp32 weights as well).
+_PRECISION_OF = {
+    "fp32": "precision.mode=fp32",
+    "bf16": "precision.mode=amp_o2 precision.dtype=bf16",
+    "fp16": "precision.mode=amp_o2 precision.dtype=fp16",
+}
 
 
 def _version() -> str:
