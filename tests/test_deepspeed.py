@@ -589,7 +589,7 @@ def _resume_changed(out_dir, strategies: tuple[str, ...], change: str, first: st
         found = {}
         for name, param in engine.ds.module.named_parameters():
             found[f"{name}.fp32"] = safe_get_full_fp32_param(param).clone()
-            for field in ("exp_avg", "exp_avg_sq"):
+            for field in ("momentum_buffer",) if engine.cfg.optim.name == "sgd" else ("exp_avg", "exp_avg_sq"):
                 found[f"{name}.{field}"] = safe_get_full_optimizer_state(param, field).clone()
         return found
 
@@ -612,10 +612,10 @@ def _resume_changed(out_dir, strategies: tuple[str, ...], change: str, first: st
     for strategy in strategies:
         kept.clear()
         run = ("train.engine=deepspeed", f"parallel.strategy={strategy}", "model.depth=1", "log.every_steps=1")
-        Trainer(digits(out_dir, strategy, *run, "train.max_steps=2", first)).fit()
+        Trainer(digits(out_dir, strategy, *run, "train.max_steps=2", *first.split())).fit()
         config = (out_dir / strategy / "config.yaml").read_text()
         try:
-            Trainer(digits(out_dir, strategy, *run, "train.max_steps=3", change), resume=True).fit()
+            Trainer(digits(out_dir, strategy, *run, "train.max_steps=3", *change.split()), resume=True).fit()
         except CheckpointError as error:
             assert (out_dir / strategy / "config.yaml").read_text() == config  # refused before anything changed
             (out_dir / f"{strategy}.refused").write_text(str(error))
@@ -676,3 +676,15 @@ def test_deepspeed_stage_1_and_3_runs_of_fp32_weights_resume_in_bf16(tmp_path):
     _one_process(_resume_changed, tmp_path, ("zero1", "zero3"), "precision.mode=amp_o2")
     for strategy in ("zero1", "zero3"):
         _check_changed_resume(tmp_path, strategy)
+
+
+@pytest.mark.slow
+def test_a_deepspeed_sgd_run_regrouped_on_resume_is_refused_naming_what_to_resume_with(tmp_path):
+    # DeepSpeed's universal converter reads AdamW's moments only: SGD's momentum stops it (KeyError: 'exp_avg'), and
+    # the line said to resume "on the world size it was saved with", which had not changed.
+    sgd = "precision.mode=fp32 optim.name=sgd"
+    _one_process(_resume_changed, tmp_path, ("zero2",), f"{sgd} optim.weight_decay=0", sgd)
+    refused = (tmp_path / "zero2.refused").read_text()
+    assert "universal checkpoint conversion" in refused
+    assert "resume with the optim.* values it was saved with" in refused
+    assert not (tmp_path / "zero2" / "checkpoints" / "step_00000002" / UNIVERSAL_DIR).exists()

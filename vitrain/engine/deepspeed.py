@@ -520,11 +520,15 @@ class DeepSpeedEngine:
             # or between fp32 and bf16 weights (precision.mode=auto resolving otherwise on another machine), the step
             # folder is converted once into DeepSpeed's universal checkpoint (whole fp32 tensors per parameter),
             # which any count, grouping and dtype loads.
-            retyped = self._retyped(path, meta)
+            saved_dtype = self._retyped(path, meta)
             regrouped = self._regrouped(path, meta)
-            reshard = (saved_ranks != self.dist.world_size or regrouped or retyped) and self.stage > 0
+            # What gives the saved layout back, for a folder DeepSpeed's converter cannot convert.
+            same = [f"on {saved_ranks} processes"] if saved_ranks != self.dist.world_size else []
+            same += ["with the optim.* values it was saved with"] if regrouped else []
+            same += [f"with {_PRECISION_OF[saved_dtype]}"] if saved_dtype else []
+            reshard = bool(same) and self.stage > 0
             if reshard and rank() == 0:
-                universal_checkpoint(Path(path))
+                universal_checkpoint(Path(path), fix="resume " + " and ".join(same))
         load_dir = Path(path)
         if reshard:
             load_dir = Path(path) / UNIVERSAL_DIR
@@ -551,17 +555,17 @@ class DeepSpeedEngine:
         ckpt.set_rng_state(state)
         return True
 
-    def _retyped(self, path: Path, meta: dict[str, Any]) -> bool:
-        """Whether the checkpoint's weights were trained in another dtype than this run's (fp32, bf16, fp16), where
-        the universal checkpoint loads them; refused in one line where it cannot: stage 0 keeps another optimizer's
-        state per dtype (torch's, or DeepSpeed's bf16 or fp16 one), and fp16's loss scale state is not carried across
+    def _retyped(self, path: Path, meta: dict[str, Any]) -> str | None:
+        """The checkpoint's weights dtype (fp32, bf16, fp16) where it differs from this run's and the universal
+        checkpoint loads it, else None; refused in one line where it cannot: stage 0 keeps another optimizer's state
+        per dtype (torch's, or DeepSpeed's bf16 or fp16 one), and fp16's loss scale state is not carried across
         (untested here: DeepSpeed runs no fp16 on a CPU)."""
         saved_config = (meta.get("precision") or {}).get("deepspeed_config")
         if saved_config is None:
-            return False
+            return None
         saved, now = _weights_dtype(saved_config), _weights_dtype(self.config)
         if saved == now:
-            return False
+            return None
         if self.stage == 0 or "fp16" in (saved, now):
             raise CheckpointError(
                 f"checkpoint {path} holds DeepSpeed's state of {saved} weights and this run trains {now} ones "
@@ -569,7 +573,7 @@ class DeepSpeedEngine:
                 f"one into the other under parallel.strategy={self.cfg.parallel.strategy}: resume with "
                 f"{_PRECISION_OF[saved]}"
             )
-        return True
+        return saved
 
     def _regrouped(self, path: Path, meta: dict[str, Any]) -> bool:
         """Whether the checkpoint's parameter groups differ from this run's, where DeepSpeed's universal checkpoint
@@ -694,14 +698,16 @@ def group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list
     return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
 
 
-def universal_checkpoint(path: Path) -> Path:
+def universal_checkpoint(path: Path, fix: str = "resume on the world size it was saved with") -> Path:
     """Step folder `path`'s DeepSpeed files as DeepSpeed's universal checkpoint, in `path`/deepspeed_universal/
     (tag deepspeed/ inside it, as DeepSpeed's loader expects a folder and a tag), converted on first use.
 
     ds_to_universal unpickles the input files without weights_only, so `refuse_code` vets them first. The conversion
     fills a temporary folder and renames it into place, so a crash leaves no half-converted folder that a later
     resume would take for a whole one. vitrain's models carry no tensor-parallel patterns, so the missing
-    universal-checkpoint info is injected as DeepSpeed's converter offers (`inject_missing_state`).
+    universal-checkpoint info is injected as DeepSpeed's converter offers (`inject_missing_state`). `fix`: what the
+    line refusing a folder it cannot convert tells the user to do instead (DeepSpeed 0.19.8 converts AdamW's and
+    LAMB's moments, not SGD's or LARS's momentum).
     """
     final = path / UNIVERSAL_DIR
     if final.is_dir():
@@ -731,7 +737,7 @@ def universal_checkpoint(path: Path) -> Path:
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise CheckpointError(
             f"checkpoint {path}: DeepSpeed's universal checkpoint conversion (deepspeed.checkpoint.ds_to_universal) "
-            f"failed ({reason}); resume on the world size it was saved with"
+            f"failed ({reason}); {fix}"
         ) from None
     ckpt._fsync_tree(tmp)
     tmp.rename(final)
