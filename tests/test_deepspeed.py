@@ -573,8 +573,8 @@ def test_optim_values_given_on_resume_hold_under_deepspeed_as_under_the_native_e
 
 def _resume_changed(out_dir, strategies: tuple[str, ...], change: str, first: str = "precision.mode=fp32") -> None:
     """Per strategy: train 2 steps under `first`, then resume for a third with `change` (one that regroups the
-    parameters or changes the weights' dtype). Keeps each parameter's fp32 master weight and AdamW moments as saved
-    and as loaded, or the line refusing the resume."""
+    parameters or changes the weights' dtype). Keeps each parameter's fp32 master weight and optimizer state (AdamW's
+    moments, SGD's momentum) as saved and as loaded, or the line refusing the resume."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from vitrain.engine.deepspeed import DeepSpeedEngine
