@@ -638,11 +638,12 @@ def test_a_deepspeed_resume_with_other_parameter_groups_loads_each_parameters_st
     # optim.weight_decay=0 puts every parameter in one group where the run saved two. DeepSpeed keeps its state by
     # group: its load failed on an unrelated setting ("parameter-alignment layout", stages 1-2) or a count of groups
     # (stages 0 and 3). Now stages 1-3 load through the universal checkpoint, parameter by parameter; stage 0, whose
-    # state is indexed by position, is refused in one line naming the value changed.
-    _one_process(_resume_changed, tmp_path, ("zero2", "ddp"), "optim.weight_decay=0")
+    # state is indexed by position, is refused in one line naming the value changed (not optim.lr, changed as well,
+    # which does not decide the groups).
+    _one_process(_resume_changed, tmp_path, ("zero2", "ddp"), "optim.weight_decay=0 optim.lr=0.001")
     _check_changed_resume(tmp_path, "zero2")
     refused = (tmp_path / "ddp.refused").read_text()
-    assert "optim.weight_decay=0.0 (saved with 0.05)" in refused and "resume with the values it was saved" in refused
+    assert "state for optim.weight_decay=0.0 (saved with 0.05): resume with the values it was saved" in refused
     assert losses(tmp_path / "ddp").keys() == {1, 2}
 
 
@@ -688,3 +689,77 @@ def test_a_deepspeed_sgd_run_regrouped_on_resume_is_refused_naming_what_to_resum
     assert "universal checkpoint conversion" in refused
     assert "resume with the optim.* values it was saved with" in refused
     assert not (tmp_path / "zero2" / "checkpoints" / "step_00000002" / UNIVERSAL_DIR).exists()
+
+
+def _stub_engine(stage: int, groups: list[list[str]], dtype: str = "fp32"):
+    """What DeepSpeedEngine's resume checks read of an engine: its stage, groups, DeepSpeed config and precision."""
+    from types import SimpleNamespace
+
+    strategy = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
+    config = {section: {"enabled": dtype == section} for section in ("bf16", "fp16")}
+    cfg = SimpleNamespace(parallel=SimpleNamespace(strategy=strategy), precision=SimpleNamespace(mode="auto"))
+    return SimpleNamespace(stage=stage, groups=groups, config=config, cfg=cfg, resolved=SimpleNamespace(mode="fp32"))
+
+
+TWO = [["a.weight", "b.weight"], ["a.bias", "b.bias"]]
+
+
+@pytest.mark.parametrize(
+    ("stage", "groups", "expected"),
+    [
+        (2, TWO, False),  # the same groups
+        (2, [["a.weight", "b.weight", "a.bias", "b.bias"]], True),  # fewer: the universal checkpoint by name
+        (1, [["a.weight"], ["b.weight", "a.bias", "b.bias"]], True),  # as many, other members
+        (3, [["a.weight"], ["b.weight"], ["a.bias"], ["b.bias"]], True),  # more: stage 3 fills every group
+        (2, [["a.weight"], ["b.weight"], ["a.bias", "b.bias"]], "into at most as many groups as it saved"),
+        (0, [["a.weight", "b.weight", "a.bias", "b.bias"]], "by position in its groups"),
+        (3, [["a.weight", "b.weight"], ["a.bias"]], True),  # b.bias frozen on resume: its state is left behind
+        (1, [["a.weight", "b.weight"], ["a.bias"]], True),
+        (0, [["a.weight", "b.weight"], ["a.bias"]], "it holds b.bias, which this run's model does not train (1 such)"),
+        (2, [["a.weight", "b.weight", "c.weight"], TWO[1]], "this run's model trains c.weight, which it holds no"),
+        (3, [["c.weight", "a.weight", "b.weight"], TWO[1]], "this run's model trains c.weight, which it holds no"),
+    ],
+)
+def test_which_parameter_groups_deepspeed_resumes_into_and_the_line_refusing_the_rest(stage, groups, expected):
+    from vitrain.engine.deepspeed import DeepSpeedEngine
+    from vitrain.optim import GROUPED_BY
+
+    meta = {"precision": {"param_groups": TWO}}
+    if isinstance(expected, bool):
+        assert DeepSpeedEngine._regrouped(_stub_engine(stage, groups), Path("ckpt"), meta) is expected
+        return
+    with pytest.raises(CheckpointError) as raised:
+        DeepSpeedEngine._regrouped(_stub_engine(stage, groups), Path("ckpt"), meta)
+    line = str(raised.value)
+    assert expected in line and "\n" not in line
+    if "position" in expected or "as many groups" in expected:  # runs.restore names the grouping optim.* changed
+        assert isinstance(raised.value, ckpt.StateMismatch) and raised.value.shaped_by == GROUPED_BY
+        assert line.endswith("or start a new run from its weights (`vitrain export`, then model.init_from=)")
+    else:  # another model: no optim.* value gives its state back
+        assert not isinstance(raised.value, ckpt.StateMismatch) and line.endswith("the model it was saved with")
+    # checkpoints written before vitrain kept the groups are taken as the same
+    assert DeepSpeedEngine._regrouped(_stub_engine(stage, groups), Path("ckpt"), {"precision": {}}) is False
+
+
+@pytest.mark.parametrize(
+    ("stage", "saved", "now", "expected"),
+    [
+        (2, "bf16", "bf16", None),
+        (2, "bf16", "fp32", "bf16"),  # the universal checkpoint's fp32 tensors load into either
+        (3, "fp32", "bf16", "fp32"),
+        (0, "bf16", "fp32", "resume with precision.mode=amp_o2 precision.dtype=bf16"),  # another optimizer per dtype
+        (2, "fp16", "bf16", "resume with precision.mode=amp_o2 precision.dtype=fp16"),  # the loss scale is not carried
+        (1, "fp32", "fp16", "resume with precision.mode=fp32"),
+    ],
+)
+def test_which_weight_dtypes_deepspeed_resumes_between_and_the_line_refusing_the_rest(stage, saved, now, expected):
+    from vitrain.engine.deepspeed import DeepSpeedEngine
+
+    meta = {"precision": {"deepspeed_config": _stub_engine(stage, TWO, saved).config}}
+    engine = _stub_engine(stage, TWO, now)
+    if expected is None or expected in ("bf16", "fp32"):
+        assert DeepSpeedEngine._retyped(engine, Path("ckpt"), meta) == expected
+    else:
+        with pytest.raises(CheckpointError, match=f"holds DeepSpeed's state of {saved} weights.*{expected}$"):
+            DeepSpeedEngine._retyped(engine, Path("ckpt"), meta)
+    assert DeepSpeedEngine._retyped(engine, Path("ckpt"), {"precision": {}}) is None  # before vitrain kept the config

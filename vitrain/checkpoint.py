@@ -124,7 +124,12 @@ class CheckpointDamaged(CheckpointError):
 
 class StateMismatch(CheckpointError):
     """A checkpoint's intact files do not hold the state this run loads into them: a setting that shapes it (the
-    optimizer's, the model's) differs from the one it was saved with."""
+    optimizer's, the model's) differs from the one it was saved with. `shaped_by`: the config keys that can make this
+    difference, where fewer than all optim.* ones do (runs.restore names those changed)."""
+
+    def __init__(self, message: str, shaped_by: tuple[str, ...] | None = None):
+        super().__init__(message)
+        self.shaped_by = shaped_by
 
 
 class CheckpointRefused(CheckpointError):

@@ -53,7 +53,7 @@ from vitrain.engine.protocol import HEAD, LossFn, forward_then_backward
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import count_parameters
 from vitrain.models.kernels import cpu_kernels
-from vitrain.optim import build_head_optimizer, build_optimizer, set_lr
+from vitrain.optim import GROUPED_BY, build_head_optimizer, build_optimizer, set_lr
 from vitrain.parallel.distributed import DistInfo, all_or_none, rank
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
@@ -578,17 +578,39 @@ class DeepSpeedEngine:
     def _regrouped(self, path: Path, meta: dict[str, Any]) -> bool:
         """Whether the checkpoint's parameter groups differ from this run's, where DeepSpeed's universal checkpoint
         loads them parameter by parameter (unknown for checkpoints written before vitrain kept them: taken as the
-        same). Where it cannot, refused in one line (runs.restore names the optim.* values changed): stage 0 keeps
-        torch's optimizer state, indexed by position in its groups; stages 1-2 fill only as many groups as the
-        checkpoint holds (DeepSpeed 0.19's loader pairs them by index), so more groups would start without state."""
+        same). A parameter no longer trained (frozen on resume) leaves its state behind, as under the native engine.
+        Refused in one line where it cannot load: a parameter the checkpoint holds no state for (a user's own model),
+        by name; stage 0, which keeps torch's optimizer state indexed by position in its groups; stages 1-2 with more
+        groups than saved (DeepSpeed 0.19's loader pairs them by index, so the extra ones would start without state).
+        runs.restore names the optim.* values changed that decide the grouping."""
         saved = (meta.get("precision") or {}).get("param_groups")
         if saved is None or saved == self.groups:
             return False
+        saved_names = [name for group in saved for name in group]
+        names = [name for group in self.groups for name in group]
+        gone, new = set(saved_names) - set(names), set(names) - set(saved_names)
+        if new or (gone and self.stage == 0):
+            if new:
+                first = next(name for name in names if name in new)
+                what = f"this run's model trains {first}, which it holds no state for ({len(new)} such)"
+            else:
+                first = next(name for name in saved_names if name in gone)
+                what = (
+                    f"it holds {first}, which this run's model does not train ({len(gone)} such), and DeepSpeed loads "
+                    "stage 0's state by position"
+                )
+            raise CheckpointError(
+                f"checkpoint {path} holds DeepSpeed's optimizer state for other parameters than this run trains: "
+                f"{what}; resume with the model it was saved with"
+            )
         if self.stage == 0 or (self.stage < 3 and len(self.groups) > len(saved)):
             how = "by position in its groups" if self.stage == 0 else "into at most as many groups as it saved"
             raise ckpt.StateMismatch(
                 f"checkpoint {path} holds DeepSpeed's optimizer state in {len(saved)} parameter groups and this run "
                 f"has {len(self.groups)}: DeepSpeed loads it {how} under parallel.strategy={self.cfg.parallel.strategy}"
+                "; resume with the optim.* values, model and vitrain version it was saved with, or start a new run "
+                "from its weights (`vitrain export`, then model.init_from=)",
+                shaped_by=GROUPED_BY,
             )
         return True
 

@@ -311,11 +311,12 @@ def check_resumable(path: Path, meta: dict, cfg: Config, engine: str) -> None:
         )
 
 
-def _optimizer_changes(saved_config: dict, cfg: Config) -> list[str]:
-    """The optim.* values of `cfg` that differ from a checkpoint's config, as `key=new (saved with old)`."""
+def _optimizer_changes(saved_config: dict, cfg: Config, keys: tuple[str, ...] | None = None) -> list[str]:
+    """The optim.* values of `cfg` (those in `keys`, where given) that differ from a checkpoint's config, as
+    `key=new (saved with old)`."""
     saved, now = flatten({"optim": saved_config.get("optim") or {}}), flatten({"optim": to_dict(cfg.optim)})
     return [f"{key}={_shown(value)} (saved with {_shown(saved[key])})" for key, value in now.items()
-            if key in saved and saved[key] != value]  # fmt: skip
+            if key in saved and saved[key] != value and (keys is None or key in keys)]  # fmt: skip
 
 
 def rng_note(path: Path, saved_ranks: int, ranks: int, restored: bool) -> str | None:
@@ -424,7 +425,7 @@ def restore(trainer: Trainer, path: Path) -> None:
     try:
         restored = trainer.engine.load(path, meta)
     except ckpt.StateMismatch as mismatch:  # intact files, other optimizer state: name the optim.* values changed
-        changed = _optimizer_changes(meta["config"], trainer.cfg)
+        changed = _optimizer_changes(meta["config"], trainer.cfg, mismatch.shaped_by)
         if not changed:
             raise
         raise CheckpointError(

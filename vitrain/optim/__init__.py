@@ -4,10 +4,11 @@ import torch
 
 from vitrain.config import Config
 from vitrain.errors import ConfigError
-from vitrain.optim.optimizers import build_head_optimizer, build_optimizer, param_groups, resolve_impl
+from vitrain.optim.optimizers import GROUPED_BY, build_head_optimizer, build_optimizer, param_groups, resolve_impl
 from vitrain.optim.schedules import Schedule, scaled_lr, set_lr
 
 __all__ = [
+    "GROUPED_BY",
     "Schedule",
     "build_head_optimizer",
     "check",
