@@ -571,6 +571,30 @@ def test_optim_values_given_on_resume_hold_under_deepspeed_as_under_the_native_e
     assert losses(tmp_path / "decay").keys() == {1, 2, 3}
 
 
+def _resume_through_the_universal_checkpoint(out_dir) -> None:
+    """ZeRO-3 straight through 5 steps, and stopped at 3 then resumed through DeepSpeed's universal checkpoint (the
+    route another world size, grouping or weights dtype takes; forced here with nothing else changed)."""
+    from vitrain.engine.deepspeed import DeepSpeedEngine
+
+    run = ("train.engine=deepspeed", "parallel.strategy=zero3", "model.depth=1")
+    Trainer(digits(out_dir, "straight", *run)).fit()
+    Trainer(digits(out_dir, "resumed", *run, "train.max_steps=3")).fit()
+    DeepSpeedEngine._regrouped = lambda self, path, meta: True  # this spawned process only
+    Trainer(digits(out_dir, "resumed", *run), resume=True).fit()
+
+
+def test_a_zero3_run_resumed_through_the_universal_checkpoint_continues_the_losses_of_an_uninterrupted_one(tmp_path):
+    # DeepSpeed 0.19.8's ZeRO-3 universal load gave every sub-group's state one `step` tensor, which AdamW advanced
+    # once per group: with two groups the resumed run counted 2 steps for each it took (step 4's loss 1e-3 off the
+    # run straight through, its bias correction ahead). Each state now gets its own.
+    _one_process(_resume_through_the_universal_checkpoint, tmp_path)
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5]
+    for step in (4, 5):
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), f"step {step}"
+    assert (tmp_path / "resumed" / "checkpoints" / "step_00000003" / UNIVERSAL_DIR).is_dir()
+
+
 def _resume_changed(out_dir, strategies: tuple[str, ...], change: str, first: str = "precision.mode=fp32") -> None:
     """Per strategy: train 2 steps under `first`, then resume for a third with `change` (one that regroups the
     parameters or changes the weights' dtype). Keeps each parameter's fp32 master weight and optimizer state (AdamW's

@@ -307,6 +307,7 @@ class DeepSpeedEngine:
         # "ddp": any distributed strategy gets per-tensor kernels (fused), never the flat buffer of one process.
         optimizer = build_optimizer(model, cfg.optim, dist.device, strategy="ddp")
         self.groups = group_names(model, optimizer)  # DeepSpeed keeps its state by group: saved to tell a change
+        self.torch_optimizer = optimizer  # the one DeepSpeed's optimizer steps (its .optimizer under ZeRO)
         self.parameters = count_parameters(model)  # before ZeRO-3 partitions the parameters
         # DeepSpeed's ZeRO collectives call these deprecated torch functions: DeepSpeed's to change, not the user's.
         # Filtered for the whole process, as DeepSpeed calls them from its hooks on every step; shown once they would
@@ -543,6 +544,7 @@ class DeepSpeedEngine:
             self.ds.load_checkpoint(str(load_dir), tag=DEEPSPEED_DIR, load_lr_scheduler_states=False)
         finally:
             self.ds._config.load_universal_checkpoint = previous
+        own_steps(self.torch_optimizer)
         for group, values in zip(self.optimizer.param_groups, own, strict=True):
             group.update(values)
         if self.head is not None:
@@ -712,6 +714,24 @@ def consolidated_state_dict(path: Path, meta: dict[str, Any]) -> dict[str, torch
             raise CheckpointError(f"checkpoint {path}: {name} holds inf/NaN; export an earlier checkpoint")
         weights[name] = tensor.contiguous()
     return weights
+
+
+def own_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Give each optimizer state a `step` tensor of its own; returns how many were shared.
+
+    DeepSpeed 0.19.8's ZeRO-3 universal load (another world size, grouping or weights dtype) puts one `step` tensor
+    into every sub-group's state, which torch's AdamW advances in place: once per sub-group and step, so a run of two
+    groups counted two steps for each one it took, and its bias correction ran ahead of the run."""
+    seen: set[int] = set()
+    shared = 0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+                shared += 1
+            seen.add(id(step))
+    return shared
 
 
 def group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
