@@ -571,28 +571,63 @@ def test_optim_values_given_on_resume_hold_under_deepspeed_as_under_the_native_e
     assert losses(tmp_path / "decay").keys() == {1, 2, 3}
 
 
+FROZEN = "blocks.0.attn.qkv.weight"  # frozen on resume by a model handed in
+
+
 def _resume_through_the_universal_checkpoint(out_dir) -> None:
-    """ZeRO-3 straight through 5 steps, and stopped at 3 then resumed through DeepSpeed's universal checkpoint (the
-    route another world size, grouping or weights dtype takes; forced here with nothing else changed)."""
+    """ZeRO-3 with the conv stem (BatchNorm) straight through 5 steps, and stopped at 3 then resumed through
+    DeepSpeed's universal checkpoint (the route another world size, grouping or weights dtype takes; forced here with
+    nothing else changed). Then ZeRO-2 stopped at 3 and resumed with FROZEN no longer trained (its own route there).
+    Keeps the whole state (parameters and buffers) each resume loaded, before any step changes it."""
     from vitrain.engine.deepspeed import DeepSpeedEngine
 
-    run = ("train.engine=deepspeed", "parallel.strategy=zero3", "model.depth=1")
+    load, loaded = DeepSpeedEngine.load, {}
+
+    def load_and_keep(self, path, meta):
+        restored = load(self, path, meta)
+        loaded[self.cfg.name] = self.full_state_dict()
+        return restored
+
+    def frozen_on_resume(model_cfg):
+        model = create_model(model_cfg)
+        model.get_parameter(FROZEN).requires_grad_(False)
+        return model
+
+    DeepSpeedEngine.load = load_and_keep  # this spawned process only
+    run = ("train.engine=deepspeed", "parallel.strategy=zero3", "model.depth=1", "model.patch_embed=conv")
     Trainer(digits(out_dir, "straight", *run)).fit()
     Trainer(digits(out_dir, "resumed", *run, "train.max_steps=3")).fit()
-    DeepSpeedEngine._regrouped = lambda self, path, meta: True  # this spawned process only
+    regrouped = DeepSpeedEngine._regrouped
+    DeepSpeedEngine._regrouped = lambda self, path, meta: True
     Trainer(digits(out_dir, "resumed", *run), resume=True).fit()
+    DeepSpeedEngine._regrouped = regrouped
+    run = ("train.engine=deepspeed", "parallel.strategy=zero2", "model.depth=1")
+    Trainer(digits(out_dir, "frozen", *run, "train.max_steps=3")).fit()
+    Trainer(digits(out_dir, "frozen", *run, "train.max_steps=4"), resume=True, model=frozen_on_resume).fit()
+    torch.save(loaded, out_dir / "loaded.pt")
 
 
-def test_a_zero3_run_resumed_through_the_universal_checkpoint_continues_the_losses_of_an_uninterrupted_one(tmp_path):
+def test_a_run_resumed_through_the_universal_checkpoint_continues_the_uninterrupted_one(tmp_path):
     # DeepSpeed 0.19.8's ZeRO-3 universal load gave every sub-group's state one `step` tensor, which AdamW advanced
-    # once per group: with two groups the resumed run counted 2 steps for each it took (step 4's loss 1e-3 off the
-    # run straight through, its bias correction ahead). Each state now gets its own.
+    # once per group: with two groups the resumed run counted 2 steps for each it took (step 5's loss 1e-3 off the
+    # run straight through, its bias correction ahead). Each state now gets its own. And the universal load reads
+    # only the trained parameters: BatchNorm's statistics and a parameter frozen on resume stayed as the new run
+    # built them (0.15 and 2.7e-4 off); vitrain now loads them from the step folder.
     _one_process(_resume_through_the_universal_checkpoint, tmp_path)
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5]
     for step in (4, 5):
         assert resumed[step] == pytest.approx(straight[step], abs=1e-6), f"step {step}"
-    assert (tmp_path / "resumed" / "checkpoints" / "step_00000003" / UNIVERSAL_DIR).is_dir()
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    for name in ("resumed", "frozen"):
+        step_dir = tmp_path / name / "checkpoints" / "step_00000003"
+        assert (step_dir / UNIVERSAL_DIR).is_dir()
+        saved = consolidated_state_dict(step_dir, ckpt.read_meta(step_dir))
+        assert loaded[name].keys() == saved.keys()
+        for key, tensor in saved.items():
+            assert torch.equal(loaded[name][key], tensor), f"{name}: {key}"
+    assert any("running_mean" in key for key in loaded["resumed"])
+    assert losses(tmp_path / "frozen").keys() == {1, 2, 3, 4}
 
 
 def _resume_changed(out_dir, strategies: tuple[str, ...], change: str, first: str = "precision.mode=fp32") -> None:

@@ -545,6 +545,8 @@ class DeepSpeedEngine:
         finally:
             self.ds._config.load_universal_checkpoint = previous
         own_steps(self.torch_optimizer)
+        if reshard:
+            self._load_outside_groups(Path(path), meta)
         for group, values in zip(self.optimizer.param_groups, own, strict=True):
             group.update(values)
         if self.head is not None:
@@ -556,6 +558,27 @@ class DeepSpeedEngine:
             return False
         ckpt.set_rng_state(state)
         return True
+
+    def _load_outside_groups(self, path: Path, meta: dict[str, Any]) -> None:
+        """What DeepSpeed's universal load leaves as the run built it: the buffers (BatchNorm's running statistics,
+        the conv stem's and the face neck's) and the parameters outside the optimizer's groups (frozen, also those
+        frozen on resume). It reads only each trained parameter's `zero/<name>/` files and skips the module's states
+        file; these come from the step folder's own files instead (DeepSpeed's zero_to_fp32, as `vitrain export`)."""
+        trained = {name for group in self.groups for name in group}
+        module = self.ds.module
+        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+        rest = {name: t for name, t in consolidated_state_dict(path, meta).items() if name not in trained}
+        frozen = [params[name] for name in rest if name in params]
+        gathered = contextlib.nullcontext()
+        if self.stage == 3 and frozen:  # partitioned like the rest: whole while written, then partitioned again
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(frozen, modifier_rank=0)
+        with torch.no_grad(), gathered:
+            for name, value in rest.items():
+                target = params[name] if name in params else buffers.get(name)
+                if target is not None:
+                    target.copy_(value.to(target.dtype))
 
     def _retyped(self, path: Path, meta: dict[str, Any]) -> str | None:
         """The checkpoint's weights dtype (fp32, bf16, fp16) where it differs from this run's and the universal

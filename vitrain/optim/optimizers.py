@@ -20,8 +20,9 @@ TOKEN_NAMES = ("pos_embed", "cls_token", "dist_token", "reg_token")
 STEM_PREFIXES = ("patch_embed.", "norm_pre.", *TOKEN_NAMES)
 # The classifiers: the head and DeiT's distillation head, which timm's DeiT also treats as a head.
 HEAD_PREFIXES = ("head.", "head_dist.")
-# The optim.* keys that decide `param_groups`' grouping (optim.name: Muon's groups).
-GROUPED_BY = ("optim.weight_decay", "optim.head_weight_decay", "optim.layer_decay", "optim.head_lr_scale", "optim.name")
+# The optim.* keys that decide `param_groups`' grouping and may change on resume (optim.name, which decides Muon's
+# groups, may not: runs.check_same_optimizer refuses it first).
+GROUPED_BY = ("optim.weight_decay", "optim.head_weight_decay", "optim.layer_decay", "optim.head_lr_scale")
 # Which kernels each optimizer has; `auto` takes the first one the device can run.
 KERNELS = {
     "adamw": ("fused", "foreach", "loop", "flat"),
