@@ -153,7 +153,13 @@ def shutdown() -> None:
     if not dist.is_initialized():
         return
     side_group.cache_clear()
-    dist.destroy_process_group()
+    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+    if getattr(deepspeed_comm, "cdb", None) is not None:
+        # DeepSpeed's own call ends torch's group and lets go of the groups DeepSpeed cached from it: with torch's
+        # alone, a second run in the process (vitrain.train called again) failed on the stale group at its start.
+        deepspeed_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
 
