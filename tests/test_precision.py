@@ -21,6 +21,7 @@ from vitrain.engine import Trainer, runs
 from vitrain.errors import ConfigError
 from vitrain.models import create_model
 from vitrain.optim import build_optimizer
+from vitrain.parallel.sync_batchnorm import CpuSyncBatchNorm
 from vitrain.precision import PrecisionPolicy, TrainingDiverged, check_finite, resolve
 
 CPU = torch.device("cpu")
@@ -632,3 +633,35 @@ def test_a_class_in_fp32_modules_that_no_layer_of_the_model_is_is_refused_naming
     ):
         policy("amp_o2", fp32_modules=("Linear", "Nope")).prepare(NormZoo())
     policy("amp_o2", fp32_modules=("Linear",)).prepare(NormZoo())  # a class the model has
+
+
+@pytest.mark.parametrize("norm_class", [nn.BatchNorm2d, CpuSyncBatchNorm])
+def test_a_batchnorm_with_low_precision_weights_beside_fp32_statistics_normalizes_in_fp32(norm_class):
+    # DeepSpeed's bf16 casts parameters, not buffers: bf16 weights beside fp32 running statistics, which torch's CPU
+    # batch_norm refused. Swapped, the norm computes what an fp32 one with the same (rounded) weights computes.
+    from vitrain.precision import batch_norms_in_fp32, plain_batch_norms
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.BatchNorm2d(4))
+    with torch.no_grad():
+        reference[0].weight.uniform_(0.5, 1.5)
+        reference[0].bias.uniform_(-0.5, 0.5)
+    model = copy.deepcopy(reference)
+    model[0].__class__ = norm_class
+    for param in model.parameters():
+        param.data = param.data.bfloat16()
+    reference[0].weight.data, reference[0].bias.data = model[0].weight.data.float(), model[0].bias.data.float()
+    assert batch_norms_in_fp32(model) == 1 and batch_norms_in_fp32(model) == 0
+    x = torch.randn(8, 4, 5, 5).bfloat16()
+    for train in (True, False):
+        model.train(train), reference.train(train)
+        out, expected = model(x), reference(x.float())
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, expected.bfloat16(), rtol=0, atol=0)
+        torch.testing.assert_close(model[0].running_var, reference[0].running_var, rtol=0, atol=0)
+    model.train()
+    model(x).float().square().sum().backward()
+    assert model[0].weight.grad.dtype == torch.bfloat16 and bool(model[0].weight.grad.abs().sum() > 0)
+    assert model[0].weight.dtype == torch.bfloat16 and isinstance(model[0].weight, nn.Parameter)
+    plain_batch_norms(model)
+    assert type(model[0]) is norm_class

@@ -280,6 +280,51 @@ def norm_output_to(dtype: torch.dtype):
     return hook
 
 
+class _BatchNormInFp32:
+    """Mixed into a BatchNorm's class by `batch_norms_in_fp32`: where its weights are in a lower dtype than its
+    running statistics, it normalizes in fp32 (input, weight and bias upcast, the statistics as they are) and hands
+    its output on in the input's dtype; otherwise it is the class it was."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = self._parameters  # type: ignore[attr-defined]
+        weight, bias = params.get("weight"), params.get("bias")
+        stats = self.running_mean  # type: ignore[attr-defined]
+        if weight is None or stats is None or weight.dtype == stats.dtype:
+            return super().forward(x)  # type: ignore[misc]
+        try:  # the upcasts are differentiable: the gradients reach the low-dtype parameters
+            params["weight"] = weight.float()
+            if bias is not None:
+                params["bias"] = bias.float()
+            return super().forward(x.float()).to(x.dtype)  # type: ignore[misc]
+        finally:
+            params["weight"], params["bias"] = weight, bias
+
+
+@functools.cache
+def _in_fp32_class(cls: type) -> type:
+    return type(cls.__name__, (_BatchNormInFp32, cls), {"__module__": cls.__module__})
+
+
+def batch_norms_in_fp32(model: nn.Module) -> int:
+    """Every BatchNorm of `model` normalizes in fp32 where its weights are in a lower dtype than its running
+    statistics, as DeepSpeed's bf16/fp16 leaves them: since 0.19 it casts the parameters and not the buffers, and
+    torch's batch_norm refuses bf16 weights beside fp32 statistics (on a CPU: "expected scalar type BFloat16 but found
+    Float"). Only the class changes (`plain_batch_norms` changes it back); returns how many."""
+    swapped = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, _BatchNormInFp32):
+            module.__class__ = _in_fp32_class(type(module))
+            swapped += 1
+    return swapped
+
+
+def plain_batch_norms(model: nn.Module) -> None:
+    """The BatchNorms `batch_norms_in_fp32` changed are of their own classes again."""
+    for module in model.modules():
+        if isinstance(module, _BatchNormInFp32):
+            module.__class__ = type(module).__mro__[2]
+
+
 def _layer_norm_in_fp32(
     x: torch.Tensor,
     weight: torch.Tensor | None,

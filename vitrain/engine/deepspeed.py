@@ -58,7 +58,16 @@ from vitrain.parallel.distributed import DistInfo, all_or_none, rank
 from vitrain.parallel.identity_head import average_replicated_gradients
 from vitrain.parallel.pipeline import Pipeline
 from vitrain.parallel.strategies import prepare_layers
-from vitrain.precision import LowPrecisionIO, Resolved, TrainingDiverged, any_rank, check_finite, resolve
+from vitrain.precision import (
+    LowPrecisionIO,
+    Resolved,
+    TrainingDiverged,
+    any_rank,
+    batch_norms_in_fp32,
+    check_finite,
+    plain_batch_norms,
+    resolve,
+)
 from vitrain.weights import without_protocol_note
 
 ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -325,6 +334,7 @@ class DeepSpeedEngine:
         # does not look launched by torchrun.
         self.env_set: list[str] = []
         try:
+            batch_norms_in_fp32(model)  # DeepSpeed's bf16/fp16 casts their weights, not their running statistics
             self._set_env(launcher_env)
             _skip_inference_comm_op(deepspeed)
             # DeepSpeed prints what it built or probed on stdout, where `vitrain train` writes its JSON.
@@ -333,7 +343,8 @@ class DeepSpeedEngine:
                     model=model, optimizer=optimizer, config=self.config
                 )
         except BaseException:
-            self.close()  # a failed set-up leaves the environment as it found it
+            self.close()  # a failed set-up leaves the environment as it found it, and the model's classes
+            plain_batch_norms(model)
             raise
         if not torch.cuda.is_available() and "LOCAL_SIZE" not in os.environ:
             # DeepSpeed's CPU accelerator counts a node's devices with a numactl subprocess on every call unless
@@ -360,6 +371,8 @@ class DeepSpeedEngine:
         DeepSpeed are taken away (a launcher's own are left as they were)."""
         while self.env_set:
             os.environ.pop(self.env_set.pop(), None)
+        if getattr(self, "model", None) is not None:
+            plain_batch_norms(self.model)
 
     # ------------------------------------------------------------------------------------------ step
 
