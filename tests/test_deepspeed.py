@@ -827,3 +827,16 @@ def test_which_weight_dtypes_deepspeed_resumes_between_and_the_line_refusing_the
         with pytest.raises(CheckpointError, match=f"holds DeepSpeed's state of {saved} weights.*{expected}$"):
             DeepSpeedEngine._retyped(engine, Path("ckpt"), meta)
     assert DeepSpeedEngine._retyped(engine, Path("ckpt"), {"precision": {}}) is None  # before vitrain kept the config
+
+
+def test_deepspeed_fp16_on_an_accelerator_without_it_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    # DeepSpeed's CPU accelerator trains no fp16: its refusal was a ValueError traceback from inside initialize.
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    args = ["train", "digits", f"log.out_dir={tmp_path}", "train.engine=deepspeed", "parallel.strategy=zero2",
+            "precision.mode=amp_o2", "precision.dtype=fp16", "train.max_steps=1", "model.depth=1"]  # fmt: skip
+    assert main(args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("vitrain: error: precision.dtype=fp16 under train.engine=deepspeed: DeepSpeed's ")
+    assert line.endswith("use precision.dtype=bf16, precision.mode=fp32, or train.engine=native")

@@ -310,6 +310,14 @@ class DeepSpeedEngine:
             )
         self.config = deepspeed_config(cfg, self.resolved, dist.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
+        from deepspeed.accelerator import get_accelerator
+
+        if _enabled(self.config, "fp16") and not get_accelerator().is_fp16_supported():
+            # DeepSpeed's own refusal is a ValueError from deep inside initialize ("Type fp16 is not supported").
+            raise ConfigError(
+                f"precision.dtype=fp16 under train.engine=deepspeed: DeepSpeed's {get_accelerator().device_name()} "
+                "accelerator trains no fp16; use precision.dtype=bf16, precision.mode=fp32, or train.engine=native"
+            )
         # Activation checkpointing and cross-rank BatchNorm (the face neck's), as the native strategies apply them.
         cpu_kernels(model, cfg, dist.device)
         prepare_layers(model, cfg.parallel, dist.device)
