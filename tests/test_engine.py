@@ -108,6 +108,8 @@ def test_offload_maps_to_deepspeeds_cpu_offload():
     [
         (["parallel.strategy=single"], r"parallel.strategy=single under train.engine=deepspeed.*parallel.strategy=ddp"),
         (["parallel.strategy=zero2", "parallel.offload=params"], r"parallel.offload=params .* parallel.strategy=zero3"),
+        # not the native engine's line, which names zero2 as well
+        (["parallel.strategy=ddp", "parallel.offload=params"], r"deepspeed needs parallel.strategy=zero3 \(DeepSpeed"),
         (["precision.mode=pure"], r"precision.mode=pure under train.engine=deepspeed .* precision.mode=amp_o2"),
         (["precision.mode=amp_o1", "precision.dtype=fp16"], r"amp_o1 precision.dtype=fp16 .* without loss scaling"),
         (["train.compile=true"], r"train.compile=true under train.engine=deepspeed"),

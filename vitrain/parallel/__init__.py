@@ -32,7 +32,8 @@ __all__ = [
 def check(cfg: Config) -> None:
     """The parallel section (and what pipeline stages ask of the others): one line naming the value and the fix."""
     p = cfg.parallel
-    if p.offload == "params" and p.strategy not in ("zero2", "zero3"):
+    # (train.engine=deepspeed: its own check names ZeRO-3 alone)
+    if p.offload == "params" and p.strategy not in ("zero2", "zero3") and cfg.train.engine != "deepspeed":
         raise ConfigError(f"parallel.offload=params needs parallel.strategy=zero2 or zero3 (FSDP2), got {p.strategy}")
     if p.checkpoint_every_k <= 0:
         raise ConfigError(f"parallel.checkpoint_every_k={p.checkpoint_every_k} must be positive")
