@@ -103,6 +103,25 @@ def test_auto_picks_flat_on_cpu_fused_on_cuda_and_foreach_for_lamb_and_lars():
     assert resolve_impl("auto", CPU, "lars") == "foreach"
 
 
+def test_sgd_under_fsdp2_gets_foreach_since_torchs_fused_sgd_has_no_rule_for_sharded_parameters(tmp_path, capsys):
+    # zero2/zero3's parameters are DTensors: auto picked fused SGD, and the first step raised NotImplementedError
+    # ("Operator aten._fused_sgd_.default does not have a sharding strategy registered"). AdamW's fused kernel has one.
+    from vitrain.cli import main
+
+    for strategy in ("zero2", "zero3"):
+        assert resolve_impl("auto", CPU, "sgd", strategy) == "foreach"
+        assert resolve_impl("auto", torch.device("cuda"), "sgd", strategy) == "foreach"
+        assert resolve_impl("auto", CPU, "adamw", strategy) == "fused"
+    assert resolve_impl("auto", CPU, "sgd", "ddp") == "fused"
+    run = ["train", "digits", f"log.out_dir={tmp_path}", "parallel.strategy=zero2", "optim.name=sgd", "model.depth=1",
+           "train.max_steps=2", "train.threads=1", "log.progress=false"]  # fmt: skip
+    assert main(run) == 0
+    assert "optimizer=sgd[foreach]" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"optim.impl=fused with optim.name=sgd under parallel.strategy=zero3: .* "
+                       r"use optim.impl=foreach or auto$"):  # fmt: skip
+        load_config(overrides=["parallel.strategy=zero3", "optim.name=sgd", "optim.impl=fused"])
+
+
 def test_auto_falls_back_to_fused_when_a_group_cannot_be_flattened():
     model = create_model(TINY_VIT)
     model.head.to(torch.bfloat16)  # the decay group now mixes fp32 and bf16

@@ -4,7 +4,14 @@ import torch
 
 from vitrain.config import Config
 from vitrain.errors import ConfigError
-from vitrain.optim.optimizers import GROUPED_BY, build_head_optimizer, build_optimizer, param_groups, resolve_impl
+from vitrain.optim.optimizers import (
+    GROUPED_BY,
+    build_head_optimizer,
+    build_optimizer,
+    fused_refused_by,
+    param_groups,
+    resolve_impl,
+)
 from vitrain.optim.schedules import Schedule, scaled_lr, set_lr
 
 __all__ = [
@@ -52,6 +59,11 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"schedule.{name}={getattr(s, name)} must be >= 0 (it multiplies the lr)")
     if not 0.0 <= o.momentum < 1.0:
         raise ConfigError(f"optim.momentum={o.momentum} must be in [0, 1)")
+    if o.impl == "fused" and cfg.train.engine == "native" and fused_refused_by(o.name, cfg.parallel.strategy):
+        raise ConfigError(
+            f"optim.impl=fused with optim.name={o.name} under parallel.strategy={cfg.parallel.strategy}: torch's fused "
+            f"{o.name} has no rule for FSDP2's sharded parameters; use optim.impl=foreach or auto"
+        )
     if o.name in ("lamb", "lars") and o.impl in ("fused", "flat"):
         raise ConfigError(
             f"optim.impl={o.impl} is not available for optim.name={o.name} (it needs per-tensor norms); "

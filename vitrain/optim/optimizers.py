@@ -95,9 +95,15 @@ def resolve_impl(impl: str, device: torch.device, name: str = "adamw", strategy:
     kernels = KERNELS[name]
     if "flat" in kernels and device.type == "cpu" and strategy == "single":
         return "flat"
-    if "fused" in kernels and device.type in ("cpu", "cuda"):
+    if "fused" in kernels and device.type in ("cpu", "cuda") and not fused_refused_by(name, strategy):
         return "fused"
     return "foreach"
+
+
+def fused_refused_by(name: str, strategy: str) -> bool:
+    """Whether FSDP2's sharded parameters (DTensors, parallel.strategy zero2/zero3) cannot take optimizer `name`'s
+    fused kernel: torch 2.13 registers no sharding rule for `_fused_sgd_` (AdamW's has one)."""
+    return name == "sgd" and strategy in ("zero2", "zero3")
 
 
 def build_optimizer(
