@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -412,3 +413,38 @@ def test_loader_benchmark_reports_both_paths_per_round(prepared_tree):
     assert len(result["fast_images_per_s_rounds"]) == len(result["plain_images_per_s_rounds"]) == 2
     assert min(result["fast_images_per_s_rounds"] + result["plain_images_per_s_rounds"]) > 0
     assert result["speedup"] == pytest.approx(result["fast_images_per_s"] / result["plain_images_per_s"])
+
+
+# A script that runs torch on several threads, then decodes a dataset with data.decode_workers=2 (a second
+# vitrain.train in one process does this: video, detection, face packs).
+AFTER_THREADS = """
+import sys
+import torch
+import torch.nn.functional as F
+from vitrain.data.sources import decode_pool
+
+def resize(seed):
+    x = torch.randn(16, 3, 120, 160, generator=torch.Generator().manual_seed(seed))
+    return F.interpolate(x, size=(64, 80), mode="bilinear", antialias=True).shape[0]
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    resize(0)  # the parent's OpenMP pool has run
+    with decode_pool(2) as pool:
+        print(sum(pool.map(resize, range(8))))
+"""
+
+
+def test_decode_workers_forked_after_torch_ran_on_several_threads_finish(tmp_path):
+    # The workers are forked: one forked from a process whose OpenMP pool had run hung in its first parallel op
+    # (F.interpolate, as video decoding resizes frames), and the run with it, for good. They now run one thread each.
+    script = tmp_path / "after_threads.py"
+    script.write_text(AFTER_THREADS)
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, _ = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # the hung workers with it
+        child.communicate()
+        pytest.fail("the decode workers hung")
+    assert child.returncode == 0 and out.split() == ["128"]

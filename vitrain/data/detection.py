@@ -27,7 +27,6 @@ import io
 import json
 import math
 import xml.etree.ElementTree as ET
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -42,6 +41,7 @@ from vitrain.data.sources import (
     ImageTree,
     Skipped,
     decode_failure,
+    decode_pool,
     file_reader,
     held_out_split,
     location,
@@ -483,7 +483,7 @@ def letterbox_files(tree: ImageTree, names: list[str], size: int, workers: int) 
     if workers <= 1 or len(chunks) == 1:
         results = [_letterbox_chunk(job) for job in jobs]
     else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        with decode_pool(workers) as pool:
             results = list(pool.map(_letterbox_chunk, jobs))
     for start, (_, _, failed) in zip(range(0, len(names), 256), results, strict=True):
         if failed:

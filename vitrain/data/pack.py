@@ -17,13 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from vitrain.data.faces import open_face_tree
 from vitrain.data.shards import FORMAT, INDEX, ShardIndex, ShardWriter, read_samples, write_index
-from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, file_reader, list_split
+from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, decode_pool, file_reader, list_split
 from vitrain.errors import DataError
 from vitrain.files import atomic_write, folder_problem
 
@@ -185,7 +184,7 @@ def pack_shards(listing: Listing, out: Path, shard_samples: int, workers: int) -
                 continue
             jobs.append((str(listing.root), listing.is_zip, str(path), chosen))
         if workers > 1 and len(jobs) > 1:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            with decode_pool(workers) as pool:
                 list(pool.map(_write_shard, jobs))
         else:
             for job in jobs:

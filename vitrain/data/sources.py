@@ -21,6 +21,14 @@ from vitrain.data.decode import decode_image
 from vitrain.data.prepared import PreparedSet, failed_files, is_prepared, open_prepared
 from vitrain.errors import DataError
 
+
+def decode_pool(workers: int) -> ProcessPoolExecutor:
+    """The processes that decode a dataset's files ahead of training (data.decode_workers), each with one thread, as
+    DataLoader's workers run: they are forked, and a fork of a process whose OpenMP pool has run (a second run in the
+    process, or torch work before the first) hung in its first parallel op (F.interpolate, in video decoding)."""
+    return ProcessPoolExecutor(max_workers=workers, initializer=torch.set_num_threads, initargs=(1,))
+
+
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".pgm", ".ppm", ".bmp")
 # The held-out split must not move when the training seed changes.
 SPLIT_SEED = 0
@@ -472,7 +480,7 @@ def decode_some(
     if workers == 1 or len(chunks) == 1:
         results = [_decode_chunk(job) for job in jobs]
     else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        with decode_pool(workers) as pool:
             results = list(pool.map(_decode_chunk, jobs))
     bad = [(start + i, reason) for start, (_, failed) in zip(range(0, len(names), 2048), results, strict=True)
            for i, reason in failed]  # fmt: skip

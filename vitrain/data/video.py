@@ -26,7 +26,6 @@ from __future__ import annotations
 import io
 import re
 import zlib
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 
 from vitrain.config import Config
 from vitrain.data.shards import IMAGE_EXTS, VIDEO_EXTS, BadSample, Sample
-from vitrain.data.sources import IMAGE_SUFFIXES, SPLIT_SEED, ImageTree, Skipped, file_reader
+from vitrain.data.sources import IMAGE_SUFFIXES, SPLIT_SEED, ImageTree, Skipped, decode_pool, file_reader
 from vitrain.errors import ConfigError, DataError
 
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm")
@@ -278,7 +277,7 @@ def decode_clips(tree: ImageTree, names: list[str], files: list[list[str]], clas
     if workers == 1 or len(jobs) < 8:
         results = [_decode_job(job) for job in jobs]
     else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        with decode_pool(workers) as pool:
             results = list(pool.map(_decode_job, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
     bad = [(tree.location(name), why) for name, (_, why) in zip(names, results, strict=True) if why]
     if len(bad) > d.skip_bad:
