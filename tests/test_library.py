@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,32 @@ def test_resume_none_is_a_new_run_as_before():
 
     for value in (None, False, True, "auto", "runs/x", Path("runs/x")):
         check_resume(value)  # no refusal
+
+
+# Under torchrun every process calls vitrain.train, here three times in one launch (a sweep from one script).
+SWEEP = """
+import json, os, sys
+import vitrain
+for i, strategy in enumerate(("ddp", "zero2", "ddp")):
+    summary = vitrain.train("digits", [f"name=sweep{i}", f"log.out_dir={sys.argv[1]}", f"parallel.strategy={strategy}",
+                                       "train.max_steps=1", "train.threads=1", "model.depth=1", "log.progress=false"])
+    if os.environ["RANK"] == "0":
+        print(json.dumps({"run": summary["name"], "world_size": summary["world_size"]}), flush=True)
+"""
+
+
+def test_vitrain_train_called_again_in_one_torchrun_launch_opens_a_group_of_its_own(tmp_path):
+    # Each group took its gloo addresses from the same keys of torchrun's store: the second or third call read a
+    # closed group's and failed in gloo's set-up ("Connection reset by peer"), or waited on the store.
+    from tests.distributed_helpers import gpu_free_env
+
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+         str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **gpu_free_env(2)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert printed == [{"run": f"sweep{i}", "world_size": 2} for i in range(3)]

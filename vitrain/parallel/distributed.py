@@ -7,6 +7,7 @@ import datetime
 import errno
 import functools
 import gc
+import itertools
 import os
 import sys
 import warnings
@@ -115,14 +116,21 @@ def launch_store() -> dist.Store | None:
 
 
 def _restart_store() -> dist.Store | None:
-    """Under torchrun, the agent's store with its keys kept apart per restart; None: the env:// default.
+    """Under torchrun, the agent's store with its keys kept apart per restart and per group; None: the env:// default.
 
     torchrun keeps one store across restarts of the worker group; gloo's connection set-up then reads the
     addresses of the previous (dead) workers from it and times out (measured with torch 2.13: a restarted
     2-rank group fails in connectFullMesh). A prefix per restart gives every try keys of its own.
     """
     store = launch_store()
-    return None if store is None else dist.PrefixStore(f"vitrain/restart_{restart_count()}", store)
+    if store is None:
+        return None
+    # Each group this process opens gets its own keys too: a second vitrain.train in the launch (every rank calls it
+    # as often) read the first group's addresses and failed in gloo's set-up ("Connection reset by peer").
+    return dist.PrefixStore(f"vitrain/restart_{restart_count()}/group_{next(_GROUPS_OPENED)}", store)
+
+
+_GROUPS_OPENED = itertools.count()  # process groups this process opened under torchrun
 
 
 @functools.cache
