@@ -18,7 +18,7 @@ from tests.data_helpers import TREE_MODEL, jpeg_bytes, make_tree, write_shards
 from tests.distributed_helpers import free_port, gpu_free_env
 from vitrain.config import DataConfig, load_config
 from vitrain.data.augment import BatchAugment
-from vitrain.data.loader import TRACE_ENV, Position
+from vitrain.data.loader import TRACE_ENV, Position, runs_on_import
 from vitrain.data.pipeline import build_loaders
 from vitrain.data.shards import ShardIndex, ShardWriter, load_index, read_samples, scan_index, shard_urls
 from vitrain.data.stream import Run, StreamLoader, StreamSet
@@ -192,6 +192,58 @@ def test_a_killed_training_process_takes_its_loader_workers_with_it(tmp_path):
         [sys.executable, "-c", KILLED_MID_EPOCH, str(REPO), *urls], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == -9 and "worker up" in done.stdout, done.stderr[-2000:]
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.test_shards import _stream
+
+def main():
+    for _ in _stream(sys.argv[2:], [8, 8], workers=1).epoch(0):
+        pass
+    print("read", flush=True)
+
+{call}
+"""
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        ("main()", "script.py:11 starts training at the script's top level, and data.loader_workers=1 worker"),
+        ('if __name__ == "__main__":\n    main()', "read"),
+    ],
+)
+def test_a_script_that_starts_loader_workers_at_its_top_level_is_refused_naming_its_line(tmp_path, call, says):
+    # Each worker from the fork server imports the script: unguarded, that import ran the training again and Python
+    # stopped it with its bootstrapping error (about 100 lines with torch's), after the run folder was written.
+    urls = write_shards(tmp_path, [8, 8])
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(call=call))
+    done = subprocess.run([sys.executable, str(script), str(REPO), *urls], capture_output=True, text=True, timeout=60)
+    out = done.stdout + done.stderr
+    assert says in out.strip().splitlines()[-1], out[-3000:]
+    assert "bootstrapping" not in out
+
+
+@pytest.mark.parametrize(
+    "source, line, runs",
+    [
+        ("train()", 1, True),
+        ('if __name__ == "__main__":\n    train()', 2, False),
+        ('if "__main__" == __name__:\n    train()', 2, False),
+        ('if __name__ in ("__main__",):\n    train()', 2, False),
+        ('if __name__ == "__main__":\n    pass\nelse:\n    train()', 4, True),
+        ('if __name__ != "__main__":\n    pass\nelse:\n    train()', 4, False),
+        ('try:\n    if __name__ == "__main__":\n        train()\nfinally:\n    pass', 3, False),
+        ("for _ in range(2):\n    train()", 2, True),
+        ("if DEBUG:\n    train()", 2, True),
+        ("train(", 1, False),  # does not parse: no claim
+    ],
+)
+def test_which_lines_of_a_script_run_when_a_worker_imports_it(source, line, runs):
+    assert runs_on_import(source, line) is runs
 
 
 # ---------------------------------------------------------------------------------------------- resume

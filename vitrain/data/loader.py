@@ -6,12 +6,14 @@ PreparedSet. A background thread reads, pins, copies and augments the next batch
 
 from __future__ import annotations
 
+import ast
 import contextvars
 import functools
 import multiprocessing
 import os
 import queue
 import select
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from vitrain.data.augment import BatchAugment
-from vitrain.errors import VitrainError
+from vitrain.errors import ConfigError, VitrainError
 
 
 class BatchSource(Protocol):
@@ -297,6 +299,80 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(WORKER_MODULES)
     return context
+
+
+def _main_branch(test: ast.expr) -> str | None:
+    """Which branch of an `if` runs only in the script as run: "body" for `__name__ == "__main__"` (or `in`), "orelse"
+    for `!=` (or `not in`); None for any other test."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    sides = [test.left, *test.comparators]
+    names = {node.id for side in sides for node in ast.walk(side) if isinstance(node, ast.Name)}
+    texts = {node.value for side in sides for node in ast.walk(side) if isinstance(node, ast.Constant)}
+    if "__name__" not in names or "__main__" not in texts:
+        return None
+    return {ast.Eq: "body", ast.In: "body", ast.NotEq: "orelse", ast.NotIn: "orelse"}.get(type(test.ops[0]))
+
+
+def _guarded(statement: ast.stmt, line: int) -> bool:
+    """Whether `line` of a module-level `statement` runs only under `if __name__ == "__main__":`, at any depth of the
+    compound statements around it."""
+    inside = lambda node: node.lineno <= line <= (node.end_lineno or node.lineno)  # noqa: E731
+    if isinstance(statement, ast.If) and (branch := _main_branch(statement.test)):
+        if any(inside(s) for s in getattr(statement, branch)):
+            return True
+    inner = [*getattr(statement, "body", []), *getattr(statement, "orelse", []), *getattr(statement, "finalbody", [])]
+    inner += [s for handler in getattr(statement, "handlers", []) for s in handler.body]
+    inner += [s for case in getattr(statement, "cases", []) for s in case.body]
+    return any(_guarded(child, line) for child in inner if isinstance(child, ast.stmt) and inside(child))
+
+
+def unguarded_main_line() -> str | None:
+    """Where ("file:line") the main script's top-level statement that the main thread is running now (it led here)
+    is, when that statement is not under `if __name__ == "__main__":` and a worker started from the fork server (or
+    by spawn) would import the script again, running it (multiprocessing's own rule: a script run by its path, or a
+    module run with -m other than a package's __main__). None where that cannot happen or be read (a notebook, the
+    vitrain command, a file that no longer parses)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return None
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name == "__main__" or (spec_name or "").endswith(".__main__"):
+        return None
+    path = getattr(main, "__file__", None)
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)  # the loader's thread may ask
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if path is None or frame is None:
+        return None
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return f"{path}:{frame.f_lineno}" if runs_on_import(source, frame.f_lineno) else None
+
+
+def runs_on_import(source: str, line: int) -> bool:
+    """Whether `line` of a script's `source` runs when the script is imported (not only under `if __name__ ==
+    "__main__":`); False for a line in no top-level statement or a source that does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    return any(s.lineno <= line <= (s.end_lineno or s.lineno) and not _guarded(s, line) for s in tree.body)
+
+
+def check_workers_can_start(workers: int) -> None:
+    """Refuse, before a loader with `workers` worker processes is made (and before anything is written), a script
+    that started training at its top level: a worker imports the script and would run that training a second time,
+    which Python stops with its long bootstrapping error (unguarded_main_line)."""
+    where = unguarded_main_line() if workers else None
+    if where is not None:
+        raise ConfigError(
+            f"{where} starts training at the script's top level, and data.loader_workers={workers} worker processes "
+            'import the script (a fork server): put that call under `if __name__ == "__main__":`, or set '
+            "data.loader_workers=0"
+        )
 
 
 def worker_start(workers: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from vitrain.data.loader import (
     PermutationPosition,
     Position,
     batch_generator,
+    check_workers_can_start,
     from_workers,
     loader_generator,
     mask_padding,
@@ -136,6 +137,7 @@ class PlainLoader(PermutationPosition):
         self.device = device
         self.shuffle = shuffle
         self.workers = workers
+        check_workers_can_start(workers)
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last

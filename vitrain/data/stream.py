@@ -33,6 +33,7 @@ from vitrain.data.loader import (
     PAD_LABEL,
     Position,
     batch_generator,
+    check_workers_can_start,
     from_workers,
     in_background,
     loader_generator,
@@ -195,6 +196,7 @@ class StreamLoader:
         self.data, self.batch_size, self.augment, self.device = data, batch_size, augment, device
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.drop_last, self.prefetch, self.workers = drop_last, prefetch, workers
+        check_workers_can_start(workers)
         self.window = window if shuffle else 0
         self.skipped: dict[str, str] = {}  # bad samples replaced so far (data.skip_bad): where -> why
 
