@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -453,6 +454,37 @@ def test_a_checkpoint_resumes_whichever_attention_auto_picks(tmp_path, monkeypat
         assert again.fit()["steps"] == 2
     finally:
         again.close()
+
+
+def test_a_resume_on_the_same_machine_keeps_the_runs_decision_and_on_another_races_again(
+    tmp_path, autotune_on, monkeypatch
+):
+    # A resume raced attention again: the race's noise could pick the other kernel, and the resumed run's losses then
+    # left the uninterrupted run's in their last bits (seen: zero2 on two ranks, fp32, 2.4e-7 at the second step).
+    def run(steps, seconds, resume):
+        ran = fake_steps(monkeypatch, seconds)
+        cfg = load_config(None, tiny_overrides(tmp_path, "model.attention=auto", f"train.max_steps={steps}"))
+        trainer = Trainer(cfg, resume=resume)
+        try:
+            trainer.fit()
+            return trainer, ran, [*header_lines(trainer), *{block.attn.impl for block in trainer.model.blocks}]
+        finally:
+            trainer.close()
+
+    first, ran, _ = run(1, {(None, "sdpa"): 1.0, (None, "manual"): 2.0}, resume=False)
+    assert first.tuned.values == {"model.attention": "sdpa"} and ran
+    swapped = {(None, "sdpa"): 2.0, (None, "manual"): 1.0}  # a race now would pick manual
+    shutil.rmtree(
+        tmp_path / "cache"
+    )  # requeued on another node of this kind (zero2/zero3: the wrap is no longer raced)
+    again, ran, header = run(2, swapped, resume=True)
+    assert again.tuned.values == {"model.attention": "sdpa"} and ran == [] and header[-1] == "sdpa"
+    assert any("decision read from the run's own (kept on resume)" in line for line in header)
+    saved = json.loads((again.run_dir / "autotune.json").read_text())
+    assert saved["reason"].count("kept on resume") == 1 and saved["machine"]["threads"] == torch.get_num_threads()
+    monkeypatch.setattr(tune, "cpu_description", lambda: "CPU: another kind")  # resumed on another machine
+    elsewhere, ran, _ = run(3, swapped, resume=True)
+    assert elsewhere.tuned.values == {"model.attention": "manual"} and ran
 
 
 def _face_autotune_on_two_ranks(out_dir, faces, cache):

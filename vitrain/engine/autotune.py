@@ -101,6 +101,7 @@ class Decision:
     reason: str
     cached_at: str = ""  # where the decision is cached (a hit: read from there)
     from_cache: bool = False
+    machine: dict[str, Any] = dataclasses.field(default_factory=dict)  # where it was measured (machine_of)
 
     def precision(self, cfg: PrecisionConfig) -> Resolved | None:
         mode = self.values.get("precision.mode")
@@ -147,21 +148,32 @@ def autotune(
     pipelined: bool = False,
     steps: int = 3,
     stop: Callable[[], bool] | None = None,
+    kept: Path | None = None,
 ) -> Decision | None:
     """Collective: time the candidates of every auto key (or read rank 0's cached decision); None when nothing is
     tuned. `task` is the run's, its data built (a head such as the face task's needs its identities); `sample()`
     gives the batch every candidate steps on (the run's first one). `stop` (collective, the same answer on every
     rank) is asked after each round of the race: where it says True the race ends there, and autotune returns None
-    and caches nothing (the trainer's stop signals: a preempted run stops before its first step)."""
+    and caches nothing (the trainer's stop signals: a preempted run stops before its first step). `kept`: a resumed
+    run's autotune.json, whose values hold where they were measured on this machine (the same kernels, so the resume
+    continues bit for bit); on another machine the race runs again."""
     device = dist.device
     options = candidates(cfg, device, pipelined)
     if not options or not enabled():
         return None
+    machine = machine_of(dist)
+    if kept is not None:  # a resume: the run's own decision where it was measured on this machine
+        with all_or_none("reading the run's autotune.json"):
+            previous = _read_cache(kept) if dist.is_main else None
+        previous = broadcast_object(previous)
+        if (chosen := _still_valid(previous, options, machine)) is not None:
+            return chosen
     path = cache_path(cfg, device, options)
     with all_or_none("reading the autotune cache"):
         cached = _read_cache(path) if dist.is_main else None
     cached = broadcast_object(cached)
     if cached is not None:
+        cached.machine = machine  # measured on a machine like this one (the cache's key)
         return cached
     available = broadcast_object(available_bytes(device))  # rank 0's: every rank decides alike
     fits, need = _memory_check(cfg, available)
@@ -212,7 +224,7 @@ def autotune(
         f"autotune ({where}, {torch.get_num_threads()} thread(s){processes}, batch {batch}, candidates taking turns, "
         f"best step each): {measured}{skipped} -> {kept or 'the fastest: '}{chosen}"
     )
-    decision = Decision(values, images_per_s, notes, reason, cached_at=str(path))
+    decision = Decision(values, images_per_s, notes, reason, cached_at=str(path), machine=machine)
     if dist.is_main:
         _write_cache(path, decision)
     return decision
@@ -521,6 +533,32 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vitrain") / "autotune"
     return root / f"{digest}.json"
+
+
+KEPT = "autotune: this run's own decision on this machine, kept on resume"
+
+
+def machine_of(dist: DistInfo) -> dict[str, Any]:
+    """What a decision's timings depend on beside the run's config: the device, torch, threads and processes."""
+    device = dist.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description()
+    threads, processes = torch.get_num_threads(), dist.world_size
+    return {"device": name, "torch": torch.__version__, "threads": threads, "processes": processes}
+
+
+def _still_valid(previous: Decision | None, options: dict[str, list[str]], machine: dict[str, Any]) -> Decision | None:
+    """A resumed run's earlier decision, for the keys still auto, where it was measured on this machine and each of
+    its values is still a candidate here; else None (race again). A decision written before machines were recorded,
+    or changed by hand to a value not among the candidates, is raced again."""
+    if previous is None or previous.machine != machine:
+        return None
+    if any(previous.values.get(key) not in values for key, values in options.items()):
+        return None
+    values = {key: previous.values[key] for key in options}
+    chosen = ", ".join(f"{k}={v}" for k, v in values.items())
+    measured = previous.reason.split("); ", 1)[1] if previous.reason.startswith(KEPT) else previous.reason
+    reason = f"{KEPT} ({chosen}); {measured}"
+    return dataclasses.replace(previous, values=values, reason=reason, machine=machine)
 
 
 def _read_cache(path: Path) -> Decision | None:

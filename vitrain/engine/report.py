@@ -6,6 +6,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from vitrain import checkpoint as ckpt
+from vitrain.engine.autotune import KEPT
 from vitrain.models import model_complexity
 from vitrain.optim import optimizer_kernel
 from vitrain.parallel import unwrap
@@ -53,7 +54,8 @@ def header_lines(trainer: Trainer) -> list[str]:
     tuned = trainer.tuned
     if tuned is not None:
         if tuned.from_cache:
-            lines.append(f"autotune: decision read from its cache, {tuned.cached_at}")
+            whose = "the run's own (kept on resume)" if tuned.reason.startswith(KEPT) else "its cache"
+            lines.append(f"autotune: decision read from {whose}, {tuned.cached_at}")
         # The race's figures and the values it chose; where it chose the precision, the precision line gives them.
         if "precision.mode" not in tuned.values:
             lines.append(tuned.reason)

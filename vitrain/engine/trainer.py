@@ -137,7 +137,10 @@ class Trainer:
 
         self._stop_before_start(signals)
         stop = lambda: signals.agreed() is not None  # noqa: E731  (asked after each round of the race)
-        self.tuned = autotune(cfg, self.task, self.dist, sample, pipelined=self.pipeline is not None, stop=stop)
+        kept = self.run_dir / "autotune.json" if self.resume_path is not None else None  # the run's own decision
+        self.tuned = autotune(
+            cfg, self.task, self.dist, sample, pipelined=self.pipeline is not None, stop=stop, kept=kept
+        )
         self._stop_before_start(signals)
         if self.tuned is not None and not self.tuned.from_cache and self.device.type == "cpu":
             # The race's candidates are garbage, some of it in reference cycles (modules and their hooks): collect
