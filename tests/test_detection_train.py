@@ -3,6 +3,7 @@ detector trains under zero3 + amp_o2 + activation checkpointing on 2 ranks and r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -57,6 +58,24 @@ def test_the_cli_trains_three_steps_and_evaluates_with_pictures(tmp_path: Path):
     shown = run_cli("eval", str(out / "run"), "--show", "1", f"--out={tmp_path / 'shown'}")
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert json.loads(shown.stdout)["pictures"] == [str(tmp_path / "shown" / "img_004.png")]
+    # Export reads the classes from the checkpoint, not the data (it read the annotations: exit 2 without them),
+    # and the ONNX graph carries FCOS's three outputs (it crashed on the tuple).
+    root.rename(tmp_path / "elsewhere")
+    exported = run_cli("export", str(out / "run"), str(tmp_path / "onnx"), "--format", "onnx")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "max |" in exported.stdout and "difference|" in exported.stdout
+    if importlib.util.find_spec("onnxruntime") is not None:
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(
+            str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"]
+        )
+        points = sum((64 // stride) ** 2 for stride in (2, 4, 8, 16))  # patch 8: the pyramid's strides
+        assert [(o.name, o.shape) for o in session.get_outputs()] == [
+            ("class_logits", ["batch", points, 2]),
+            ("box_distances", ["batch", points, 4]),
+            ("centerness_logits", ["batch", points]),
+        ]
 
 
 def test_a_bad_box_stops_the_cli_with_exit_2_and_one_line(tmp_path: Path):

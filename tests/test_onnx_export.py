@@ -16,7 +16,7 @@ from vitrain.cli import main
 from vitrain.config import load_config
 from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError, ConfigError
-from vitrain.models import create_model
+from vitrain.models import build_model, create_model
 from vitrain.onnx_export import ONNX_FILE, export_checked
 from vitrain.parallel import unwrap
 from vitrain.tasks import build_task
@@ -89,6 +89,20 @@ def test_the_face_task_exports_its_embeddings_with_the_necks_running_statistics(
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert [(o.name, o.shape) for o in session.get_outputs()] == [("embeddings", ["batch", 16])]
     assert model.training  # the caller's model is back in its mode
+
+
+def test_a_video_model_exports_clips_with_their_frames_on_the_channel_axis(tmp_path):
+    # The example was a batch of images, (batch, in_chans, H, W): the clip model's reshape to its frames failed
+    # inside torch.export, said as "cannot be exported with a dynamic batch".
+    onnxruntime = _onnxruntime()
+    video = ["task.name=video", "model.name=video_vit", "model.num_frames=4", "model.tubelet_size=2", "model.pool=gap"]
+    cfg = load_config(overrides=[*model_overrides(), *video, "data.source=video", f"data.root={tmp_path}"])
+    model = build_model(cfg.model)
+    path, parity = export_checked(model, cfg, tmp_path)
+    assert parity.ok and parity.output == "logits"
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    m = cfg.model
+    assert [i.shape for i in session.get_inputs()] == [["batch", 4 * m.in_chans, m.image_size, m.image_size]]
 
 
 def test_a_bf16_model_is_exported_from_an_fp32_copy_and_left_as_it_was(tiny_model, tmp_path):

@@ -511,7 +511,11 @@ def _export(args: argparse.Namespace) -> int:
     # The checkpoint's config names no code the command line does not (vitrain/trust.py); its data is not read.
     meta = ckpt.read_meta(path)
     cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE, data=False)
-    model = build_task(cfg).build_model()  # a face model exports its embedding backbone (the neck included)
+    task = build_task(cfg)
+    saved = meta.get("classes")
+    if getattr(task, "classes", ...) is None and isinstance(saved, list) and all(isinstance(c, str) for c in saved):
+        task.classes = saved  # detection: the classes it trained on size the head; the annotations are not read
+    model = task.build_model()  # a face model exports its embedding backbone (the neck included)
     load_model_weights(path, model, trusted_values(cfg))  # native (DCP) or DeepSpeed checkpoints
     if args.format != "onnx":
         print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite))

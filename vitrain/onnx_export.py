@@ -32,9 +32,10 @@ ONNX_FILE = "model.onnx"
 ONNX_FILES = (ONNX_FILE, f"{ONNX_FILE}.data", "config.yaml")
 OPSET = 18
 INPUT = "images"
-# What the graph's output is called: a classifier's logits, the face task's embeddings (before their L2 norm), or
-# a user's task's outputs.
-OUTPUTS = {"classification": "logits", "face": "embeddings"}
+# What the graph's outputs are called: a classifier's logits, the face task's embeddings (before their L2 norm), the
+# detection head's three tensors, or a user's task's outputs.
+OUTPUTS = {"classification": ["logits"], "face": ["embeddings"], "video": ["logits"]}
+OUTPUTS["detection"] = ["class_logits", "box_distances", "centerness_logits"]  # FCOS's, over every pyramid point
 EXAMPLE_BATCH = 2  # torch.export treats batch 1 as a constant; the check then runs at batch sizes other than this
 CHECK_BATCHES = (1, 3)
 # Weights at or above this size go to model.onnx.data beside the graph (protobuf's 2 GiB limit, with room to spare).
@@ -45,7 +46,7 @@ EXTERNAL_DATA_BYTES = 1536 << 20
 class Parity:
     """onnxruntime's outputs against PyTorch's on the same random images, at each batch size of the check."""
 
-    output: str  # logits, embeddings or outputs
+    output: str  # logits, embeddings, one of detection's three or outputs: the one nearest its limit
     max_abs_diff: float  # over every batch size and value
     max_abs_output: float  # the largest |PyTorch output|: what the tolerance is scaled by
     limit: float  # tolerance x max(1, max_abs_output)
@@ -63,8 +64,8 @@ class Parity:
         )
 
 
-def output_name(cfg: Config) -> str:
-    return OUTPUTS.get(cfg.task.name, "outputs")
+def output_names(cfg: Config) -> list[str]:
+    return OUTPUTS.get(cfg.task.name, ["outputs"])
 
 
 def export_checked(
@@ -87,13 +88,12 @@ def export_onnx(model: nn.Module, cfg: Config, out_dir: Path, tolerance: float =
         raise ConfigError(f"export --tolerance {tolerance:g} must be >= 0 and finite, e.g. 1e-4")
     if importlib.util.find_spec("onnxscript") is None:
         raise ConfigError("export --format onnx needs onnxscript (torch.onnx's exporter): pip install 'vitrain[onnx]'")
-    m = cfg.model
-    example = torch.randn(EXAMPLE_BATCH, m.in_chans, m.image_size, m.image_size, generator=torch.Generator())
+    example = torch.randn(input_shape(cfg, EXAMPLE_BATCH), generator=torch.Generator())
     staging = out_dir / f".{ONNX_FILE}.partial"  # the graph names its weights file: both are written under their names
     with _exportable(model) as model:
         external = sum(t.numel() * 4 for t in model.state_dict().values()) >= EXTERNAL_DATA_BYTES
-        program = _export(model, example, output_name(cfg), m.name)
-        _check_batch_axis(program, m.name)
+        program = _export(model, example, output_names(cfg), cfg.model.name)
+        _check_batch_axis(program, cfg.model.name)
         try:
             staging.mkdir(parents=True, exist_ok=True)
             program.save(staging / ONNX_FILE, external_data=external)
@@ -115,6 +115,13 @@ def export_onnx(model: nn.Module, cfg: Config, out_dir: Path, tolerance: float =
     return out_dir / ONNX_FILE, parity
 
 
+def input_shape(cfg: Config, batch: int) -> tuple[int, ...]:
+    """The graph's input, as the loader gives it: (batch, in_chans, size, size) images; a clip model's (num_frames
+    above 1) frames stacked on the channel axis, frame-major: (batch, num_frames x in_chans, size, size)."""
+    m = cfg.model
+    return (batch, m.in_chans * max(m.num_frames, 1), m.image_size, m.image_size)
+
+
 def check_parity(model: nn.Module, path: Path, cfg: Config, tolerance: float) -> Parity | None:
     """onnxruntime (CPU) against PyTorch (fp32 eval) on the same random images at CHECK_BATCHES; None without
     onnxruntime."""
@@ -124,33 +131,47 @@ def check_parity(model: nn.Module, path: Path, cfg: Config, tolerance: float) ->
         return None
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     generator = torch.Generator().manual_seed(0)
-    m, diff, largest = cfg.model, 0.0, 0.0
+    names = output_names(cfg)
+    diff: dict[str, float] = {}
+    largest: dict[str, float] = {}
     for batch in CHECK_BATCHES:
-        images = torch.randn(batch, m.in_chans, m.image_size, m.image_size, generator=generator)
+        images = torch.randn(input_shape(cfg, batch), generator=generator)
         with torch.no_grad():
             expected = model(images)
+        expected = list(expected) if isinstance(expected, tuple | list) else [expected]
         try:
-            got = torch.from_numpy(session.run(None, {INPUT: images.numpy()})[0])
+            got = [torch.from_numpy(array) for array in session.run(None, {INPUT: images.numpy()})]
         except Exception as error:  # onnxruntime's messages name the node; its first line is the one to show
             raise CheckpointError(
                 f"export --format onnx: onnxruntime cannot run the graph at batch {batch} "
                 f"({type(error).__name__}: {_first_line(error)}); {ONNX_FILE} was not written"
             ) from None
-        if got.shape != expected.shape:
+        shapes = [tuple(t.shape) for t in got], [tuple(t.shape) for t in expected]
+        if shapes[0] != shapes[1]:
             raise CheckpointError(
-                f"export --format onnx: onnxruntime gave shape {tuple(got.shape)} at batch {batch}, PyTorch "
-                f"{tuple(expected.shape)}; {ONNX_FILE} was not written"
+                f"export --format onnx: onnxruntime gave shape(s) {', '.join(map(str, shapes[0]))} at batch {batch}, "
+                f"PyTorch {', '.join(map(str, shapes[1]))}; {ONNX_FILE} was not written"
             )
-        diff = max(diff, (got - expected).abs().max().item())
-        largest = max(largest, expected.abs().max().item())
-    return Parity(output_name(cfg), diff, largest, tolerance * max(1.0, largest), CHECK_BATCHES)
+        for i, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
+            name = names[i] if len(names) == len(expected) else f"output {i}"
+            diff[name] = max(diff.get(name, 0.0), (theirs - mine).abs().max().item())
+            largest[name] = max(largest.get(name, 0.0), mine.abs().max().item())
+    # Each output against its own scale (a detection head's box distances in pixels beside its logits); the check
+    # reports the output nearest its limit.
+    limits = {name: tolerance * max(1.0, largest[name]) for name in diff}
+
+    def nearness(name: str) -> float:  # the share of its limit an output's difference reaches
+        return diff[name] / limits[name] if limits[name] else (math.inf if diff[name] else 0.0)
+
+    worst = max(diff, key=nearness)
+    return Parity(worst, diff[worst], largest[worst], limits[worst], CHECK_BATCHES)
 
 
 def _check_batch_axis(program, model_name: str) -> None:
     """Refuse a graph whose input or output has a fixed batch size: torch.onnx lets a model that specializes on the
     example's batch (a reshape to a constant, say) through with that size baked in, and says nothing."""
     graph = program.model.graph
-    for value in (graph.inputs[0], graph.outputs[0]):
+    for value in (graph.inputs[0], *graph.outputs):
         if isinstance(value.shape[0], int):
             raise CheckpointError(
                 f"export --format onnx: model.name={model_name} fixes the batch size ({value.name} has batch "
@@ -159,7 +180,7 @@ def _check_batch_axis(program, model_name: str) -> None:
             )
 
 
-def _export(model: nn.Module, example: torch.Tensor, output: str, model_name: str):  # -> torch.onnx.ONNXProgram
+def _export(model: nn.Module, example: torch.Tensor, outputs: list[str], model_name: str):  # -> torch.onnx.ONNXProgram
     batch = torch.export.Dim("batch", min=1)
     with warnings.catch_warnings():
         # torch.export's own pytree code warns about its internals on every export: nothing the user can act on.
@@ -171,7 +192,7 @@ def _export(model: nn.Module, example: torch.Tensor, output: str, model_name: st
                 dynamo=True,
                 opset_version=OPSET,
                 input_names=[INPUT],
-                output_names=[output],
+                output_names=outputs,
                 dynamic_shapes=({0: batch},),
                 verbose=False,
             )

@@ -109,6 +109,11 @@ def export(
             f"export --format timm renames vitrain's ViT; model.name={cfg.model.name} keeps its own names: use "
             "--format vitrain"
         )
+    if fmt == "timm" and cfg.task.name == "detection":
+        raise CheckpointError(
+            "export --format timm writes timm's VisionTransformer; task.name=detection is a ViTDet (windowed blocks, "
+            "a pyramid and an FCOS head) with no timm equivalent: use --format vitrain or onnx"
+        )
     if fmt == "timm" and (cfg.task.name != "classification" or cfg.model.pool == "flatten"):
         raise CheckpointError(
             f"task.name={cfg.task.name} model.pool={cfg.model.pool} has no timm VisionTransformer equivalent "

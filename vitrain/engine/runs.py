@@ -375,6 +375,9 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
         "is_best": is_best,
         "wall_s": trainer.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
         "setup_s": trainer.setup_s,
+        # A task whose data names its classes (detection: the annotations' categories size the head): export builds
+        # the model from these without reading the data.
+        **({"classes": list(classes)} if (classes := getattr(trainer.task, "classes", None)) else {}),
     }
 
 
