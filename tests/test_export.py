@@ -134,6 +134,15 @@ def test_timm_export_refuses_a_model_other_than_the_vit_its_config_describes(tin
         CheckpointError, match=mismatch + r"\(.*model\.width=64\): cls_token is 1x1x32 in the model, 1x1x64"
     ):
         vitrain.export(tiny_model, wider, tmp_path / "out", "timm")
+    # Models that are not vitrain's ViT, each told which format holds its weights.
+    timm_model = vitrain.load_config(tiny_cfg, ["model.name=timm:vit_tiny_patch16_224"])
+    with pytest.raises(CheckpointError, match=r"is timm's own model, whose weights --format vitrain writes under timm"):
+        vitrain.export(tiny_model, timm_model, tmp_path / "out", "timm")
+    detector = vitrain.load_config(
+        tiny_cfg, ["task.name=detection", "data.source=detection", "model.global_blocks=[1]"]
+    )
+    with pytest.raises(CheckpointError, match=r"task\.name=detection is a ViTDet .*: use --format vitrain or onnx$"):
+        vitrain.export(tiny_model, detector, tmp_path / "out", "timm")
     assert not (tmp_path / "out").exists()
     assert vitrain.export(tiny_model, tiny_cfg, tmp_path / "out", "timm").is_file()
 

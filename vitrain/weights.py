@@ -104,6 +104,11 @@ def export(
         from vitrain.onnx_export import export_checked
 
         return export_checked(model, cfg, Path(out_dir), overwrite, tolerance)[0]
+    if fmt == "timm" and cfg.model.name.startswith("timm:"):
+        raise CheckpointError(
+            f"export --format timm renames vitrain's ViT; model.name={cfg.model.name} is timm's own model, whose "
+            "weights --format vitrain writes under timm's names already (timm.create_model(...).load_state_dict)"
+        )
     if fmt == "timm" and cfg.model.name != "vit":
         raise CheckpointError(
             f"export --format timm renames vitrain's ViT; model.name={cfg.model.name} keeps its own names: use "
