@@ -655,3 +655,16 @@ def test_a_parallel_block_that_is_not_the_models_block_is_refused_for_every_mode
     assert main(["train", "digits", *base, *flat, "parallel.block=Blok"]) == 2
     assert "parallel.block=Blok names no module class of this model" in capsys.readouterr().err
     assert main(["train", "digits", *base, "parallel.block=Block", "name=named"]) == 0  # its own name is accepted
+
+
+def test_a_tasks_classes_reach_the_checkpoint_only_as_a_list_of_names():
+    # A task's `classes` goes into meta.json for export (detection); a user's task keeping a count or a tensor under
+    # that name made every save fail (list(10), a tensor's truth value, a number JSON cannot hold as a name).
+    from types import SimpleNamespace
+
+    from vitrain.engine.runs import class_names
+
+    assert class_names(SimpleNamespace(classes=("cell", "dot"))) == ["cell", "dot"]
+    for odd in (10, torch.arange(3), [], [1, 2], None, "cells"):
+        assert class_names(SimpleNamespace(classes=odd)) is None
+    assert class_names({"classes": ["cell"]}) == ["cell"] and class_names({"classes": []}) is None

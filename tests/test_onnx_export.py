@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
+import math
 import re
 
 import numpy as np
@@ -123,6 +124,29 @@ def test_a_parity_gap_above_the_tolerance_exits_2_in_one_line_and_writes_nothing
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "max |logit difference|" in err[0] and "exceeds --tolerance 1e-12" in err[0]
     assert list(out.iterdir()) == []
+
+
+class _Outputs(nn.Module):
+    """The tiny ViT's logits and a second output: scaled by 1e6 (its own scale) or NaN."""
+
+    def __init__(self, vit: nn.Module, second: float):
+        super().__init__()
+        self.vit, self.second = vit, second
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.vit(images)
+        return logits, logits * self.second
+
+
+def test_each_output_is_held_to_its_own_scale_and_a_nan_is_never_within_it(tiny_model, tmp_path):
+    _onnxruntime()
+    cfg = load_config(overrides=model_overrides())
+    _, parity = export_checked(_Outputs(tiny_model, 1e6), cfg, tmp_path / "scaled")
+    # Both outputs pass; the line names the one nearest its limit by share, whatever their sizes.
+    assert parity.ok and parity.output == "output 1" and parity.max_abs_output > 1e3
+    with pytest.raises(CheckpointError, match=r"max \|output 1 difference\| inf .*exceeds --tolerance"):
+        export_checked(_Outputs(tiny_model, math.nan), cfg, tmp_path / "nan")  # max() dropped the NaN: "0"
+    assert not (tmp_path / "nan" / ONNX_FILE).exists()
 
 
 def test_without_onnxruntime_the_graph_is_written_and_said_unchecked(digits_run, tmp_path, capsys, monkeypatch):

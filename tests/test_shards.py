@@ -227,6 +227,34 @@ def test_a_script_that_starts_loader_workers_at_its_top_level_is_refused_naming_
     assert "bootstrapping" not in out
 
 
+EXEC_WRAPPER = """
+import sys
+if __name__ == "__main__":
+    sys.argv = sys.argv[1:]
+    exec(open(sys.argv[0]).read())
+
+
+
+
+print(
+    "lines 11-14 of this wrapper run on import",
+)
+"""
+
+
+def test_code_a_guarded_script_execs_is_not_read_against_the_scripts_own_lines(tmp_path):
+    # The exec'd code's module frame shares the script's globals: its line 12 (main()) was looked up in the wrapper's
+    # source, where line 12 is an unguarded statement.
+    urls = write_shards(tmp_path, [8, 8])
+    inner, wrapper = tmp_path / "inner.py", tmp_path / "wrapper.py"
+    inner.write_text(SCRIPT.format(call='if __name__ == "__main__":\n    main()'))
+    wrapper.write_text(EXEC_WRAPPER)
+    done = subprocess.run(
+        [sys.executable, str(wrapper), str(inner), str(REPO), *urls], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "read" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "source, line, runs",
     [
@@ -239,6 +267,11 @@ def test_a_script_that_starts_loader_workers_at_its_top_level_is_refused_naming_
         ('try:\n    if __name__ == "__main__":\n        train()\nfinally:\n    pass', 3, False),
         ("for _ in range(2):\n    train()", 2, True),
         ("if DEBUG:\n    train()", 2, True),
+        ('if __name__ == "__main__" and READY:\n    train()', 2, False),
+        ('if not __name__ == "__main__":\n    pass\nelse:\n    train()', 4, False),
+        ('match __name__:\n    case "__main__":\n        train()', 3, False),
+        ('if __name__ in ("__main__", "__mp_main__"):\n    train()', 2, True),  # a worker imports it as __mp_main__
+        ('if __name__ == "__main__" or DEBUG:\n    train()', 2, True),
         ("train(", 1, False),  # does not parse: no claim
     ],
 )

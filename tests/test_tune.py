@@ -482,9 +482,13 @@ def test_a_resume_on_the_same_machine_keeps_the_runs_decision_and_on_another_rac
     assert any("decision read from the run's own (kept on resume)" in line for line in header)
     saved = json.loads((again.run_dir / "autotune.json").read_text())
     assert saved["reason"].count("kept on resume") == 1 and saved["machine"]["threads"] == torch.get_num_threads()
+    # A file of the right keys with a value of the wrong kind (hand-edited, or handed over): raced again, no crash.
+    (again.run_dir / "autotune.json").write_text(json.dumps(saved | {"values": "sdpa"}))
+    edited, ran, _ = run(3, swapped, resume=True)
+    assert edited.tuned.values == {"model.attention": "manual"} and ran
     monkeypatch.setattr(tune, "cpu_description", lambda: "CPU: another kind")  # resumed on another machine
-    elsewhere, ran, _ = run(3, swapped, resume=True)
-    assert elsewhere.tuned.values == {"model.attention": "manual"} and ran
+    elsewhere, ran, _ = run(4, {(None, "sdpa"): 1.0, (None, "manual"): 2.0}, resume=True)
+    assert elsewhere.tuned.values == {"model.attention": "sdpa"} and ran
 
 
 def _face_autotune_on_two_ranks(out_dir, faces, cache):

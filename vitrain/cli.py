@@ -501,6 +501,7 @@ def _export(args: argparse.Namespace) -> int:
     from vitrain import checkpoint as ckpt
     from vitrain.config import load_config, trusted_values
     from vitrain.engine.protocol import load_model_weights
+    from vitrain.engine.runs import class_names
     from vitrain.files import check_output_folder
     from vitrain.tasks import build_task
     from vitrain.weights import EXPORT_FILES, export
@@ -512,8 +513,8 @@ def _export(args: argparse.Namespace) -> int:
     meta = ckpt.read_meta(path)
     cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE, data=False)
     task = build_task(cfg)
-    saved = meta.get("classes")
-    if getattr(task, "classes", ...) is None and isinstance(saved, list) and all(isinstance(c, str) for c in saved):
+    saved = class_names(meta)
+    if getattr(task, "classes", ...) is None and saved is not None:
         task.classes = saved  # detection: the classes it trained on size the head; the annotations are not read
     model = task.build_model()  # a face model exports its embedding backbone (the neck included)
     load_model_weights(path, model, trusted_values(cfg))  # native (DCP) or DeepSpeed checkpoints

@@ -154,8 +154,11 @@ def check_parity(model: nn.Module, path: Path, cfg: Config, tolerance: float) ->
             )
         for i, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
             name = names[i] if len(names) == len(expected) else f"output {i}"
-            diff[name] = max(diff.get(name, 0.0), (theirs - mine).abs().max().item())
-            largest[name] = max(largest.get(name, 0.0), mine.abs().max().item())
+            # A NaN anywhere is an infinite difference (max() would drop it: a NaN graph read as exact), and scales
+            # no limit.
+            gap, top = (theirs - mine).abs().max().item(), mine.abs().max().item()
+            diff[name] = max(diff.get(name, 0.0), math.inf if math.isnan(gap) else gap)
+            largest[name] = max(largest.get(name, 0.0), 0.0 if math.isnan(top) else top)
     # Each output against its own scale (a detection head's box distances in pixels beside its logits); the check
     # reports the output nearest its limit.
     limits = {name: tolerance * max(1.0, largest[name]) for name in diff}

@@ -302,24 +302,50 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
 
 
 def _main_branch(test: ast.expr) -> str | None:
-    """Which branch of an `if` runs only in the script as run: "body" for `__name__ == "__main__"` (or `in`), "orelse"
-    for `!=` (or `not in`); None for any other test."""
+    """Which branch of an `if` runs only in the script as run, not where a worker imports it (as `__mp_main__`):
+    "body" for `__name__ == "__main__"` (or `in`, or such a test joined by `and`), "orelse" for `!=`, `not in` or
+    `not (...)`; None for any other test, or one that also lets "__mp_main__" in."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _main_branch(test.operand)
+        return {"body": "orelse", "orelse": "body"}.get(inner or "")
+    if isinstance(test, ast.BoolOp):
+        branches = [_main_branch(value) for value in test.values]
+        if isinstance(test.op, ast.And) and "body" in branches:
+            return "body"
+        return "body" if all(b == "body" for b in branches) else None  # `or` of main tests alone
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
         return None
     sides = [test.left, *test.comparators]
     names = {node.id for side in sides for node in ast.walk(side) if isinstance(node, ast.Name)}
     texts = {node.value for side in sides for node in ast.walk(side) if isinstance(node, ast.Constant)}
-    if "__name__" not in names or "__main__" not in texts:
+    if "__name__" not in names or "__main__" not in texts or "__mp_main__" in texts:
         return None
     return {ast.Eq: "body", ast.In: "body", ast.NotEq: "orelse", ast.NotIn: "orelse"}.get(type(test.ops[0]))
 
 
+def _main_case(statement: ast.stmt, case: Any) -> bool:
+    """`match __name__:` ... `case "__main__":` (no guard on the case)."""
+    subject = getattr(statement, "subject", None)
+    pattern = case.pattern
+    return (
+        isinstance(subject, ast.Name)
+        and subject.id == "__name__"
+        and case.guard is None
+        and type(pattern).__name__ == "MatchValue"
+        and isinstance(pattern.value, ast.Constant)
+        and pattern.value.value == "__main__"
+    )
+
+
 def _guarded(statement: ast.stmt, line: int) -> bool:
-    """Whether `line` of a module-level `statement` runs only under `if __name__ == "__main__":`, at any depth of the
-    compound statements around it."""
+    """Whether `line` of a module-level `statement` runs only under `if __name__ == "__main__":` (or a match on
+    `__name__`), at any depth of the compound statements around it."""
     inside = lambda node: node.lineno <= line <= (node.end_lineno or node.lineno)  # noqa: E731
     if isinstance(statement, ast.If) and (branch := _main_branch(statement.test)):
         if any(inside(s) for s in getattr(statement, branch)):
+            return True
+    for case in getattr(statement, "cases", []):
+        if _main_case(statement, case) and any(inside(s) for s in case.body):
             return True
     inner = [*getattr(statement, "body", []), *getattr(statement, "orelse", []), *getattr(statement, "finalbody", [])]
     inner += [s for handler in getattr(statement, "handlers", []) for s in handler.body]
@@ -340,10 +366,17 @@ def unguarded_main_line() -> str | None:
     if spec_name == "__main__" or (spec_name or "").endswith(".__main__"):
         return None
     path = getattr(main, "__file__", None)
+    if path is None:
+        return None
+    file = os.path.realpath(path)
     frame = sys._current_frames().get(threading.main_thread().ident or -1)  # the loader's thread may ask
-    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+    while frame is not None and not (
+        frame.f_globals is vars(main)
+        and frame.f_code.co_name == "<module>"
+        and os.path.realpath(frame.f_code.co_filename) == file  # not code the script exec'd in its globals
+    ):
         frame = frame.f_back
-    if path is None or frame is None:
+    if frame is None or frame.f_lineno is None:
         return None
     try:
         source = Path(path).read_text(encoding="utf-8")

@@ -166,7 +166,8 @@ def autotune(
         with all_or_none("reading the run's autotune.json"):
             previous = _read_cache(kept) if dist.is_main else None
         previous = broadcast_object(previous)
-        if (chosen := _still_valid(previous, options, machine)) is not None:
+        chosen = _still_valid(previous, options, machine)  # each rank against its own machine; all must agree
+        if previous is not None and max_over_ranks(float(chosen is None), device) == 0.0:
             return chosen
     path = cache_path(cfg, device, options)
     with all_or_none("reading the autotune cache"):
@@ -556,7 +557,7 @@ def _still_valid(previous: Decision | None, options: dict[str, list[str]], machi
         return None
     values = {key: previous.values[key] for key in options}
     chosen = ", ".join(f"{k}={v}" for k, v in values.items())
-    measured = previous.reason.split("); ", 1)[1] if previous.reason.startswith(KEPT) else previous.reason
+    measured = previous.reason.partition("); ")[2] if previous.reason.startswith(KEPT) else previous.reason
     reason = f"{KEPT} ({chosen}); {measured}"
     return dataclasses.replace(previous, values=values, reason=reason, machine=machine)
 
@@ -568,6 +569,16 @@ def _read_cache(path: Path) -> Decision | None:
         decision = Decision(**json.loads(path.read_text()))
     except (ValueError, TypeError):
         return None  # a damaged cache entry is measured again and rewritten
+    texts = lambda d: isinstance(d, dict) and all(isinstance(k, str) for k in d)  # noqa: E731
+    if not (
+        texts(decision.values)
+        and all(isinstance(v, str) for v in decision.values.values())
+        and texts(decision.images_per_s)
+        and texts(decision.notes)
+        and isinstance(decision.reason, str)
+        and texts(decision.machine)
+    ):
+        return None  # the same for a file of the right keys and the wrong kinds (a run's autotune.json, hand-edited)
     decision.from_cache, decision.cached_at = True, str(path)
     return decision
 

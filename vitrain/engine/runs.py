@@ -377,8 +377,17 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
         "setup_s": trainer.setup_s,
         # A task whose data names its classes (detection: the annotations' categories size the head): export builds
         # the model from these without reading the data.
-        **({"classes": list(classes)} if (classes := getattr(trainer.task, "classes", None)) else {}),
+        **({"classes": list(names)} if (names := class_names(trainer.task)) else {}),
     }
+
+
+def class_names(holder: Any) -> list[str] | None:
+    """`holder.classes` where it is a non-empty list of names (a task's, or a checkpoint's meta.json read back);
+    None for anything else (a user's task may keep a count or a tensor under that name)."""
+    classes = holder.get("classes") if isinstance(holder, dict) else getattr(holder, "classes", None)
+    if isinstance(classes, list | tuple) and classes and all(isinstance(c, str) for c in classes):
+        return list(classes)
+    return None
 
 
 def _saved_steps_per_epoch(meta: dict[str, Any], trainer: Trainer) -> int | None:
