@@ -63,6 +63,8 @@ def test_the_cli_trains_three_steps_and_evaluates_with_pictures(tmp_path: Path):
     root.rename(tmp_path / "elsewhere")
     weights = run_cli("export", str(out / "run"), str(tmp_path / "weights"))
     assert weights.returncode == 0, weights.stderr[-2000:]
+    # The exported config names the head's size (the recipe's num_classes said 1000 beside a 2-class head).
+    assert "num_classes: 2\n" in (tmp_path / "weights" / "config.yaml").read_text()
     if importlib.util.find_spec("onnxscript") is None or importlib.util.find_spec("onnxruntime") is None:
         return  # the ONNX half needs the extra (pip install 'vitrain[onnx]'); CI installs it
     import onnxruntime

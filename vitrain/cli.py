@@ -496,6 +496,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    import dataclasses
     from pathlib import Path
 
     from vitrain import checkpoint as ckpt
@@ -518,6 +519,9 @@ def _export(args: argparse.Namespace) -> int:
         task.classes = saved  # detection: the classes it trained on size the head; the annotations are not read
     model = task.build_model()  # a face model exports its embedding backbone (the neck included)
     load_model_weights(path, model, trusted_values(cfg))  # native (DCP) or DeepSpeed checkpoints
+    built = class_names(task)
+    if built is not None and cfg.model.num_classes != len(built):  # detection: the data's classes sized the head
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(built)))
     if args.format != "onnx":
         print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite))
         return 0
