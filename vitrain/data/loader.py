@@ -323,34 +323,36 @@ def _main_branch(test: ast.expr) -> str | None:
     return {ast.Eq: "body", ast.In: "body", ast.NotEq: "orelse", ast.NotIn: "orelse"}.get(type(test.ops[0]))
 
 
-def _main_case(statement: ast.stmt, case: Any) -> bool:
+def _main_case(statement: ast.stmt, case: ast.match_case) -> bool:
     """`match __name__:` ... `case "__main__":` (no guard on the case)."""
-    subject = getattr(statement, "subject", None)
-    pattern = case.pattern
+    subject, pattern = getattr(statement, "subject", None), case.pattern
     return (
         isinstance(subject, ast.Name)
         and subject.id == "__name__"
         and case.guard is None
-        and type(pattern).__name__ == "MatchValue"
+        and isinstance(pattern, ast.MatchValue)
         and isinstance(pattern.value, ast.Constant)
         and pattern.value.value == "__main__"
     )
 
 
+def _spans(node: ast.stmt, line: int) -> bool:
+    return node.lineno <= line <= (node.end_lineno or node.lineno)
+
+
 def _guarded(statement: ast.stmt, line: int) -> bool:
     """Whether `line` of a module-level `statement` runs only under `if __name__ == "__main__":` (or a match on
     `__name__`), at any depth of the compound statements around it."""
-    inside = lambda node: node.lineno <= line <= (node.end_lineno or node.lineno)  # noqa: E731
     if isinstance(statement, ast.If) and (branch := _main_branch(statement.test)):
-        if any(inside(s) for s in getattr(statement, branch)):
+        if any(_spans(s, line) for s in getattr(statement, branch)):
             return True
     for case in getattr(statement, "cases", []):
-        if _main_case(statement, case) and any(inside(s) for s in case.body):
+        if _main_case(statement, case) and any(_spans(s, line) for s in case.body):
             return True
     inner = [*getattr(statement, "body", []), *getattr(statement, "orelse", []), *getattr(statement, "finalbody", [])]
     inner += [s for handler in getattr(statement, "handlers", []) for s in handler.body]
     inner += [s for case in getattr(statement, "cases", []) for s in case.body]
-    return any(_guarded(child, line) for child in inner if isinstance(child, ast.stmt) and inside(child))
+    return any(_guarded(child, line) for child in inner if isinstance(child, ast.stmt) and _spans(child, line))
 
 
 def unguarded_main_line() -> str | None:
@@ -392,7 +394,7 @@ def runs_on_import(source: str, line: int) -> bool:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return False
-    return any(s.lineno <= line <= (s.end_lineno or s.lineno) and not _guarded(s, line) for s in tree.body)
+    return any(_spans(s, line) and not _guarded(s, line) for s in tree.body)
 
 
 def check_workers_can_start(workers: int) -> None:

@@ -491,7 +491,7 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
     for key in ("attention", "init_from", "inflate_from", "inflate", "preset"):
         model.pop(key, None)
     key = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description(),
+        "device": _device_name(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "model": model,
@@ -539,12 +539,15 @@ def cache_path(cfg: Config, device: torch.device, options: dict[str, list[str]])
 KEPT = "autotune: this run's own decision on this machine, kept on resume"
 
 
+def _device_name(device: torch.device) -> str:
+    """The GPU's model, or the CPU's description (its kind and matrix units): the cache key's and machine_of's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description()
+
+
 def machine_of(dist: DistInfo) -> dict[str, Any]:
     """What a decision's timings depend on beside the run's config: the device, torch, threads and processes."""
-    device = dist.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description()
     threads, processes = torch.get_num_threads(), dist.world_size
-    return {"device": name, "torch": torch.__version__, "threads": threads, "processes": processes}
+    return {"device": _device_name(dist.device), "torch": torch.__version__, "threads": threads, "processes": processes}
 
 
 def _still_valid(previous: Decision | None, options: dict[str, list[str]], machine: dict[str, Any]) -> Decision | None:
