@@ -227,8 +227,8 @@ def test_cli_prints_every_preset_up_to_120b_with_devices_needed(capsys):
     assert main(["estimate", "--devices", "8", *setting]) == 0
     out = capsys.readouterr().out
     assert "devices@80GiB" in out
-    for preset in PRESETS.values():
-        assert preset.alias in out
+    for preset in PRESETS.values():  # all but MViTv2, whose stages it does not model (tests/test_mvit.py)
+        assert (preset.alias in out) != bool(preset.stages)
     last = out.strip().splitlines()[-1].split()
     assert last[0] == "ViT-120B/14" and int(last[-1]) > 8
 

@@ -580,6 +580,11 @@ def _estimate(args: argparse.Namespace) -> int:
         body = table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting)
     else:
         model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
+        if model.stages:
+            raise ConfigError(
+                f"vitrain estimate models vitrain's ViT and video ViT; {args.preset} is MViTv2 (model.name=mvit), "
+                f"whose stages it does not model: measure its peak with `vitrain bench run model.preset={args.preset}`"
+            )
         title = f"{args.preset}: memory per device with AdamW ({header})"
         body = breakdown(model, args.memory[0], devices=devices[0], **setting)
     print(title)
@@ -619,12 +624,12 @@ def _recipe_setting(cfg) -> dict:
 
 def _models(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
-    from vitrain.models import PRESETS, complexity
+    from vitrain.models import PRESETS, config_complexity
 
     bytes_per_param = 16  # fp32 AdamW: weights 4 + gradients 4 + two moments 8
     print(f"{'preset':<24}{'alias':<14}{'params':>16}{'image':>7}{'GFLOPs':>11}{'train GiB':>12}")
     for p in PRESETS.values():
-        cost = complexity(load_config(overrides=[f"model.preset={p.name}"]).model)
+        cost = config_complexity(load_config(overrides=[f"model.preset={p.name}"]).model)
         gib = cost.params * bytes_per_param / 2**30
         size = f"{p.num_frames}x{p.image_size}" if p.is_video else str(p.image_size)
         print(f"{p.name:<24}{p.alias:<14}{cost.params:>16,}{size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}")

@@ -73,6 +73,9 @@ class ModelConfig:
     # (vitrain/models/video.py); empty: random initialisation
     inflate_from: str = ""
     inflate: Literal["average", "center"] = "average"  # the patch embedding over time: weights / t, or centre frame
+    # mvit (MViTv2): blocks per stage; each stage after the first halves the grid and doubles width and heads
+    # (MViTv2-S: [1, 2, 11, 2], model.depth their sum); empty for every other model
+    stages: tuple[int, ...] = ()
 
     @property
     def hidden_dim(self) -> int:
@@ -780,7 +783,10 @@ def _apply_preset(raw: dict[str, Any]) -> None:
         hint = f"did you mean {close[0]}?" if close else "run `vitrain models` for the list"
         raise ConfigError(f"model.preset={model['preset']} is not a known preset; {hint}")
     arch = {field: getattr(preset, field) for field in PRESET_FIELDS}
-    if preset.is_video:  # VideoMAE's choices; the model section may still override each
+    if preset.stages:  # MViTv2: pooling attention over stages, classified from its class token
+        arch |= {"name": "mvit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size,
+                 "stages": preset.stages, "pool": "cls", "drop_path": 0.2}  # fmt: skip
+    elif preset.is_video:  # VideoMAE's choices; the model section may still override each
         arch |= {"name": "video_vit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size,
                  "pool": "gap", "pos_embed": "sincos"}  # fmt: skip
     raw["model"] = {**arch, **model, "preset": preset.name}

@@ -21,6 +21,7 @@ class Preset:
     timm_name: str | None = None
     num_frames: int = 1  # > 1: a space-time video ViT (model.name=video_vit) over clips of this many frames
     tubelet_size: int = 1  # video: frames per tubelet token
+    stages: tuple[int, ...] = ()  # MViTv2 (model.name=mvit): blocks per stage; width and heads are the first stage's
 
     @property
     def is_video(self) -> bool:
@@ -43,6 +44,9 @@ PRESETS: dict[str, Preset] = {
         Preset("video_vit_tiny_patch16", "ViViT-Ti/16x2", 192, 12, 3, 768, 16, num_frames=16, tubelet_size=2),
         Preset("video_vit_small_patch16", "ViViT-S/16x2", 384, 12, 6, 1536, 16, num_frames=16, tubelet_size=2),
         Preset("video_vit_base_patch16", "ViViT-B/16x2", 768, 12, 12, 3072, 16, num_frames=16, tubelet_size=2),
+        # MViTv2-S as Li et al. 2022 train it on Kinetics-400 (16 frames of 224 px, 3x7x7 embedding of stride 2x4x4,
+        # stages of 1, 2, 11 and 2 blocks from width 96 and one head): vitrain/models/mvit.py, tests/test_mvit.py.
+        Preset("mvitv2_small", "MViTv2-S", 96, 16, 1, 384, 4, num_frames=16, tubelet_size=2, stages=(1, 2, 11, 2)),
         # Large presets: 4x MLP, head dim 128, width a multiple of 1024 so that every matmul tiles well.
         Preset("vit_10b_patch14", "ViT-10B/14", 5120, 32, 40, 20480, 14),
         Preset("vit_22b_patch14", "ViT-22B/14", 6144, 48, 48, 24576, 14),

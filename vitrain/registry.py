@@ -24,7 +24,11 @@ from vitrain.errors import ConfigError
 
 KINDS = ("model", "task", "engine", "data")
 _BUILTIN: dict[str, dict[str, str]] = {
-    "model": {"vit": "vitrain.models:build_vit", "video_vit": "vitrain.models.video:build_video_vit"},
+    "model": {
+        "vit": "vitrain.models:build_vit",
+        "video_vit": "vitrain.models.video:build_video_vit",
+        "mvit": "vitrain.models.mvit:build_mvit",
+    },
     "task": {
         "classification": "vitrain.tasks.classification:ClassificationTask",
         "detection": "vitrain.tasks.detection:DetectionTask",

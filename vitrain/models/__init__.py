@@ -28,6 +28,7 @@ __all__ = [
     "build_vit",
     "check",
     "complexity",
+    "config_complexity",
     "count_parameters",
     "create_model",
     "find_preset",
@@ -127,13 +128,31 @@ def model_complexity(model: nn.Module, kept_patches: int | None = None) -> Compl
     return own(kept_patches=kept_patches) if kept_patches is not None else own()
 
 
+def config_complexity(cfg: ModelConfig) -> Complexity:
+    """The exact cost of the model a model section names, from the config alone: MViTv2's stages, else the ViT's."""
+    if cfg.name == "mvit":
+        from vitrain.models.mvit import complexity as mvit_complexity
+
+        return mvit_complexity(cfg)
+    return complexity(cfg)
+
+
 def check(cfg: Config) -> None:
     """The model section: the input and output every model shares; vitrain's ViT checks its architecture too."""
     m = cfg.model
     for name in ("image_size", "in_chans", "num_classes"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    if m.name != "video_vit" and (m.num_frames != 1 or m.tubelet_size != 1 or m.inflate_from):
+    if m.name == "mvit":
+        from vitrain.models.mvit import check as check_mvit
+
+        check_mvit(m)
+    elif m.stages:
+        raise ConfigError(
+            f"model.stages={list(m.stages)} are MViTv2's; model.name={m.name} is not it: set model.name=mvit, or leave "
+            "model.stages empty"
+        )
+    elif m.name != "video_vit" and (m.num_frames != 1 or m.tubelet_size != 1 or m.inflate_from):
         raise ConfigError(
             f"model.num_frames={m.num_frames}, tubelet_size={m.tubelet_size} and inflate_from are the video ViT's; "
             f"model.name={m.name} is not it: set model.name=video_vit, or num_frames=1 and tubelet_size=1"

@@ -348,7 +348,7 @@ def preset_models(first: str | None = None, **fields) -> dict[str, ModelConfig]:
     from vitrain.config import load_config
     from vitrain.models import PRESETS, find_preset
 
-    presets = list(PRESETS.values())
+    presets = [p for p in PRESETS.values() if not p.stages]  # MViTv2's stages are not modelled here
     if first is not None:
         start = find_preset(first)
         if start is None:

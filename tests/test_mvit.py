@@ -1,0 +1,198 @@
+"""MViTv2 (model.name=mvit): its published size, its stage shapes, its exact cost, and training on clips."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tests.conftest import run_cli
+from tests.distributed_helpers import losses, run_two_ranks, tiny_config, whole_and_resumed
+from tests.video_helpers import make_clip_tree
+from vitrain.config import CONFIG_DIR, load_config
+from vitrain.errors import ConfigError
+from vitrain.models import build_model, config_complexity, count_parameters, plan_of
+from vitrain.models.mvit import MultiscaleBlock, block_shapes, offsets
+
+# A tiny MViT: 4-frame clips of 16 px in 3x7x7 / 2x4x4 tubes (a 2x4x4 grid), three stages of one block each.
+TINY = {"name": "mvit", "stages": [1, 1, 1], "depth": 3, "width": 16, "heads": 1, "mlp_dim": 64, "patch_size": 4,
+        "image_size": 16, "num_frames": 4, "tubelet_size": 2, "in_chans": 3, "num_classes": 2}  # fmt: skip
+
+
+def _model_cfg(**fields):
+    return load_config(base={"model": {**TINY, **fields}}).model
+
+
+def _flops(model, clips) -> int:
+    with FlopCounterMode(display=False) as counter:
+        model(clips)
+    return counter.get_total_flops()
+
+
+def test_mvitv2_small_has_the_published_parameters_and_multiply_adds():
+    # torchvision's MViT_V2_S_Weights.KINETICS400_V1 (ported from the paper's SlowFast release): num_params 34,537,744
+    # and 64.224 GMACs ("_ops") for a 16-frame 224 px clip, Kinetics-400's 400 classes (Li et al. 2022, Table 5: 34.5M).
+    cfg = load_config(overrides=["model.preset=mvitv2_small", "model.num_classes=400"]).model
+    assert (cfg.name, cfg.stages, cfg.depth, cfg.pool) == ("mvit", (1, 2, 11, 2), 16, "cls")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    cost = config_complexity(cfg)
+    assert count_parameters(model) == cost.params == 34_537_744
+    assert round(cost.macs / 1e9, 3) == 64.224
+    assert _flops(model, torch.empty(1, 48, 224, 224, device="meta")) == cost.flops  # torch's own count agrees
+
+
+def test_the_stages_pool_queries_once_each_and_attend_to_the_last_stages_grid():
+    shapes = block_shapes(load_config(overrides=["model.preset=mvitv2_small"]).model)
+    assert [s.dim_out for s in shapes] == [96] + [192] * 2 + [384] * 11 + [768] * 2
+    assert [s.heads for s in shapes] == [1] + [2] * 2 + [4] * 11 + [8] * 2 and {s.head_dim for s in shapes} == {96}
+    assert [s.dim_in for s in shapes][:4] == [96, 96, 192, 192] and shapes[14].dim_in == 384
+    assert [s.grid_q[1] for s in shapes] == [56] + [28] * 2 + [14] * 11 + [7] * 2
+    assert [i for i, s in enumerate(shapes) if s.q_stride == 2] == [1, 3, 14]  # each later stage's first block
+    # Keys and values: 7x7 everywhere but in a stage's first block, which reads the grid before its own pooling.
+    assert [s.grid_kv[1] for s in shapes] == [7, 14, 7, 14] + [7] * 10 + [14, 7]
+    assert {s.grid_q[0] for s in shapes} == {8} and shapes[14].table_size == 27  # 2 x max(7, 14) - 1
+
+
+@pytest.mark.parametrize(("image_size", "stages"), [(40, [1, 1, 1]), (16, [1, 1, 1]), (32, [2, 1])])
+def test_its_cost_is_exact_where_the_grid_does_not_halve_evenly(image_size, stages):
+    # 40 px: a 10x10 grid pools to 5x5, then 3x3; every relative row stays inside its table.
+    cfg = _model_cfg(image_size=image_size, stages=stages, depth=sum(stages))
+    model = build_model(cfg)
+    cost = config_complexity(cfg)
+    assert count_parameters(model) == cost.params
+    assert _flops(model, torch.randn(2, 12, image_size, image_size)) == 2 * cost.flops
+    for s in block_shapes(cfg):
+        for q, k, rows in (
+            (s.grid_q[1], s.grid_kv[1], s.table_size),
+            (s.grid_q[0], s.grid_kv[0], 2 * s.grid_in[0] - 1),
+        ):
+            table = offsets(q, k)
+            assert table.shape == (q, k) and 0 <= table.min() and table.max() < rows
+
+
+def test_sdpa_and_manual_attention_compute_the_same_function():
+    torch.manual_seed(0)
+    manual = build_model(_model_cfg(attention="manual", image_size=32))
+    sdpa = build_model(_model_cfg(attention="sdpa", image_size=32))
+    sdpa.load_state_dict(manual.state_dict())
+    clips = torch.randn(3, 12, 32, 32)
+    a, b = manual(clips), sdpa(clips)
+    a.sum().backward()
+    b.sum().backward()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(manual.named_parameters(), sdpa.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    # The class token is neither pooled nor given relative positions: the logits depend on where things are.
+    shifted = clips.roll(shifts=4, dims=-1)
+    assert not torch.allclose(manual(shifted), manual(clips))
+
+
+def test_its_blocks_are_the_sharding_and_checkpointing_units():
+    model = build_model(_model_cfg())
+    plan = plan_of(model, "block")
+    assert plan.checkpoint_units == list(model.blocks) and all(isinstance(b, MultiscaleBlock) for b in plan.shard_units)
+    shape = plan.block_input_shape(5)
+    assert shape == (5, 1 + 2 * 4 * 4, 16) and model.blocks[0](torch.randn(shape)).shape == shape
+    assert len(plan.norms) == 3 * 5 + 1  # per block: two norms and one after each of the q, k, v poolings; the last
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"depth": 4}, "model.depth=4 must equal the blocks of model.stages=[1, 1, 1] (3)"),
+        ({"stages": [], "depth": 3}, "model.stages=[] must give each stage's blocks"),
+        ({"image_size": 8}, "model.image_size=8 gives a 2x2 grid; 3 stages halve it 2 times"),
+        ({"pool": "gap"}, "classifies from its class token"),
+        ({"name": "vit", "num_frames": 1, "tubelet_size": 1}, "model.stages=[1, 1, 1] are MViTv2's"),
+    ],
+)
+def test_a_model_section_it_cannot_build_is_one_line_naming_the_field(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(base={"model": {**TINY, **fields}})  # the config's validation asks the model section
+
+
+def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(tmp_path):
+    make_clip_tree(tmp_path / "clips")
+    model = [f"model.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in TINY.items()]
+    common = ["task.name=video", "task.eval_clips=2", "data.source=video", f"data.root={tmp_path / 'clips'}",
+              "data.video_frames=true", "data.val_match=actor3_", "data.decode_workers=1", "train.batch_size=4",
+              "train.max_steps=4", "train.threads=1", "log.progress=false", f"log.out_dir={tmp_path / 'runs'}",
+              "name=mvit", "precision.mode=amp_o2", "parallel.activation_checkpointing=block"]  # fmt: skip
+    done = run_cli("train", *model, *common)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "runs" / "mvit" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["val_videos"] == 4 and 0.0 <= summary["val_video_top1"] <= 1.0
+    assert "GFLOPs/clip" in done.stderr
+    done = run_cli("eval", str(tmp_path / "runs" / "mvit"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["val_video_top1"] == summary["val_video_top1"]
+    done = run_cli("estimate", "mvitv2_small", warnings="")  # as a user runs it
+    assert done.returncode == 2 and "MViTv2 (model.name=mvit)" in done.stderr and len(done.stderr.splitlines()) == 1
+    listed = run_cli("models").stdout
+    assert "mvitv2_small" in listed and "34,999,144" in listed  # with the default 1000 classes
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_the_losses_of_the_whole_run(tmp_path):
+    make_clip_tree(tmp_path / "clips", frames=8)
+    model = {**TINY, "drop_path": 0.1}
+    data = {"source": "video", "root": str(tmp_path / "clips"), "video_frames": True, "val_match": "actor3_",
+            "decode_workers": 1, "hflip": 0.5}  # fmt: skip
+    whole, part, _ = whole_and_resumed(tmp_path, {"max_steps": 5, "batch_size": 4}, 2, model=model, data=data,
+                                       task={"name": "video"})  # fmt: skip
+    got, want = losses(part.run_dir), losses(whole.run_dir)
+    assert sorted(got) == [1, 2, 3, 4, 5] and got == want  # bit for bit: drop-path masks and clips alike
+
+
+def _sharded(out_dir, root, max_steps: int, strategy: str = "zero3"):
+    return tiny_config(
+        out_dir,
+        "sharded",
+        batch_size=2,
+        model=TINY,
+        task={"name": "video", "eval_clips": 2},
+        data={"source": "video", "root": str(root), "video_frames": True, "val_match": "actor3_", "decode_workers": 1},
+        train={"max_steps": max_steps, "epochs": 5, "checkpoint_every_steps": 1},
+        parallel={"strategy": strategy, "activation_checkpointing": "block"},
+        precision={"mode": "amp_o2", "dtype": "bf16"},
+    )
+
+
+def _zero3_three_steps(out_dir, root) -> None:
+    from vitrain.engine import Trainer
+
+    Trainer(_sharded(out_dir, root, 3)).fit()
+
+
+# slow: about 20 s on a Zen 4; zero3 and resharding resume are tested for images and the video ViT as well
+@pytest.mark.slow
+def test_zero3_amp_o2_and_checkpointing_on_two_ranks_resume_in_one_process_and_export(tmp_path):
+    from safetensors.torch import load_file
+
+    from vitrain.cli import main
+    from vitrain.engine import Trainer
+
+    make_clip_tree(tmp_path / "clips", frames=6)
+    run_two_ranks(_zero3_three_steps, tmp_path / "runs", tmp_path / "clips")
+    Trainer(_sharded(tmp_path / "runs", tmp_path / "clips", 5, strategy="single"), resume=True).fit()
+    logged = losses(tmp_path / "runs" / "sharded")
+    assert sorted(logged) == [1, 2, 3, 4, 5] and all(torch.isfinite(torch.tensor(v)) for v in logged.values())
+    assert main(["export", str(tmp_path / "runs" / "sharded"), str(tmp_path / "out")]) == 0
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert weights["patch_embed.weight"].shape == (16, 3, 3, 7, 7)  # the overlapping embedding, in fp32
+    assert weights["blocks.2.attn.rel_pos_t"].shape == (3, 16)  # 2 x 2 time steps - 1 rows, 16 wide (the heads)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())
+
+
+def test_the_weizmann_recipe_is_an_mvit_with_the_video_vits_data_and_budget():
+    mvit = load_config(CONFIG_DIR / "video-weizmann-mvit.yaml")
+    vit = load_config(CONFIG_DIR / "video-weizmann.yaml")
+    assert mvit.model.name == "mvit" and mvit.model.stages == (1, 2, 1)
+    assert config_complexity(mvit.model).params == count_parameters(build_model(mvit.model))
+    # The grid the embedding makes is the space-time ViT's: 4 x 8 x 8 tokens from 8 frames of 64 px.
+    assert block_shapes(mvit.model)[0].grid_in == (4, 8, 8) and vit.model.num_patches == 4 * 8 * 8
+    for section in ("data", "optim", "schedule", "train", "task"):
+        assert getattr(mvit, section) == getattr(vit, section), section
