@@ -15,7 +15,7 @@ from tests.video_helpers import make_clip_tree
 from vitrain.config import CONFIG_DIR, load_config
 from vitrain.errors import ConfigError
 from vitrain.models import build_model, config_complexity, count_parameters, plan_of
-from vitrain.models.mvit import MultiscaleBlock, block_shapes, offsets
+from vitrain.models.mvit import MultiscaleBlock, block_shapes, offsets, pool_tokens
 
 # A tiny MViT: 4-frame clips of 16 px in 3x7x7 / 2x4x4 tubes (a 2x4x4 grid), three stages of one block each.
 TINY = {"name": "mvit", "stages": [1, 1, 1], "depth": 3, "width": 16, "heads": 1, "mlp_dim": 64, "patch_size": 4,
@@ -108,11 +108,87 @@ def test_its_blocks_are_the_sharding_and_checkpointing_units():
         ({"image_size": 8}, "model.image_size=8 gives a 2x2 grid; 3 stages halve it 2 times"),
         ({"pool": "gap"}, "classifies from its class token"),
         ({"name": "vit", "num_frames": 1, "tubelet_size": 1}, "model.stages=[1, 1, 1] are MViTv2's"),
+        ({"heads": 0}, "model.heads=0 must be positive"),
+        ({"tubelet_size": 0}, "model.tubelet_size=0 must be positive"),
+        ({"drop_path": 1.0}, "model.drop_path=1.0 must be in [0, 1)"),
+        ({"layout": "seq_first"}, "leave model.layout, pos_embed, patch_embed and stem_channels at their defaults"),
+        ({"pos_embed": "sincos"}, "leave model.layout, pos_embed, patch_embed and stem_channels at their defaults"),
     ],
 )
 def test_a_model_section_it_cannot_build_is_one_line_naming_the_field(fields, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
         load_config(base={"model": {**TINY, **fields}})  # the config's validation asks the model section
+    assert "\n" not in str(refused.value)
+
+
+def test_progressive_resizing_is_refused_for_its_fixed_grids():
+    with pytest.raises(ConfigError, match=re.escape("model.name=mvit pools grids built for model.image_size=16")):
+        load_config(base={"model": TINY, "data": {"min_size": 8}})
+
+
+def test_naming_a_preset_on_the_command_line_replaces_the_recipes_stages():
+    recipe = CONFIG_DIR / "video-weizmann-mvit.yaml"
+    big = load_config(recipe, ["model.preset=mvitv2_small"]).model
+    assert (big.stages, big.depth, big.width, big.num_frames, big.dropout) == ((1, 2, 11, 2), 16, 96, 16, 0.5)
+    vivit = load_config(recipe, ["model.preset=video_vit_small_patch16"]).model
+    assert (vivit.name, vivit.stages, vivit.width) == ("video_vit", (), 384)
+
+
+def test_relative_rows_follow_the_papers_offsets_scaled_to_the_finer_grid():
+    # Query i, key j on grids of q and k positions: row (i * max(k/q, 1) - j * max(q/k, 1)) shifted by the largest
+    # key offset, so that rows run from 0 (Li et al. 2022, eq. 4 with the pooled grids' spacing).
+    assert offsets(3, 3).tolist() == [[2, 1, 0], [3, 2, 1], [4, 3, 2]]
+    assert offsets(4, 2).tolist() == [[2, 0], [3, 1], [4, 2], [5, 3]]  # keys pooled 2x: each key step is 2 rows
+    assert offsets(2, 4).tolist() == [[3, 2, 1, 0], [5, 4, 3, 2]]  # queries pooled 2x
+
+
+def test_muon_leaves_the_relative_position_tables_to_adamw():
+    from vitrain.optim.optimizers import uses_muon
+
+    model = build_model(_model_cfg())
+    muon = {name for name, p in model.named_parameters() if uses_muon(name, p)}
+    assert "blocks.0.attn.qkv.weight" in muon and "blocks.2.mlp.fc2.weight" in muon
+    assert not any("rel_pos" in name for name in muon)
+
+
+def test_pooling_keeps_the_class_token_out_of_the_grid():
+    tokens = torch.randn(2, 3, 1 + 2 * 4 * 4, 5)
+    seen = []
+
+    def pool(grid):
+        seen.append(grid.shape)
+        return grid[:, :, :, ::2, ::2] * 0 + 7
+
+    pooled, grid = pool_tokens(tokens, pool, (2, 4, 4))
+    assert seen == [(6, 5, 2, 4, 4)] and grid == (2, 2, 2)  # (batch x heads, channels, t, h, w): no class token
+    assert torch.equal(pooled[:, :, 0], tokens[:, :, 0]) and (pooled[:, :, 1:] == 7).all()
+
+
+@pytest.mark.parametrize("drop_path", [0.0, 0.2])
+def test_the_memory_model_counts_what_autograd_keeps(drop_path):
+    from vitrain.engine.autotune import _memory_check
+    from vitrain.models.memory import PRECISIONS
+
+    cfg = _model_cfg(image_size=32, num_frames=8, drop_path=drop_path)
+    model = build_model(cfg).train()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randn(3, 24, 32, 32))
+    counted = config_complexity(cfg).activations * 3 * 4  # fp32
+    assert 0.95 < counted / sum(kept.values()) < 1.05
+    # Autotune's memory check asks the same count: weights, gradients, AdamW's moments and these activations.
+    full = load_config(base={"model": {**TINY, "image_size": 32, "num_frames": 8}, "train": {"batch_size": 3}})
+    need = _memory_check(full, None)[1]("fp32")
+    per_param = sum(PRECISIONS["fp32"][:5])
+    cost = config_complexity(full.model)
+    assert need == cost.params * per_param + cost.activations * 3 * 4
 
 
 def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(tmp_path):
@@ -130,8 +206,10 @@ def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(t
     done = run_cli("eval", str(tmp_path / "runs" / "mvit"))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["val_video_top1"] == summary["val_video_top1"]
-    done = run_cli("estimate", "mvitv2_small", warnings="")  # as a user runs it
-    assert done.returncode == 2 and "MViTv2 (model.name=mvit)" in done.stderr and len(done.stderr.splitlines()) == 1
+    for estimate in (["mvitv2_small"], ["--from", "mvitv2_small"]):  # as a user runs it: one line, exit 2
+        done = run_cli("estimate", *estimate, warnings="")
+        assert done.returncode == 2 and "MViTv2 (model.name=mvit)" in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and "data.source=synthetic task.name=video" in done.stderr
     listed = run_cli("models").stdout
     assert "mvitv2_small" in listed and "34,999,144" in listed  # with the default 1000 classes
 

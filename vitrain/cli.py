@@ -536,7 +536,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
-    from vitrain.models.memory import breakdown, grid, largest, preset_models, table
+    from vitrain.models.memory import breakdown, grid, largest, mvit_refusal, preset_models, table
     from vitrain.models.plan import auto_wrap
 
     setting = {"strategy": "zero3", "wrap": "auto", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
@@ -581,10 +581,7 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
         if model.stages:
-            raise ConfigError(
-                f"vitrain estimate models vitrain's ViT and video ViT; {args.preset} is MViTv2 (model.name=mvit), "
-                f"whose stages it does not model: measure its peak with `vitrain bench run model.preset={args.preset}`"
-            )
+            raise ConfigError(mvit_refusal(args.preset))
         title = f"{args.preset}: memory per device with AdamW ({header})"
         body = breakdown(model, args.memory[0], devices=devices[0], **setting)
     print(title)

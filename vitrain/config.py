@@ -63,7 +63,7 @@ class ModelConfig:
     window_size: int = 14
     global_blocks: tuple[int, ...] = (2, 5, 8, 11)  # task.name=detection: the blocks that attend over the whole map
     drop_path: float = 0.0  # stochastic depth: the last block's drop rate (linear from 0)
-    dropout: float = 0.0  # dropout after the position embedding
+    dropout: float = 0.0  # dropout after the position embedding (mvit: before the classifier; its preset 0.5)
     init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
     # video_vit: frames of each clip the model sees (data.source=video samples this many); 1: an image model
     num_frames: int = 1
@@ -767,7 +767,8 @@ def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> Non
             base[k] = v
 
 
-PRESET_FIELDS = ("width", "depth", "heads", "mlp_dim", "patch_size", "image_size")  # what a model preset sets
+# What a model preset sets (stages: MViTv2's, empty for the others)
+PRESET_FIELDS = ("width", "depth", "heads", "mlp_dim", "patch_size", "image_size", "stages")
 VIDEO_PRESET_FIELDS = ("name", "num_frames", "tubelet_size", "pool", "pos_embed")  # and a video preset besides
 
 
@@ -784,8 +785,8 @@ def _apply_preset(raw: dict[str, Any]) -> None:
         raise ConfigError(f"model.preset={model['preset']} is not a known preset; {hint}")
     arch = {field: getattr(preset, field) for field in PRESET_FIELDS}
     if preset.stages:  # MViTv2: pooling attention over stages, classified from its class token
-        arch |= {"name": "mvit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size,
-                 "stages": preset.stages, "pool": "cls", "drop_path": 0.2}  # fmt: skip
+        arch |= {"name": "mvit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size, "pool": "cls",
+                 "drop_path": 0.2, "dropout": 0.5}  # fmt: skip
     elif preset.is_video:  # VideoMAE's choices; the model section may still override each
         arch |= {"name": "video_vit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size,
                  "pool": "gap", "pos_embed": "sincos"}  # fmt: skip

@@ -147,6 +147,11 @@ def check(cfg: Config) -> None:
         from vitrain.models.mvit import check as check_mvit
 
         check_mvit(m)
+        if cfg.data.min_size:
+            raise ConfigError(
+                f"data.min_size={cfg.data.min_size} trains on smaller inputs first; model.name=mvit pools grids built "
+                f"for model.image_size={m.image_size}: set data.min_size=0"
+            )
     elif m.stages:
         raise ConfigError(
             f"model.stages={list(m.stages)} are MViTv2's; model.name={m.name} is not it: set model.name=mvit, or leave "

@@ -200,6 +200,8 @@ def estimate(
             f"train.ema averages whole weights on every rank: it needs single, ddp or zero1, got {strategy}"
         )
     wrap = auto_wrap(strategy) if wrap == "auto" else wrap
+    if cfg.name == "mvit":
+        return _mvit_estimate(cfg, devices, strategy, ac, pipeline_stages, batch, precision, build, baseline_bytes, ema)
     w, g, o, m, mg, a = PRECISIONS[precision]
     sharded = strategy in ("zero2", "zero3")
     if sharded:
@@ -266,6 +268,47 @@ def estimate(
         baseline=baseline_bytes,
         master_gradients=master_gradients,
         # A deep copy of the model the optimizer steps (the fp32 master under amp_o2), in fp32 on its device.
+        ema=params * FP32 if ema else 0,
+    )
+
+
+def _mvit_estimate(
+    cfg: ModelConfig,
+    devices: int,
+    strategy: str,
+    ac: bool,
+    pipeline_stages: int,
+    batch: int,
+    precision: str,
+    build: str,
+    baseline_bytes: int,
+    ema: bool,
+) -> MemoryEstimate:
+    """MViTv2 (model.name=mvit) unsharded: its stages' exact parameters and the tensors a step keeps for backward
+    (vitrain/models/mvit.py counts both; autotune's memory check asks for this). Its blocks differ in size, so the
+    sharded, checkpointed and pipelined terms of `estimate` are not modelled for it."""
+    from vitrain.models.mvit import complexity as mvit_complexity
+
+    if strategy not in ("single", "ddp") or ac or pipeline_stages > 1:
+        raise ConfigError(
+            "the memory model counts MViTv2 (model.name=mvit) whole on each device, without activation "
+            f"checkpointing or pipeline stages (asked: strategy={strategy}, ac={ac}, pipeline_stages="
+            f"{pipeline_stages}); measure it with `vitrain bench run`"
+        )
+    w, g, o, m, mg, a = PRECISIONS[precision]
+    cost = mvit_complexity(cfg, batch)  # activations for the batch; parameters once
+    params = cost.params
+    return MemoryEstimate(
+        weights=params * w,
+        gradients=params * g,
+        optimizer=params * o,
+        master=params * m,
+        gathered=0,
+        activations=cost.activations * a,
+        host_bytes=0,
+        build=params * FP32 if build == "whole" else 0,
+        baseline=baseline_bytes,
+        master_gradients=params * mg,
         ema=params * FP32 if ema else 0,
     )
 
@@ -339,6 +382,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def mvit_refusal(preset: str) -> str:
+    """`vitrain estimate`'s one line for an MViTv2 preset, whose stages its tables do not model."""
+    return (
+        f"vitrain estimate models vitrain's ViT and video ViT; {preset} is MViTv2 (model.name=mvit), whose stages it "
+        f"does not model: measure it with `vitrain bench run model.preset={preset} data.source=synthetic "
+        "task.name=video train.batch_size=2`"
+    )
+
+
 def preset_models(first: str | None = None, **fields) -> dict[str, ModelConfig]:
     """Every preset's model by alias, with `fields` (e.g. image_size) replacing the preset's.
 
@@ -353,6 +405,8 @@ def preset_models(first: str | None = None, **fields) -> dict[str, ModelConfig]:
         start = find_preset(first)
         if start is None:
             raise ConfigError(f"preset {first} is unknown; `vitrain models` lists them")
+        if start.stages:
+            raise ConfigError(mvit_refusal(start.name))
         presets = [p for p in presets[presets.index(start) :] if p.is_video == start.is_video]
     return {
         p.alias: load_config(base={"model": {"preset": p.name, **{k: v for k, v in fields.items() if v}}}).model

@@ -269,14 +269,15 @@ def build_mvit(cfg: ModelConfig, embed_dim: int = 0) -> MViT:
 
 def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
     """Exact parameters and multiply-adds of the convolutions, linear layers and attention products (relative
-    positions included) of one forward pass; activations: the elements those layers and the scores produce."""
+    positions included) of one forward pass; activations: the elements a training step keeps for backward (what
+    the memory model counts; a max pool's int64 indices as two elements each)."""
     t, p, d = cfg.tubelet_size, cfg.patch_size, cfg.width
     kernel = (2 * t - 1) * (2 * p - 1) ** 2
     shapes = block_shapes(cfg)
     n0 = tokens(embed_grid(cfg)) - 1
     params = cfg.in_chans * kernel * d + d + d  # embedding conv and bias, class token
     macs = n0 * cfg.in_chans * kernel * d
-    acts = n0 * d
+    acts = cfg.in_chans * cfg.num_frames * cfg.image_size**2  # the clip, kept by the embedding
     for s in shapes:
         hd, heads = s.head_dim, s.heads
         n_in, n_q, n_kv = tokens(s.grid_in), tokens(s.grid_q), tokens(s.grid_kv)
@@ -289,21 +290,41 @@ def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
         macs += 27 * hd * heads * ((n_q - 1) + 2 * (n_kv - 1))
         macs += heads * (n_q - 1) * hd * (tk + hk + wk)  # relative positions: one product per axis
         macs += 2 * heads * n_q * n_kv * hd + n_q * s.dim_out * s.dim_out + 2 * n_q * s.dim_out * s.hidden
-        acts += n_in * 3 * s.dim_out + heads * (n_q + 2 * n_kv) * hd + heads * n_q * n_kv
-        acts += n_q * s.dim_out * 2 + n_q * (s.hidden + s.dim_out)
+        # The block's input and first norm; each pooling's input copy, its norm's input and output; the scaled
+        # queries, the softmax's output and the heads merged for the projection; the residual sum and the second
+        # norm; the MLP's hidden layer before and after GELU; with drop path, the two branches it scales.
+        acts += 2 * n_in * s.dim_in + 3 * (n_in - 1) * s.dim_out + 2 * (n_q + 2 * n_kv) * s.dim_out
+        acts += heads * n_q * n_kv + 2 * n_q * s.dim_out + 2 * n_q * s.dim_out + 2 * n_q * s.hidden
+        acts += 2 * n_q * s.dim_out if cfg.drop_path > 0 else 0
+        acts += 2 * (n_in + heads * (n_q + 2 * n_kv) + n_q)  # each LayerNorm's mean and inverse deviation per token
+        acts += (n_q - 1) * s.dim_out  # the queries the time axis's relative product reads, copied into its layout
         if s.dim_in != s.dim_out:
             params += s.dim_in * s.dim_out + s.dim_out
             macs += n_in * s.dim_in * s.dim_out
-            acts += n_in * s.dim_out
+        if s.q_stride > 1:  # the residual's max pool: its input copy and the indices of its maxima
+            acts += (n_in - 1) * s.dim_out + 2 * (n_q - 1) * s.dim_out
     last = shapes[-1].dim_out
     params += 2 * last + last * cfg.num_classes + cfg.num_classes
     macs += last * cfg.num_classes
-    acts += cfg.num_classes
+    acts += tokens(shapes[-1].grid_q) * (2 * last + 2)  # the final norm's input, output and statistics
     return Complexity(params, macs * batch_size, 2 * macs * batch_size, acts * batch_size)
 
 
 def check(m: ModelConfig) -> None:
     """What MViTv2 asks of the model section, one line per fault."""
+    for name in ("image_size", "patch_size", "in_chans", "num_classes", "width", "heads", "num_frames", "tubelet_size"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.mlp_dim is not None and m.mlp_dim <= 0:
+        raise ConfigError(f"model.mlp_dim={m.mlp_dim} must be positive (or null for 4 x width)")
+    for name in ("drop_path", "dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    if m.layout != "batch_first" or m.pos_embed != "learned" or m.patch_embed != "linear" or m.stem_channels:
+        raise ConfigError(
+            "model.name=mvit embeds clips with its own overlapping Conv3d and relative positions, batch first: leave "
+            "model.layout, pos_embed, patch_embed and stem_channels at their defaults"
+        )
     if not m.stages or any(n < 1 for n in m.stages):
         raise ConfigError(
             f"model.stages={list(m.stages)} must give each stage's blocks (MViTv2-S: [1, 2, 11, 2]); set "

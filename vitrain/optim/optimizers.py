@@ -44,8 +44,9 @@ def layer_id(name: str, num_layers: int) -> int:
 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
     """optim.name=muon orthogonalizes the transformer blocks' weight matrices; embeddings, stem, norms, biases and
-    the head keep AdamW (as in Jordan et al.: Muon is for the hidden layers' matrices)."""
-    return param.ndim == 2 and name.startswith("blocks.")
+    the head keep AdamW (as in Jordan et al.: Muon is for the hidden layers' matrices). Only layers' weights: a
+    block's other 2-D tensors (MViTv2's relative-position tables) are embeddings."""
+    return param.ndim == 2 and name.startswith("blocks.") and name.endswith(".weight")
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
