@@ -274,3 +274,10 @@ def test_the_weizmann_recipe_is_an_mvit_with_the_video_vits_data_and_budget():
     assert block_shapes(mvit.model)[0].grid_in == (4, 8, 8) and vit.model.num_patches == 4 * 8 * 8
     for section in ("data", "optim", "schedule", "train", "task"):
         assert getattr(mvit, section) == getattr(vit, section), section
+
+
+def test_the_bench_line_names_it_an_mvit():
+    from vitrain.bench.step import _model_label
+
+    label = _model_label(load_config(base={"model": TINY}))
+    assert label == "MViTv2 w16 h1 stages [1, 1, 1]/4x2 @ 4 frames x 16px"

@@ -212,7 +212,10 @@ def _time_steps(trainer, cfg: Config, steps: int, warmup: int, profile, peaks) -
 
 def _model_label(cfg: Config) -> str:
     m = cfg.model
-    name = m.preset or f"ViT w{m.width} d{m.depth} h{m.heads}"
+    if m.name == "mvit":  # MViTv2: its stages, from the first stage's width and heads
+        name = m.preset or f"MViTv2 w{m.width} h{m.heads} stages {list(m.stages)}"
+    else:
+        name = m.preset or f"ViT w{m.width} d{m.depth} h{m.heads}"
     if cfg.task.name == "detection":  # the ViTDet backbone: its window and global blocks decide its speed
         attention = f"window {m.window_size}, global {list(m.global_blocks)}" if m.window_size else "every block global"
         return f"ViTDet ({name}, {attention})/{m.patch_size} @ {m.image_size}px"
