@@ -281,3 +281,24 @@ def test_the_bench_line_names_it_an_mvit():
 
     label = _model_label(load_config(base={"model": TINY}))
     assert label == "MViTv2 w16 h1 stages [1, 1, 1]/4x2 @ 4 frames x 16px"
+
+
+def test_bf16_pooling_gradients_are_right_and_repeatable():
+    # torch 2.13's CPU bf16 depthwise Conv3d computes its weight gradient wrong (and differently each call) when
+    # its input has channels-last strides, as the heads' token grids permuted to (C, T, H, W) do; the pools copy
+    # them contiguous first. Without that copy this failed: errors near the gradients' own size, runs differing.
+    torch.manual_seed(0)
+    exact = build_model(_model_cfg(attention="manual")).double()
+    low = build_model(_model_cfg(attention="manual")).to(torch.bfloat16)
+    low.load_state_dict(exact.state_dict())
+    clips = torch.randn(4, 12, 16, 16, dtype=torch.float64)
+    exact(clips).sum().backward()
+    grads = []
+    for _ in range(3):
+        low.zero_grad()
+        low(clips.to(torch.bfloat16)).float().sum().backward()
+        grads.append({n: p.grad.double() for n, p in low.named_parameters() if ".conv." in n})
+    for name, grad in grads[0].items():
+        want = exact.get_parameter(name).grad
+        assert (grad - want).abs().max() <= 0.05 * want.abs().max(), name
+        assert all(torch.equal(grad, other[name]) for other in grads[1:]), name

@@ -98,7 +98,9 @@ def pool_tokens(x: torch.Tensor, pool: nn.Module, grid: Grid) -> tuple[torch.Ten
     """(B, H, 1 + T*Hg*Wg, C) tokens -> `pool` over their grid, the class token kept in front; and the new grid."""
     b, heads, _, c = x.shape
     cls, rest = x[:, :, :1], x[:, :, 1:]
-    rest = rest.reshape(b * heads, *grid, c).permute(0, 4, 1, 2, 3)
+    # Contiguous: torch 2.13's CPU bf16 depthwise Conv3d gets its weight gradient wrong (and different each call)
+    # from an input with channels-last strides, as this permuted grid has (tests/test_mvit.py).
+    rest = rest.reshape(b * heads, *grid, c).permute(0, 4, 1, 2, 3).contiguous()
     rest = pool(rest)
     new = (rest.shape[2], rest.shape[3], rest.shape[4])
     rest = rest.flatten(2).transpose(1, 2).reshape(b, heads, -1, c)
