@@ -65,6 +65,7 @@ def test_the_cli_trains_three_steps_and_evaluates_with_pictures(tmp_path: Path):
     assert weights.returncode == 0, weights.stderr[-2000:]
     # The exported config names the head's size (the recipe's num_classes said 1000 beside a 2-class head).
     assert "num_classes: 2\n" in (tmp_path / "weights" / "config.yaml").read_text()
+    assert json.loads((tmp_path / "weights" / "classes.json").read_text()) == ["cell", "dot"]  # by output index
     if importlib.util.find_spec("onnxscript") is None or importlib.util.find_spec("onnxruntime") is None:
         return  # the ONNX half needs the extra (pip install 'vitrain[onnx]'); CI installs it
     import onnxruntime
@@ -72,6 +73,7 @@ def test_the_cli_trains_three_steps_and_evaluates_with_pictures(tmp_path: Path):
     exported = run_cli("export", str(out / "run"), str(tmp_path / "onnx"), "--format", "onnx")
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert "max |" in exported.stdout and "difference|" in exported.stdout
+    assert json.loads((tmp_path / "onnx" / "classes.json").read_text()) == ["cell", "dot"]
     graph = str(tmp_path / "onnx" / "model.onnx")
     session = onnxruntime.InferenceSession(graph, providers=["CPUExecutionProvider"])
     points = sum((64 // stride) ** 2 for stride in (2, 4, 8, 16))  # patch 8: the pyramid's strides

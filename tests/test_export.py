@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,7 +16,7 @@ from vitrain.engine import Trainer
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import create_model
 from vitrain.parallel import unwrap
-from vitrain.weights import load_pretrained, timm_kwargs
+from vitrain.weights import export, load_pretrained, timm_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,18 @@ def test_export_writes_the_trained_weights_in_fp32(trained, tmp_path):
         assert state[name].dtype == torch.float32
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
     assert (tmp_path / "config.yaml").read_text().startswith("name: src")
+
+
+def test_export_writes_the_class_names_the_run_trained_on_and_an_overwrite_without_them_drops_the_file(
+    trained, tmp_path
+):
+    cfg, model, checkpoint = trained
+    _export(checkpoint, tmp_path, "vitrain")
+    names = json.loads((tmp_path / "classes.json").read_text())
+    assert names == ckpt.read_meta(checkpoint)["classes"] and len(names) == cfg.model.num_classes
+    assert all(isinstance(name, str) for name in names)
+    export(model, cfg, tmp_path, overwrite=True)  # the library's export of a model without names: none stay behind
+    assert not (tmp_path / "classes.json").exists() and (tmp_path / "model.safetensors").exists()
 
 
 def test_init_from_an_export_starts_from_its_weights(trained, tmp_path):

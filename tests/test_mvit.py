@@ -206,6 +206,9 @@ def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(t
     done = run_cli("eval", str(tmp_path / "runs" / "mvit"))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["val_video_top1"] == summary["val_video_top1"]
+    done = run_cli("export", str(tmp_path / "runs" / "mvit"), str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "classes.json").read_text()) == ["a", "b"]  # the clip folders' classes
     for estimate in (["mvitv2_small"], ["--from", "mvitv2_small"]):  # as a user runs it: one line, exit 2
         done = run_cli("estimate", *estimate, warnings="")
         assert done.returncode == 2 and "MViTv2 (model.name=mvit)" in done.stderr, done.stderr

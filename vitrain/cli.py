@@ -505,7 +505,7 @@ def _export(args: argparse.Namespace) -> int:
     from vitrain.engine.runs import class_names
     from vitrain.files import check_output_folder
     from vitrain.tasks import build_task
-    from vitrain.weights import EXPORT_FILES, export
+    from vitrain.weights import EXPORT_FILES, export, write_classes
 
     # Before a checkpoint is read (the library checks again for its own callers).
     check_output_folder(Path(args.out), args.overwrite, EXPORT_FILES[args.format], "export", CheckpointError)
@@ -523,11 +523,12 @@ def _export(args: argparse.Namespace) -> int:
     if built is not None and cfg.model.num_classes != len(built):  # detection: the data's classes sized the head
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(built)))
     if args.format != "onnx":
-        print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite))
+        print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite, classes=built))
         return 0
     from vitrain.onnx_export import export_checked
 
     onnx_file, parity = export_checked(model, cfg, Path(args.out), args.overwrite, args.tolerance)
+    write_classes(Path(args.out), built)
     print(onnx_file)
     print(parity.line() if parity else "onnxruntime is not installed: the graph was not checked against PyTorch "
           "(pip install 'vitrain[onnx]')")  # fmt: skip

@@ -4,6 +4,7 @@ imports."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -34,11 +35,24 @@ def without_protocol_note() -> Iterator[None]:
 
 WEIGHTS_FILE = "model.safetensors"
 # Every file an export of each format writes into its folder: an existing one is replaced only with --overwrite.
+CLASSES_FILE = "classes.json"  # the class names, by output index, where the run's data named them
 EXPORT_FILES = {
-    "vitrain": (WEIGHTS_FILE, "config.yaml"),
-    "timm": (WEIGHTS_FILE, "config.yaml", "timm.json"),
-    "onnx": ONNX_FILES,
+    "vitrain": (WEIGHTS_FILE, "config.yaml", CLASSES_FILE),
+    "timm": (WEIGHTS_FILE, "config.yaml", "timm.json", CLASSES_FILE),
+    "onnx": (*ONNX_FILES, CLASSES_FILE),
 }
+
+
+def write_classes(out_dir: Path, classes: list[str] | None) -> None:
+    """OUT/classes.json: the names of the outputs' classes in index order; with none, an earlier export's file is
+    removed (an --overwrite must not leave another model's names beside these weights)."""
+    path = Path(out_dir) / CLASSES_FILE
+    if classes:
+        atomic_write(path, (json.dumps(list(classes), indent=1, ensure_ascii=False) + "\n").encode())
+    else:
+        path.unlink(missing_ok=True)
+
+
 # Sub-keys under which training scripts (timm's included) nest a state dict in .pt/.pth files.
 _NESTED_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
 
@@ -86,14 +100,20 @@ def timm_mlp_ratio(width: int, mlp_dim: int) -> float:
 
 
 def export(
-    model: nn.Module, cfg: Config, out_dir: Path, fmt: str = "vitrain", overwrite: bool = False, tolerance: float = 1e-4
+    model: nn.Module,
+    cfg: Config,
+    out_dir: Path,
+    fmt: str = "vitrain",
+    overwrite: bool = False,
+    tolerance: float = 1e-4,
+    classes: list[str] | None = None,
 ) -> Path:
     """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm); for onnx,
-    OUT/model.onnx checked by onnxruntime to `tolerance` (vitrain/onnx_export.py) plus OUT/config.yaml.
+    OUT/model.onnx checked by onnxruntime to `tolerance` (vitrain/onnx_export.py) plus OUT/config.yaml. `classes`:
+    the outputs' class names in index order, written to OUT/classes.json (a run's checkpoint keeps them).
 
     An OUT that is a file, or that already holds an export (without `overwrite`), or that cannot be written is
     refused in one line before anything is written; each file appears whole or not at all."""
-    import json
 
     from safetensors.torch import save_file
 
@@ -103,7 +123,9 @@ def export(
     if fmt == "onnx":
         from vitrain.onnx_export import export_checked
 
-        return export_checked(model, cfg, Path(out_dir), overwrite, tolerance)[0]
+        path = export_checked(model, cfg, Path(out_dir), overwrite, tolerance)[0]
+        write_classes(Path(out_dir), classes)
+        return path
     if fmt == "timm" and cfg.model.name.startswith("timm:"):
         raise CheckpointError(
             f"export --format timm renames vitrain's ViT; model.name={cfg.model.name} is timm's own model, whose "
@@ -145,6 +167,7 @@ def export(
         atomic_write(out_dir / "config.yaml", to_yaml(cfg).encode())
         if fmt == "timm":
             atomic_write(out_dir / "timm.json", timm_json.encode())
+        write_classes(out_dir, classes)
     except OSError as error:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(

@@ -375,8 +375,8 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
         "is_best": is_best,
         "wall_s": trainer.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
         "setup_s": trainer.setup_s,
-        # A task whose data names its classes (detection: the annotations' categories size the head): export builds
-        # the model from these without reading the data.
+        # A task whose data names its classes: export writes them beside the weights (classes.json), and builds a
+        # model whose head the data sized (detection: the annotations' categories) without reading the data.
         **({"classes": list(names)} if (names := class_names(trainer.task)) else {}),
     }
 

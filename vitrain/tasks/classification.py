@@ -31,9 +31,11 @@ class ClassificationTask:
         self.model = model  # a module or factory from the library caller; None: the one model.name names
         self.data = data  # (train, val) datasets or a function of the config making them; None: data.source's
         self.val_loader: Any = None
+        self.classes: list[str] | None = None  # the training data's class names (checkpoints and exports keep them)
 
     def build_data(self, device: torch.device, rank: int, world_size: int) -> Any:
         train, self.val_loader = build_loaders(self.cfg, device, rank, world_size, self.data)
+        self.classes = getattr(train.data, "classes", None)
         return train
 
     def build_model(self) -> nn.Module:

@@ -40,6 +40,7 @@ class VideoTask:
         self.data = data  # (train, val) clip sets or a function of the config making them; None: data.source's
         self.val_loader: Any = None
         self.baseline: dict[str, Any] | None = None  # task.baseline_run's accuracy
+        self.classes: list[str] | None = None  # the training clips' class names (checkpoints and exports keep them)
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -61,6 +62,7 @@ class VideoTask:
         train, self.val_loader = build_loaders(self.cfg, device, rank, world_size, self.data)
         if not hasattr(self.val_loader.data, "video_of"):
             raise DataError("task.name=video needs clip sets (video_of, videos) from data.source=video or shards")
+        self.classes = getattr(train.data, "classes", None)
         return train
 
     def _baseline(self) -> dict[str, Any] | None:
