@@ -196,8 +196,8 @@ def test_export_never_replaces_an_export_without_overwrite(trained, tmp_path, ca
     before = snapshot(out)
     line = error_line(capsys, ["export", str(trained), str(out)])
     assert line == (
-        f"export: {out} already holds model.safetensors, config.yaml; pass --overwrite to replace them or choose "
-        "another folder"
+        f"export: {out} already holds model.safetensors, config.yaml, classes.json; pass --overwrite to replace them "
+        "or choose another folder"
     )
     assert snapshot(out) == before
     assert main(["export", str(trained), str(out), "--overwrite"]) == 0
