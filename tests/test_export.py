@@ -53,6 +53,12 @@ def test_export_writes_the_class_names_the_run_trained_on_and_an_overwrite_witho
     assert all(isinstance(name, str) for name in names)
     export(model, cfg, tmp_path, overwrite=True)  # the library's export of a model without names: none stay behind
     assert not (tmp_path / "classes.json").exists() and (tmp_path / "model.safetensors").exists()
+    mine = tmp_path / "onnx" / "classes.json"  # a file of that name is not replaced (or removed) without overwrite
+    mine.parent.mkdir()
+    mine.write_text("mine")
+    with pytest.raises(CheckpointError, match="already holds classes.json; pass --overwrite"):
+        export(model, cfg, mine.parent, "onnx")
+    assert mine.read_text() == "mine"
 
 
 def test_init_from_an_export_starts_from_its_weights(trained, tmp_path):

@@ -34,8 +34,8 @@ def without_protocol_note() -> Iterator[None]:
 
 
 WEIGHTS_FILE = "model.safetensors"
-# Every file an export of each format writes into its folder: an existing one is replaced only with --overwrite.
 CLASSES_FILE = "classes.json"  # the class names, by output index, where the run's data named them
+# Every file an export of each format writes into its folder: an existing one is replaced only with --overwrite.
 EXPORT_FILES = {
     "vitrain": (WEIGHTS_FILE, "config.yaml", CLASSES_FILE),
     "timm": (WEIGHTS_FILE, "config.yaml", "timm.json", CLASSES_FILE),
@@ -123,6 +123,7 @@ def export(
     if fmt == "onnx":
         from vitrain.onnx_export import export_checked
 
+        check_output_folder(Path(out_dir), overwrite, EXPORT_FILES[fmt], "export", CheckpointError)  # classes.json too
         path = export_checked(model, cfg, Path(out_dir), overwrite, tolerance)[0]
         write_classes(Path(out_dir), classes)
         return path
