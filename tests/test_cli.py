@@ -150,3 +150,19 @@ def test_a_warning_says_whose_it_is_in_one_line(capsys):
         "vitrain: warning from torch (FutureWarning): `x` is deprecated",  # it read as vitrain's own
         "vitrain: warning: model.width=100 is not a multiple of 8",
     ]
+
+
+def test_eval_reads_a_relative_data_path_where_the_run_trained_unless_the_command_line_gives_it(tmp_path):
+    from vitrain.config import load_config
+    from vitrain.engine.runs import from_training_folder
+
+    (tmp_path / "trained" / "frames-of-this-test").mkdir(parents=True)
+    cfg = load_config(overrides=["data.source=folder", "data.root=frames-of-this-test", "data.val_root=pipe:cat x.tar"])
+    meta = {"cwd": str(tmp_path / "trained")}
+    moved, lines = from_training_folder(cfg, meta, set())
+    assert (
+        moved.data.root == str(tmp_path / "trained" / "frames-of-this-test") and moved.data.val_root == "pipe:cat x.tar"
+    )
+    assert lines == [f"data.root=frames-of-this-test read from the folder the run trained in: {moved.data.root}"]
+    assert from_training_folder(cfg, meta, {"data.root"}) == (cfg, [])  # the command line's value is relative to here
+    assert from_training_folder(cfg, {}, set()) == (cfg, [])  # a checkpoint from before meta kept its folder

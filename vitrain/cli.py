@@ -442,6 +442,7 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.data import build_loaders
     from vitrain.device import resolve_device
     from vitrain.engine.protocol import load_model_weights
+    from vitrain.engine.runs import from_training_folder
     from vitrain.files import check_output_path
     from vitrain.tasks import build_task
     from vitrain.tasks.evaluate import evaluate
@@ -452,6 +453,10 @@ def _eval(args: argparse.Namespace) -> int:
     meta = ckpt.read_meta(path)
     # The checkpoint's config names no code or command the command line does not (vitrain/trust.py).
     cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE)
+    given = {item.split("=", 1)[0].strip() for item in args.overrides}
+    cfg, moved = from_training_folder(cfg, meta, given)  # a relative data.root, read where the run trained
+    for line in moved:
+        print(f"vitrain: {line}", file=sys.stderr)
     device = resolve_device(cfg.train.device)
     model = build_task(cfg).build_model()
     # whichever engine wrote it: DCP shards or DeepSpeed's partitions (one the config did not pass is refused)

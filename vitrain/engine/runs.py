@@ -375,10 +375,36 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
         "is_best": is_best,
         "wall_s": trainer.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
         "setup_s": trainer.setup_s,
+        "cwd": os.getcwd(),  # where relative data paths were read from (`vitrain eval` reads them there too)
         # A task whose data names its classes: export writes them beside the weights (classes.json), and builds a
         # model whose head the data sized (detection: the annotations' categories) without reading the data.
         **({"classes": list(names)} if (names := class_names(trainer.task)) else {}),
     }
+
+
+DATA_PATHS = ("root", "val_root", "shard_index")  # the data section's paths a relative value may be given for
+
+
+def from_training_folder(cfg: Config, meta: Mapping[str, Any], given: set[str]) -> tuple[Config, list[str]]:
+    """The checkpoint's config with each relative data path that does not exist here, but does under the folder the
+    run trained from (meta.json's `cwd`), read from there; and a line for each. Keys in `given` (set on the command
+    line: relative to here) stay as they are, as does anything that names no file here or there (a shard pattern,
+    a `pipe:` command)."""
+    folder = meta.get("cwd")
+    if not isinstance(folder, str) or not folder:
+        return cfg, []
+    moved: dict[str, str] = {}
+    for key in DATA_PATHS:
+        value = getattr(cfg.data, key)
+        if not value or f"data.{key}" in given or value.startswith("pipe:") or Path(value).expanduser().is_absolute():
+            continue
+        there = Path(folder) / value
+        if not Path(value).exists() and there.exists():
+            moved[key] = str(there)
+    if not moved:
+        return cfg, []
+    lines = [f"data.{k}={getattr(cfg.data, k)} read from the folder the run trained in: {v}" for k, v in moved.items()]
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **moved)), lines
 
 
 def class_names(holder: Any) -> list[str] | None:
