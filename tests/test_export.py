@@ -50,7 +50,12 @@ def test_export_writes_the_class_names_the_run_trained_on_and_an_overwrite_witho
     _export(checkpoint, tmp_path, "vitrain")
     names = json.loads((tmp_path / "classes.json").read_text())
     assert names == ckpt.read_meta(checkpoint)["classes"] and len(names) == cfg.model.num_classes
-    assert all(isinstance(name, str) for name in names)
+    for bad, why in ((names[:1], "1 names for model.num_classes"), ("cats", "give a list of class names")):
+        with pytest.raises(ConfigError, match=why):  # refused before a file is touched
+            export(model, cfg, tmp_path, overwrite=True, classes=bad)
+    assert json.loads((tmp_path / "classes.json").read_text()) == names
+    export(model, cfg, tmp_path, overwrite=True, classes=["caf\udce9", *names[1:]])  # a name no UTF-8 encodes
+    assert json.loads((tmp_path / "classes.json").read_text())[0] == "caf\udce9"
     export(model, cfg, tmp_path, overwrite=True)  # the library's export of a model without names: none stay behind
     assert not (tmp_path / "classes.json").exists() and (tmp_path / "model.safetensors").exists()
     mine = tmp_path / "onnx" / "classes.json"  # a file of that name is not replaced (or removed) without overwrite

@@ -470,3 +470,29 @@ def test_every_import_path_and_command_a_saved_config_names_is_in_the_one_line()
         "(pipe:cat x.tar); vitrain imports no code and runs no command a checkpoint or run folder names: give "
         "model.name=a_mod:Model data.root=pipe:cat x.tar on the command line if you trust it"
     )
+
+
+def test_a_relative_shard_list_read_from_the_training_folder_is_checked_there_too(tmp_path, step_dir, capsys):
+    # eval reads a relative data.root from meta.json's `cwd` when it names nothing here; the pipe: line in the list
+    # file there is refused as an absolute path's is (it ran before the moved path was checked again).
+    proof = tmp_path / "ran"
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    shard_list(shipped, proof)  # shipped/shards.txt: a shard, then "pipe:touch ran ..."
+    hand_over(step_dir, data__source="shards", data__root="shards.txt", data__val_fraction=0.5, cwd=str(shipped))
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    cwd = os.getcwd()
+    os.chdir(here)
+    try:
+        code, line = cli_line(capsys, "eval", str(step_dir))
+    finally:
+        os.chdir(cwd)
+    assert code == 2 and "pipe:" in line and not proof.exists()
+    hand_over(step_dir, cwd="shipped")  # a relative `cwd` (meta.json is anyone's to edit) is not followed at all
+    os.chdir(tmp_path)
+    try:
+        code, line = cli_line(capsys, "eval", str(step_dir))
+    finally:
+        os.chdir(cwd)
+    assert code == 2 and not proof.exists()

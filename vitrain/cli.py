@@ -442,10 +442,11 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.data import build_loaders
     from vitrain.device import resolve_device
     from vitrain.engine.protocol import load_model_weights
-    from vitrain.engine.runs import from_training_folder
+    from vitrain.engine.runs import DATA_PATHS, from_training_folder
     from vitrain.files import check_output_path
     from vitrain.tasks import build_task
     from vitrain.tasks.evaluate import evaluate
+    from vitrain.trust import check_config
 
     if args.out:  # face verification and detection reports: a folder, checked before the checkpoint loads
         check_output_path(Path(args.out), "--out", folder=True)
@@ -455,6 +456,8 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE)
     given = {item.split("=", 1)[0].strip() for item in args.overrides}
     cfg, moved = from_training_folder(cfg, meta, given)  # a relative data.root, read where the run trained
+    if moved:  # the moved paths name files the check above could not read from here: checked again, there
+        check_config({"data": {key: getattr(cfg.data, key) for key in DATA_PATHS}}, path / ckpt.META_FILE)
     for line in moved:
         print(f"vitrain: {line}", file=sys.stderr)
     device = resolve_device(cfg.train.device)
@@ -525,8 +528,11 @@ def _export(args: argparse.Namespace) -> int:
     model = task.build_model()  # a face model exports its embedding backbone (the neck included)
     load_model_weights(path, model, trusted_values(cfg))  # native (DCP) or DeepSpeed checkpoints
     built = class_names(task)
-    if built is not None and cfg.model.num_classes != len(built):  # detection: the data's classes sized the head
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(built)))
+    if built is not None and cfg.model.num_classes != len(built):
+        if cfg.task.name == "detection":  # the data's classes sized the head
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(built)))
+        else:  # names that do not fit the head (a hand-edited meta.json): none are written
+            built = None
     if args.format != "onnx":
         print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite, classes=built))
         return 0

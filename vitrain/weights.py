@@ -47,8 +47,8 @@ def write_classes(out_dir: Path, classes: list[str] | None) -> None:
     """OUT/classes.json: the names of the outputs' classes in index order; with none, an earlier export's file is
     removed (an --overwrite must not leave another model's names beside these weights)."""
     path = Path(out_dir) / CLASSES_FILE
-    if classes:
-        atomic_write(path, (json.dumps(list(classes), indent=1, ensure_ascii=False) + "\n").encode())
+    if classes:  # ASCII with escapes: any name a file system or annotation file gave encodes
+        atomic_write(path, (json.dumps(list(classes), indent=1) + "\n").encode())
     else:
         path.unlink(missing_ok=True)
 
@@ -118,6 +118,7 @@ def export(
     from safetensors.torch import save_file
 
     _check_arguments(model, cfg, out_dir)
+    _check_classes(classes, cfg)
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format {fmt} is unknown; choose one of: {', '.join(FORMATS)}")
     if fmt == "onnx":
@@ -175,6 +176,19 @@ def export(
             f"export: cannot write to {out_dir} ({error.strerror}); choose a writable folder"
         ) from None
     return path
+
+
+def _check_classes(classes: Any, cfg: Config) -> None:
+    """export's `classes`: None, or one name (str) per class of the model's head, before anything is written."""
+    if classes is None:
+        return
+    if not isinstance(classes, list | tuple) or not all(isinstance(c, str) for c in classes):
+        raise ConfigError(f"export(..., classes=): give a list of class names (str), not {_what(classes)}")
+    if cfg.task.name != "face" and len(classes) != cfg.model.num_classes:
+        raise ConfigError(
+            f"export(..., classes=): {len(classes)} names for model.num_classes={cfg.model.num_classes} outputs; give "
+            "one name per class, in the head's order"
+        )
 
 
 def _check_arguments(model: Any, cfg: Any, out_dir: Any) -> None:

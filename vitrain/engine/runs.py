@@ -375,11 +375,19 @@ def checkpoint_meta(trainer: Trainer, is_best: bool = False) -> dict[str, Any]:
         "is_best": is_best,
         "wall_s": trainer.wall_s(),  # the run's wall clock continues from here on resume (train.time_limit_s)
         "setup_s": trainer.setup_s,
-        "cwd": os.getcwd(),  # where relative data paths were read from (`vitrain eval` reads them there too)
+        **_working_folder(),  # where relative data paths were read from (`vitrain eval` reads them there too)
         # A task whose data names its classes: export writes them beside the weights (classes.json), and builds a
         # model whose head the data sized (detection: the annotations' categories) without reading the data.
         **({"classes": list(names)} if (names := class_names(trainer.task)) else {}),
     }
+
+
+def _working_folder() -> dict[str, str]:
+    """{"cwd": the process's working folder}, or nothing where it cannot be read (removed while the run trains)."""
+    try:
+        return {"cwd": os.getcwd()}
+    except OSError:
+        return {}
 
 
 DATA_PATHS = ("root", "val_root", "shard_index")  # the data section's paths a relative value may be given for
@@ -391,16 +399,19 @@ def from_training_folder(cfg: Config, meta: Mapping[str, Any], given: set[str]) 
     line: relative to here) stay as they are, as does anything that names no file here or there (a shard pattern,
     a `pipe:` command)."""
     folder = meta.get("cwd")
-    if not isinstance(folder, str) or not folder:
+    if not isinstance(folder, str) or not os.path.isabs(folder):  # meta.json is anyone's to edit: absolute only
         return cfg, []
     moved: dict[str, str] = {}
     for key in DATA_PATHS:
         value = getattr(cfg.data, key)
-        if not value or f"data.{key}" in given or value.startswith("pipe:") or Path(value).expanduser().is_absolute():
+        if not value or f"data.{key}" in given or value.startswith(("pipe:", "~")) or os.path.isabs(value):
             continue
         there = Path(folder) / value
-        if not Path(value).exists() and there.exists():
-            moved[key] = str(there)
+        try:
+            if not Path(value).exists() and there.exists():
+                moved[key] = str(there)
+        except OSError:  # a folder this user may not enter, a name too long: left to the loader's own line
+            continue
     if not moved:
         return cfg, []
     lines = [f"data.{k}={getattr(cfg.data, k)} read from the folder the run trained in: {v}" for k, v in moved.items()]
