@@ -159,10 +159,16 @@ def test_eval_reads_a_relative_data_path_where_the_run_trained_unless_the_comman
     (tmp_path / "trained" / "frames-of-this-test").mkdir(parents=True)
     cfg = load_config(overrides=["data.source=folder", "data.root=frames-of-this-test", "data.val_root=pipe:cat x.tar"])
     meta = {"cwd": str(tmp_path / "trained")}
-    moved, lines = from_training_folder(cfg, meta, set())
+    moved, lines = from_training_folder(cfg, meta, set(), tmp_path / "meta.json")
     assert (
         moved.data.root == str(tmp_path / "trained" / "frames-of-this-test") and moved.data.val_root == "pipe:cat x.tar"
     )
     assert lines == [f"data.root=frames-of-this-test read from the folder the run trained in: {moved.data.root}"]
-    assert from_training_folder(cfg, meta, {"data.root"}) == (cfg, [])  # the command line's value is relative to here
-    assert from_training_folder(cfg, {}, set()) == (cfg, [])  # a checkpoint from before meta kept its folder
+    assert from_training_folder(cfg, meta, {"data.root"}, tmp_path / "meta.json") == (
+        cfg,
+        [],
+    )  # the command line's value is relative to here
+    assert from_training_folder(cfg, {}, set(), tmp_path / "meta.json") == (
+        cfg,
+        [],
+    )  # a checkpoint from before meta kept its folder

@@ -442,11 +442,10 @@ def _eval(args: argparse.Namespace) -> int:
     from vitrain.data import build_loaders
     from vitrain.device import resolve_device
     from vitrain.engine.protocol import load_model_weights
-    from vitrain.engine.runs import DATA_PATHS, from_training_folder
+    from vitrain.engine.runs import from_training_folder
     from vitrain.files import check_output_path
     from vitrain.tasks import build_task
     from vitrain.tasks.evaluate import evaluate
-    from vitrain.trust import check_config
 
     if args.out:  # face verification and detection reports: a folder, checked before the checkpoint loads
         check_output_path(Path(args.out), "--out", folder=True)
@@ -455,9 +454,7 @@ def _eval(args: argparse.Namespace) -> int:
     # The checkpoint's config names no code or command the command line does not (vitrain/trust.py).
     cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE)
     given = {item.split("=", 1)[0].strip() for item in args.overrides}
-    cfg, moved = from_training_folder(cfg, meta, given)  # a relative data.root, read where the run trained
-    if moved:  # the moved paths name files the check above could not read from here: checked again, there
-        check_config({"data": {key: getattr(cfg.data, key) for key in DATA_PATHS}}, path / ckpt.META_FILE)
+    cfg, moved = from_training_folder(cfg, meta, given, path / ckpt.META_FILE)  # relative data read where it trained
     for line in moved:
         print(f"vitrain: {line}", file=sys.stderr)
     device = resolve_device(cfg.train.device)

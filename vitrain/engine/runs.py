@@ -28,6 +28,7 @@ from vitrain.files import atomic_write, folder_problem
 from vitrain.parallel import broadcast_object
 from vitrain.parallel.distributed import RUN_DIR_KEY, all_or_none, launch_store, restart_count
 from vitrain.parallel.pipeline import pipeline_ranks
+from vitrain.trust import check_config
 from vitrain.weights import WEIGHTS_FILE
 
 if TYPE_CHECKING:
@@ -393,11 +394,14 @@ def _working_folder() -> dict[str, str]:
 DATA_PATHS = ("root", "val_root", "shard_index")  # the data section's paths a relative value may be given for
 
 
-def from_training_folder(cfg: Config, meta: Mapping[str, Any], given: set[str]) -> tuple[Config, list[str]]:
+def from_training_folder(
+    cfg: Config, meta: Mapping[str, Any], given: set[str], where: Path
+) -> tuple[Config, list[str]]:
     """The checkpoint's config with each relative data path that does not exist here, but does under the folder the
     run trained from (meta.json's `cwd`), read from there; and a line for each. Keys in `given` (set on the command
     line: relative to here) stay as they are, as does anything that names no file here or there (a shard pattern,
-    a `pipe:` command)."""
+    a `pipe:` command). The moved paths name files the trust check of the config at `where` could not read from
+    here: they are checked again where they now point (vitrain/trust.py)."""
     folder = meta.get("cwd")
     if not isinstance(folder, str) or not os.path.isabs(folder):  # meta.json is anyone's to edit: absolute only
         return cfg, []
@@ -414,6 +418,7 @@ def from_training_folder(cfg: Config, meta: Mapping[str, Any], given: set[str]) 
             continue
     if not moved:
         return cfg, []
+    check_config({"data": moved}, where)
     lines = [f"data.{k}={getattr(cfg.data, k)} read from the folder the run trained in: {v}" for k, v in moved.items()]
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **moved)), lines
 

@@ -29,7 +29,7 @@ from torch import nn
 from vitrain.config import ModelConfig
 from vitrain.errors import ConfigError
 from vitrain.models.plan import ParallelPlan, fp32_layers
-from vitrain.models.vit import Complexity, DropPath, Mlp
+from vitrain.models.vit import Complexity, DropPath, Mlp, check_positive, check_rates
 
 Grid = tuple[int, int, int]  # (time, height, width) of a token map
 
@@ -314,14 +314,12 @@ def complexity(cfg: ModelConfig, batch_size: int = 1) -> Complexity:
 
 def check(m: ModelConfig) -> None:
     """What MViTv2 asks of the model section, one line per fault."""
-    for name in ("image_size", "patch_size", "in_chans", "num_classes", "width", "heads", "num_frames", "tubelet_size"):
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    check_positive(
+        m, ("image_size", "patch_size", "in_chans", "num_classes", "width", "heads", "num_frames", "tubelet_size")
+    )
     if m.mlp_dim is not None and m.mlp_dim <= 0:
         raise ConfigError(f"model.mlp_dim={m.mlp_dim} must be positive (or null for 4 x width)")
-    for name in ("drop_path", "dropout"):
-        if not 0.0 <= getattr(m, name) < 1.0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    check_rates(m)
     if m.layout != "batch_first" or m.pos_embed != "learned" or m.patch_embed != "linear" or m.stem_channels:
         raise ConfigError(
             "model.name=mvit embeds clips with its own overlapping Conv3d and relative positions, batch first: leave "

@@ -461,11 +461,23 @@ def count_parameters(model: nn.Module) -> int:
     return sum(t.numel() for t in model.parameters())
 
 
-def check_vit(m: ModelConfig) -> None:
-    """Reject a ViT architecture that cannot be built, with one line that says how to fix it."""
-    for name in ("image_size", "patch_size", "in_chans", "num_classes", "width", "depth", "heads"):
+def check_positive(m: ModelConfig, names: tuple[str, ...]) -> None:
+    """Each of the model section's `names` above 0, else one line naming the first that is not."""
+    for name in names:
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+
+
+def check_rates(m: ModelConfig) -> None:
+    """model.drop_path and model.dropout in [0, 1), else one line naming the first that is not."""
+    for name in ("drop_path", "dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+
+
+def check_vit(m: ModelConfig) -> None:
+    """Reject a ViT architecture that cannot be built, with one line that says how to fix it."""
+    check_positive(m, ("image_size", "patch_size", "in_chans", "num_classes", "width", "depth", "heads"))
     if m.width % m.heads:
         raise ConfigError(
             f"model.width={m.width} is not divisible by model.heads={m.heads}; "
@@ -500,6 +512,4 @@ def check_vit(m: ModelConfig) -> None:
         )
     if m.pos_embed == "sincos" and (m.width // 2) % 2:
         raise ConfigError(f"model.pos_embed=sincos needs model.width divisible by 4, got {m.width}")
-    for name in ("drop_path", "dropout"):
-        if not 0.0 <= getattr(m, name) < 1.0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    check_rates(m)
