@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.conftest import run_cli
 from tests.distributed_helpers import losses, run_two_ranks, tiny_config, whole_and_resumed
 from tests.video_helpers import make_clip_tree
 from vitrain.config import CONFIG_DIR, load_config
-from vitrain.errors import ConfigError
+from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models import build_model, config_complexity, count_parameters, plan_of
 from vitrain.models.mvit import MultiscaleBlock, block_shapes, offsets, pool_tokens
+from vitrain.weights import load_pretrained
 
 # A tiny MViT: 4-frame clips of 16 px in 3x7x7 / 2x4x4 tubes (a 2x4x4 grid), three stages of one block each.
 TINY = {"name": "mvit", "stages": [1, 1, 1], "depth": 3, "width": 16, "heads": 1, "mlp_dim": 64, "patch_size": 4,
@@ -306,3 +309,101 @@ def test_bf16_pooling_gradients_are_right_and_repeatable():
         want = exact.get_parameter(name).grad
         assert (grad - want).abs().max() <= 0.05 * want.abs().max(), name
         assert all(torch.equal(grad, other[name]) for other in grads[1:]), name
+
+
+# torchvision's MViTv2 names for vitrain's (torchvision/models/video/mvit.py, as its mvit_v2_s weights file has them),
+# written out here apart from vitrain's own table, so that a wrong entry there shows.
+def _torchvision_name(key: str) -> str:
+    swaps = [("patch_embed.", "conv_proj."), ("cls_token", "pos_encoding.class_token"), ("head.", "head.1."),
+             (".attn.proj.", ".attn.project.0."), (".conv.", ".pool."), (".mlp.fc1.", ".mlp.0."),
+             (".mlp.fc2.", ".mlp.3.")]  # fmt: skip
+    swaps += [(f".attn.pool_{x}.norm.", f".attn.pool_{x}.norm_act.0.") for x in "qkv"]
+    for mine, theirs in swaps:
+        if key.startswith(mine) or (mine.startswith(".") and mine in key):
+            key = key.replace(mine, theirs, 1)
+    return key
+
+
+def _torchvision_file(model, path):
+    state = {_torchvision_name(k): v.clone() for k, v in model.state_dict().items()}
+    state["pos_encoding.class_token"] = state["pos_encoding.class_token"].reshape(-1)  # a vector in torchvision's
+    torch.save(state, path)
+    return state
+
+
+def test_torchvision_weights_start_it_under_their_own_names(tmp_path):
+    torch.manual_seed(0)
+    source = build_model(_model_cfg()).eval()
+    state = _torchvision_file(source, tmp_path / "mvit_v2_s.pth")
+    assert "blocks.1.attn.pool_k.norm_act.0.weight" in state and "blocks.1.project.weight" in state
+    model = build_model(_model_cfg(init_from=str(tmp_path / "mvit_v2_s.pth"))).eval()  # the config takes it now
+    load_pretrained(model, tmp_path / "mvit_v2_s.pth")
+    clips = torch.randn(2, 12, 16, 16)
+    assert torch.equal(model(clips), source(clips))
+    with pytest.warns(UserWarning, match="its head has 2 classes, this model 5; the head starts from scratch"):
+        load_pretrained(build_model(_model_cfg(num_classes=5)), tmp_path / "mvit_v2_s.pth")  # fine-tuning to 5
+
+
+def test_tables_trained_on_another_clip_size_are_resampled_as_torchvision_runs_them(tmp_path):
+    # Trained at 32 px (8x8 grid) and loaded at 16 px: the height and width tables shrink by linear interpolation
+    # (align_corners off), the time table too where the clip has fewer frames.
+    torch.manual_seed(0)
+    source = build_model(_model_cfg(image_size=32, num_frames=8))
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    ramp = torch.arange(15.0)[:, None].repeat(1, 16)  # row i holds i: a resampled row holds where it was read
+    state["blocks.0.attn.rel_pos_h"] = ramp
+    save_file(state, str(tmp_path / "w.safetensors"))
+    model = build_model(_model_cfg())
+    load_pretrained(model, tmp_path / "w.safetensors")
+    table = model.blocks[0].attn.rel_pos_h  # 15 rows -> 7: row j reads position (j + 0.5) * 15 / 7 - 0.5
+    want = torch.tensor([(j + 0.5) * 15 / 7 - 0.5 for j in range(7)])
+    assert table.shape == (7, 16) and torch.allclose(table[:, 3], want, atol=1e-5)
+    assert source.blocks[0].attn.rel_pos_t.shape[0] == 7 and model.blocks[0].attn.rel_pos_t.shape[0] == 3
+    others = {k: v for k, v in model.state_dict().items() if ".rel_pos_" not in k}
+    assert all(torch.equal(v, state[k]) for k, v in others.items())
+
+
+def test_torchvision_computes_what_vitrain_computes_with_its_weights_on_other_clip_sizes(tmp_path, monkeypatch):
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed (pip install 'vitrain[peers]')")
+    from vitrain.models import external
+
+    external.allow_torchvision_import()
+    import torchvision.models.video.mvit as tv
+
+    torch.manual_seed(0)
+    kinetics = tv.mvit_v2_s().state_dict()  # 16 frames of 224 px; its tables start at zero: filled here
+    kinetics = {k: torch.randn_like(v) * (0.05 if v.ndim > 1 else 0.1) for k, v in kinetics.items()}
+    torch.save(kinetics, tmp_path / "mvit_v2_s.pth")
+    # torchvision builds for one clip size and resamples its tables to the grids it runs on (its _add_rel_pos):
+    # built for 4 frames of 40 px (10x10 -> 5x5 -> 3x3 -> 2x2 grids), with the 224 px tables put back in.
+    build = tv._mvit
+    monkeypatch.setattr(tv, "_mvit", lambda **kw: build(**{**kw, "spatial_size": (40, 40), "temporal_size": 4}))
+    theirs = tv.mvit_v2_s().eval()
+    for name, module in theirs.named_modules():
+        for table in ("rel_pos_h", "rel_pos_w", "rel_pos_t"):
+            if hasattr(module, table):
+                setattr(module, table, torch.nn.Parameter(kinetics[f"{name}.{table}"]))
+    theirs.load_state_dict(kinetics)
+    fields = ["model.num_classes=400", "model.num_frames=4", "model.image_size=40", "model.dropout=0"]
+    ours = build_model(load_config(overrides=["model.preset=mvitv2_small", *fields]).model).eval()
+    load_pretrained(ours, tmp_path / "mvit_v2_s.pth")
+    clips = torch.randn(2, 3, 4, 40, 40)
+    with torch.no_grad():
+        assert torch.allclose(ours(clips), theirs(clips), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"pos_encoding.spatial_pos": torch.zeros(4, 16)}, "holds absolute position tables (MViTv1)"),
+        ({"blocks.0.norm1.weight": torch.ones(8)}, "blocks.0.norm1.weight is (8,) there, (16,) here"),
+        ({"blocks.9.mlp.0.weight": torch.ones(1)}, "it has an extra tensor blocks.9.mlp.fc1.weight"),
+    ],
+)
+def test_weights_it_cannot_take_are_one_line_naming_the_tensor(tmp_path, change, message):
+    state = _torchvision_file(build_model(_model_cfg()), tmp_path / "w.pth")
+    torch.save({**state, **change}, tmp_path / "w.pth")
+    with pytest.raises(CheckpointError, match=re.escape(message)) as refused:
+        load_pretrained(build_model(_model_cfg()), tmp_path / "w.pth")
+    assert "\n" not in str(refused.value) and "model.init_from=" in str(refused.value)

@@ -64,7 +64,8 @@ class ModelConfig:
     global_blocks: tuple[int, ...] = (2, 5, 8, 11)  # task.name=detection: the blocks that attend over the whole map
     drop_path: float = 0.0  # stochastic depth: the last block's drop rate (linear from 0)
     dropout: float = 0.0  # dropout after the position embedding (mvit: before the classifier; its preset 0.5)
-    init_from: str = ""  # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from
+    # a local timm or vitrain weights file (.safetensors/.pt/.pth) to fine-tune from (mvit: torchvision's file too)
+    init_from: str = ""
     # video_vit: frames of each clip the model sees (data.source=video samples this many); 1: an image model
     num_frames: int = 1
     # video_vit: frames per tubelet token (the Conv3d's temporal kernel and stride); must divide num_frames

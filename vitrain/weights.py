@@ -274,6 +274,10 @@ def load_pretrained(model: nn.Module, path: Path, config_key: str = "model.init_
     (fine-tuning to new classes); any other difference is an error naming the tensor (and `config_key`, the config key
     that named the file)."""
     state = read_weights(path, config_key)
+    # A model that reads another library's names or sizes (MViT: torchvision's file, its tables resampled).
+    own_names = getattr(model, "pretrained_state", None)
+    if callable(own_names):
+        state = own_names(state, f"{config_key}={path}")
     # A model that maps an image classifier's weights onto itself (ViTDet: its backbone, positions resampled).
     own_loader = getattr(model, "load_image_backbone", None)
     if callable(own_loader):

@@ -20,6 +20,7 @@ mask); the same function.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.config import ModelConfig
-from vitrain.errors import ConfigError
+from vitrain.errors import CheckpointError, ConfigError
 from vitrain.models.plan import ParallelPlan, fp32_layers
 from vitrain.models.vit import Complexity, DropPath, Mlp, check_positive, check_rates
 
 Grid = tuple[int, int, int]  # (time, height, width) of a token map
+
+# torchvision's MViTv2 names (torchvision/models/video/mvit.py, the mvit_v2_s weights file) -> vitrain's.
+TORCHVISION_NAMES = (
+    (r"^conv_proj\.", "patch_embed."),
+    (r"^pos_encoding\.class_token$", "cls_token"),
+    (r"^head\.1\.", "head."),  # head.0 is its dropout
+    (r"\.attn\.project\.0\.", ".attn.proj."),
+    (r"\.attn\.pool_([qkv])\.pool\.", r".attn.pool_\1.conv."),
+    (r"\.attn\.pool_([qkv])\.norm_act\.0\.", r".attn.pool_\1.norm."),
+    (r"\.mlp\.0\.", ".mlp.fc1."),
+    (r"\.mlp\.3\.", ".mlp.fc2."),
+)
 
 
 def pooled(size: int, stride: int) -> int:
@@ -252,6 +265,24 @@ class MViT(nn.Module):
     def complexity(self, batch_size: int = 1) -> Complexity:
         return complexity(self.cfg, batch_size)
 
+    def pretrained_state(self, state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+        """`state` (vitrain's names, or torchvision's MViTv2 weights file) in this model's names, its relative-position
+        tables resampled to this model's lengths where it was trained on another clip size (model.init_from). What
+        still differs is for the caller to name (vitrain/weights.py), a classifier of another size among it."""
+        if any(k.startswith("pos_encoding.") and k != "pos_encoding.class_token" for k in state):
+            raise CheckpointError(
+                f"{where} holds absolute position tables (MViTv1); model.name=mvit is MViTv2, with relative positions"
+            )
+        if "conv_proj.weight" in state:
+            state = from_torchvision(state)
+        own, out = self.state_dict(), dict(state)
+        for key, table in state.items():
+            mine = own.get(key)
+            if re.search(r"\.attn\.rel_pos_[thw]$", key) and mine is not None and table.ndim == mine.ndim == 2:
+                if table.shape[1] == mine.shape[1] and table.shape[0] != mine.shape[0]:
+                    out[key] = resample_table(table, mine.shape[0])
+        return out
+
     def parallel_plan(self, wrap: str) -> ParallelPlan:
         """Each block a sharding and checkpointing unit (sublayer: its attention and MLP too); a timing probe feeds
         the first block its input."""
@@ -260,6 +291,23 @@ class MViT(nn.Module):
         units += blocks if wrap in ("block", "sublayer") else []
         first = tokens(block_shapes(self.cfg)[0].grid_in)
         return ParallelPlan(units, blocks, *fp32_layers(self, blocks), lambda n: (n, first, self.cfg.width))
+
+
+def from_torchvision(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A torchvision MViTv2 state dict in vitrain's names (its class token, a vector there, as vitrain's (1, 1, C))."""
+    out = {}
+    for key, tensor in state.items():
+        for pattern, name in TORCHVISION_NAMES:
+            key = re.sub(pattern, name, key)
+        out[key] = tensor.reshape(1, 1, -1) if key == "cls_token" and tensor.ndim == 1 else tensor
+    return out
+
+
+def resample_table(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (L, C) relative-position table resampled linearly to (rows, C): what torchvision's MViT does to its tables
+    at run time on a clip of another size, so that its weights compute the same function here."""
+    line = table.detach().float().t().unsqueeze(0)  # (1, C, L)
+    return F.interpolate(line, size=rows, mode="linear").squeeze(0).t().to(table.dtype)
 
 
 def build_mvit(cfg: ModelConfig, embed_dim: int = 0) -> MViT:
@@ -347,8 +395,9 @@ def check(m: ModelConfig) -> None:
             f"model.image_size={m.image_size} gives a {side}x{side} grid; {len(m.stages)} stages halve it "
             f"{len(m.stages) - 1} times: give at least {m.patch_size << (len(m.stages) - 1)} px or fewer stages"
         )
-    if m.pool != "cls" or m.inflate_from or m.init_from:
+    if m.pool != "cls" or m.inflate_from:
         raise ConfigError(
-            "model.name=mvit classifies from its class token and starts from random weights: leave model.pool=cls and "
-            "model.init_from, inflate_from empty"
+            "model.name=mvit classifies from its class token and is not inflated from an image model: leave "
+            "model.pool=cls and model.inflate_from empty (model.init_from takes an MViTv2's weights: vitrain's export "
+            "or torchvision's mvit_v2_s file)"
         )
