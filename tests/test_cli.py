@@ -172,3 +172,28 @@ def test_eval_reads_a_relative_data_path_where_the_run_trained_unless_the_comman
         cfg,
         [],
     )  # a checkpoint from before meta kept its folder
+    assert from_training_folder(cfg, meta, {"data"}, tmp_path / "meta.json") == (cfg, [])  # data={...} given whole
+
+
+def test_eval_reads_a_face_runs_pairs_files_and_a_video_runs_baseline_where_they_trained(tmp_path):
+    from vitrain.config import load_config
+    from vitrain.engine.runs import from_training_folder
+
+    trained = tmp_path / "trained"
+    (trained / "lists").mkdir(parents=True)
+    (trained / "lists" / "pairs-of-this-test.txt").write_text("")
+    (trained / "baseline-of-this-test").mkdir()
+    meta = {"cwd": str(trained)}
+    pairs = '["generated", "lists/pairs-of-this-test.txt", "cfp-fp"]'
+    faces = ["task.name=face", "data.source=folder", "data.root=/faces", f"task.pairs={pairs}"]
+    cfg = load_config(overrides=[*faces, "task.baseline_run=baseline-of-this-test"])  # one config for both keys
+    moved, lines = from_training_folder(cfg, meta, set(), tmp_path / "meta.json")
+    there = str(trained / "lists" / "pairs-of-this-test.txt")
+    assert moved.task.pairs == ("generated", there, "cfp-fp")  # the protocols stay as named
+    assert moved.task.baseline_run == str(trained / "baseline-of-this-test")
+    assert lines == [
+        f"task.baseline_run=baseline-of-this-test read from the folder the run trained in: {moved.task.baseline_run}",
+        f"task.pairs=lists/pairs-of-this-test.txt read from the folder the run trained in: {there}",
+    ]
+    kept, _ = from_training_folder(cfg, meta, {"task.pairs"}, tmp_path / "meta.json")
+    assert kept.task.pairs == cfg.task.pairs and kept.task.baseline_run == moved.task.baseline_run

@@ -196,11 +196,14 @@ def test_the_memory_model_counts_what_autograd_keeps(drop_path):
 
 def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(tmp_path):
     make_clip_tree(tmp_path / "clips")
+    (tmp_path / "frames-run").mkdir()  # a finished image baseline's run folder, named relative to where it trains
+    (tmp_path / "frames-run" / "summary.json").write_text(json.dumps({"val_video_top1": 0.25}))
     model = [f"model.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in TINY.items()]
-    common = ["task.name=video", "task.eval_clips=2", "data.source=video", "data.root=clips",
-              "data.video_frames=true", "data.val_match=actor3_", "data.decode_workers=1", "train.batch_size=4",
-              "train.max_steps=4", "train.threads=1", "log.progress=false", f"log.out_dir={tmp_path / 'runs'}",
-              "name=mvit", "precision.mode=amp_o2", "parallel.activation_checkpointing=block"]  # fmt: skip
+    common = ["task.name=video", "task.eval_clips=2", "task.baseline_run=frames-run", "data.source=video",
+              "data.root=clips", "data.video_frames=true", "data.val_match=actor3_", "data.decode_workers=1",
+              "train.batch_size=4", "train.max_steps=4", "train.threads=1", "log.progress=false",
+              f"log.out_dir={tmp_path / 'runs'}", "name=mvit", "precision.mode=amp_o2",
+              "parallel.activation_checkpointing=block"]  # fmt: skip
     done = run_cli("train", *model, *common, cwd=tmp_path)  # data.root relative to the folder it trains in
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "runs" / "mvit" / "summary.json").read_text())
@@ -210,6 +213,7 @@ def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(t
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["val_video_top1"] == summary["val_video_top1"]
     assert f"data.root=clips read from the folder the run trained in: {tmp_path / 'clips'}" in done.stderr
+    assert json.loads(done.stdout)["baseline"]["val_video_top1"] == 0.25  # its baseline read there too
     done = run_cli("export", str(tmp_path / "runs" / "mvit"), str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "out" / "classes.json").read_text()) == ["a", "b"]  # the clip folders' classes

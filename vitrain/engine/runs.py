@@ -391,36 +391,54 @@ def _working_folder() -> dict[str, str]:
         return {}
 
 
-DATA_PATHS = ("root", "val_root", "shard_index")  # the data section's paths a relative value may be given for
+# The config's paths a relative value may be given for (section, key): the data, a video run's baseline run folder
+# and a face run's pairs files (a tuple, beside the named protocols).
+MOVABLE_PATHS = (("data", "root"), ("data", "val_root"), ("data", "shard_index"), ("task", "baseline_run"),
+                 ("task", "pairs"))  # fmt: skip
+PAIR_PROTOCOLS = ("generated", "cfp-ff", "cfp-fp")  # task.pairs values that name no file
 
 
 def from_training_folder(
     cfg: Config, meta: Mapping[str, Any], given: set[str], where: Path
 ) -> tuple[Config, list[str]]:
-    """The checkpoint's config with each relative data path that does not exist here, but does under the folder the
-    run trained from (meta.json's `cwd`), read from there; and a line for each. Keys in `given` (set on the command
-    line: relative to here) stay as they are, as does anything that names no file here or there (a shard pattern,
-    a `pipe:` command). The moved paths name files the trust check of the config at `where` could not read from
-    here: they are checked again where they now point (vitrain/trust.py)."""
+    """The checkpoint's config with each relative path that does not exist here, but does under the folder the run
+    trained from (meta.json's `cwd`), read from there (`MOVABLE_PATHS`); and a line for each. Keys in `given` (set on
+    the command line, or their whole section: relative to here) stay as they are, as does anything that names no
+    file here or there (a shard pattern, a `pipe:` command, a pair protocol). The moved paths name files the trust
+    check of the config at `where` could not read from here: they are checked again where they now point
+    (vitrain/trust.py)."""
     folder = meta.get("cwd")
     if not isinstance(folder, str) or not os.path.isabs(folder):  # meta.json is anyone's to edit: absolute only
         return cfg, []
-    moved: dict[str, str] = {}
-    for key in DATA_PATHS:
-        value = getattr(cfg.data, key)
-        if not value or f"data.{key}" in given or value.startswith(("pipe:", "~")) or os.path.isabs(value):
+    moved: dict[str, dict[str, Any]] = {}
+    lines = []
+    for section, key in MOVABLE_PATHS:
+        if f"{section}.{key}" in given or section in given:
             continue
-        there = Path(folder) / value
-        try:
-            if not Path(value).exists() and there.exists():
-                moved[key] = str(there)
-        except OSError:  # a folder this user may not enter, a name too long: left to the loader's own line
-            continue
+        value = getattr(getattr(cfg, section), key)
+        values = value if isinstance(value, tuple) else (value,)
+        there = tuple(_there(folder, v) for v in values)
+        if any(there):
+            new = tuple(t or v for t, v in zip(there, values, strict=True))
+            moved.setdefault(section, {})[key] = new if isinstance(value, tuple) else new[0]
+            for v, t in zip(values, there, strict=True):
+                lines += [f"{section}.{key}={v} read from the folder the run trained in: {t}"] if t else []
     if not moved:
         return cfg, []
-    check_config({"data": moved}, where)
-    lines = [f"data.{k}={getattr(cfg.data, k)} read from the folder the run trained in: {v}" for k, v in moved.items()]
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **moved)), lines
+    check_config({s: {k: v for k, v in keys.items() if isinstance(v, str)} for s, keys in moved.items()}, where)
+    sections = {s: dataclasses.replace(getattr(cfg, s), **keys) for s, keys in moved.items()}
+    return dataclasses.replace(cfg, **sections), lines
+
+
+def _there(folder: str, value: str) -> str | None:
+    """`value` under `folder`, where it is a relative path that names nothing here and something there; else None."""
+    if not value or value in PAIR_PROTOCOLS or value.startswith(("pipe:", "~")) or os.path.isabs(value):
+        return None
+    there = Path(folder) / value
+    try:
+        return str(there) if not Path(value).exists() and there.exists() else None
+    except OSError:  # a folder this user may not enter, a name too long: left to the reader's own line
+        return None
 
 
 def class_names(holder: Any) -> list[str] | None:
