@@ -194,6 +194,24 @@ def test_the_memory_model_counts_what_autograd_keeps(drop_path):
     assert need == cost.params * per_param + cost.activations * 3 * 4
 
 
+def test_estimate_breaks_down_an_mvit_with_whole_weights_and_refuses_what_it_does_not_model():
+    from vitrain.models.memory import estimate
+
+    cfg = load_config(overrides=["model.preset=mvitv2_small"]).model
+    cost = config_complexity(cfg)
+    ddp = estimate(cfg, devices=8, strategy="ddp", batch=4, precision="bf16")
+    assert (ddp.weights, ddp.master, ddp.optimizer) == (cost.params * 2, cost.params * 4, cost.params * 8)
+    assert ddp.activations == cost.activations * 4 * 2  # four clips in bf16
+    zero1 = estimate(cfg, devices=8, strategy="zero1", batch=4, precision="bf16")
+    assert zero1.optimizer == cost.params * 8 // 8 and zero1.total == ddp.total - ddp.optimizer + zero1.optimizer
+    done = run_cli("estimate", "mvitv2_small", "--strategy", "zero1", "--devices", "8", "--batch", "4")
+    assert done.returncode == 0 and "optimizer states" in done.stdout and "activations" in done.stdout, done.stderr
+    with pytest.raises(ConfigError, match=re.escape("(asked: strategy=zero3, ac=False, pipeline_stages=1)")):
+        estimate(cfg, devices=8, strategy="zero3")
+    with pytest.raises(ConfigError, match=re.escape("(asked: strategy=ddp, ac=True, pipeline_stages=1)")):
+        estimate(cfg, devices=8, strategy="ddp", ac=True)
+
+
 def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(tmp_path):
     make_clip_tree(tmp_path / "clips")
     (tmp_path / "frames-run").mkdir()  # a finished image baseline's run folder, named relative to where it trains

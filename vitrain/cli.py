@@ -545,7 +545,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
-    from vitrain.models.memory import breakdown, grid, largest, mvit_refusal, preset_models, table
+    from vitrain.models.memory import breakdown, grid, largest, preset_models, table
     from vitrain.models.plan import auto_wrap
 
     setting = {"strategy": "zero3", "wrap": "auto", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
@@ -589,8 +589,6 @@ def _estimate(args: argparse.Namespace) -> int:
         body = table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting)
     else:
         model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
-        if model.stages:
-            raise ConfigError(mvit_refusal(args.preset))
         title = f"{args.preset}: memory per device with AdamW ({header})"
         body = breakdown(model, args.memory[0], devices=devices[0], **setting)
     print(title)

@@ -284,24 +284,26 @@ def _mvit_estimate(
     baseline_bytes: int,
     ema: bool,
 ) -> MemoryEstimate:
-    """MViTv2 (model.name=mvit) unsharded: its stages' exact parameters and the tensors a step keeps for backward
-    (vitrain/models/mvit.py counts both; autotune's memory check asks for this). Its blocks differ in size, so the
-    sharded, checkpointed and pipelined terms of `estimate` are not modelled for it."""
+    """MViTv2 (model.name=mvit) with its weights whole on each device (single, ddp, zero1: the optimizer's states
+    sharded): its stages' exact parameters and the tensors a step keeps for backward (vitrain/models/mvit.py counts
+    both; autotune's memory check asks for this). Its blocks differ in size, so the FSDP, checkpointed and pipelined
+    terms of `estimate` are not modelled for it."""
     from vitrain.models.mvit import complexity as mvit_complexity
 
-    if strategy not in ("single", "ddp") or ac or pipeline_stages > 1:
+    if strategy not in ("single", "ddp", "zero1") or ac or pipeline_stages > 1:
         raise ConfigError(
-            "the memory model counts MViTv2 (model.name=mvit) whole on each device, without activation "
-            f"checkpointing or pipeline stages (asked: strategy={strategy}, ac={ac}, pipeline_stages="
-            f"{pipeline_stages}); measure it with `vitrain bench run`"
+            "the memory model counts MViTv2 (model.name=mvit) with whole weights on each device (strategy single, "
+            f"ddp or zero1), without activation checkpointing or pipeline stages (asked: strategy={strategy}, ac={ac}, "
+            f"pipeline_stages={pipeline_stages}); measure the others with `{mvit_bench(cfg)}`"
         )
     w, g, o, m, mg, a = PRECISIONS[precision]
     cost = mvit_complexity(cfg, batch)  # activations for the batch; parameters once
     params = cost.params
+    shards = devices if strategy == "zero1" else 1  # ZeroRedundancyOptimizer: each rank holds its part of the states
     return MemoryEstimate(
         weights=params * w,
         gradients=params * g,
-        optimizer=params * o,
+        optimizer=params * o // shards,
         master=params * m,
         gathered=0,
         activations=cost.activations * a,
@@ -382,12 +384,17 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def mvit_bench(cfg: ModelConfig) -> str:
+    """The command that measures an MViT's memory where the model here does not reach."""
+    return f"vitrain bench run model.preset={cfg.preset or 'mvitv2_small'} data.source=synthetic task.name=video"
+
+
 def mvit_refusal(preset: str) -> str:
-    """`vitrain estimate`'s one line for an MViTv2 preset, whose stages its tables do not model."""
+    """`vitrain estimate`'s one line for an MViTv2 preset in a table of presets, whose columns it does not model."""
     return (
-        f"vitrain estimate models vitrain's ViT and video ViT; {preset} is MViTv2 (model.name=mvit), whose stages it "
-        f"does not model: measure it with `vitrain bench run model.preset={preset} data.source=synthetic "
-        "task.name=video train.batch_size=2`"
+        f"vitrain estimate's tables model vitrain's ViT and video ViT; {preset} is MViTv2 (model.name=mvit): give it "
+        f"alone (`vitrain estimate {preset} --strategy ddp`), or measure it with `vitrain bench run model.preset="
+        f"{preset} data.source=synthetic task.name=video train.batch_size=2`"
     )
 
 
