@@ -232,6 +232,11 @@ def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(t
     assert json.loads(done.stdout)["val_video_top1"] == summary["val_video_top1"]
     assert f"data.root=clips read from the folder the run trained in: {tmp_path / 'clips'}" in done.stderr
     assert json.loads(done.stdout)["baseline"]["val_video_top1"] == 0.25  # its baseline read there too
+    done = run_cli("train", "--resume", str(tmp_path / "runs" / "mvit"), "train.max_steps=5")  # from elsewhere too
+    assert done.returncode == 0 and json.loads(done.stdout)["steps"] == 5, done.stderr
+    assert f'data.root: "clips" -> "{tmp_path / "clips"}" (read from the folder the run trained in)' in done.stderr
+    history = (tmp_path / "runs" / "mvit" / "config_history.jsonl").read_text()
+    assert json.loads(history)["changes"]["task.baseline_run"] == ["frames-run", str(tmp_path / "frames-run")]
     done = run_cli("export", str(tmp_path / "runs" / "mvit"), str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "out" / "classes.json").read_text()) == ["a", "b"]  # the clip folders' classes

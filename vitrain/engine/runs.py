@@ -532,8 +532,9 @@ CONFIG_HISTORY = "config_history.jsonl"
 
 def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tuple[Config, dict[str, tuple]]:
     """The config a resume continues: the run's own config.yaml with `overrides` on top, and what they changed
-    ({key: (run's value, new value)}). A change a checkpoint cannot honour is refused naming the key; a run with
-    no config.yaml yet (it never started) is resumed with `cfg`."""
+    ({key: (run's value, new value)}; a third item says why where the command line did not: a relative path read
+    where the run trained). A change a checkpoint cannot honour is refused naming the key; a run with no
+    config.yaml yet (it never started) is resumed with `cfg`."""
     path = cfg.run_dir if resume is True else Path(resume)
     run_dir = ckpt.run_dir_of(path) if ckpt.is_step_dir(path) else path
     if run_dir.name == ckpt.CHECKPOINT_DIR:
@@ -565,7 +566,25 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
                 f"continues only its own model, task and data order: drop {key} from the command line or start a "
                 "new run without --resume"
             )
-    return resumed, {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
+    # Resumed from another folder: relative paths that name nothing here are read where the run trained, as by eval.
+    given = {item.split("=", 1)[0].strip() for item in overrides}
+    moved, _ = from_training_folder(resumed, _trained_in(path, run_dir), given, saved_file)
+    kept = {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
+    return moved, {**kept, **{key: (*change, TRAINED_IN) for key, change in config_changes(resumed, moved).items()}}
+
+
+TRAINED_IN = "read from the folder the run trained in"
+
+
+def _trained_in(path: Path, run_dir: Path) -> dict[str, Any]:
+    """The resumed checkpoint's meta.json (the step folder given, else the run's newest), for where it trained; {}
+    where there is none or it cannot be read (the resume's own checks say why, where it matters)."""
+    step = path if ckpt.is_step_dir(path) else ckpt.latest(run_dir, warn=False)
+    try:
+        meta = json.loads((step / ckpt.META_FILE).read_text()) if step is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def check_handed_config(given: Config, resumed: Config) -> None:
@@ -595,7 +614,9 @@ def config_changes(before: Config, after: Config) -> dict[str, tuple[Any, Any]]:
 
 
 def change_lines(changes: dict[str, tuple]) -> list[str]:
-    return [f"{key}: {_shown(old)} -> {_shown(new)} (command line)" for key, (old, new) in changes.items()]
+    """A line per change of a resume's config: (old, new) from the command line, or (old, new, why)."""
+    return [f"{key}: {_shown(c[0])} -> {_shown(c[1])} ({c[2] if len(c) > 2 else 'command line'})"
+            for key, c in changes.items()]  # fmt: skip
 
 
 def write_run_files(trainer: Trainer) -> None:
@@ -624,7 +645,7 @@ def keep_config_history(run_dir: Path, checkpoint: Path | None, changes: dict[st
             n += 1
             kept = run_dir / f"config.before-resume-at-{at}.{n}.yaml"
         atomic_write(kept, old.read_bytes())
-    record = {"resumed_from": str(checkpoint), "changes": {k: [old, new] for k, (old, new) in changes.items()}}
+    record = {"resumed_from": str(checkpoint), "changes": {k: list(change[:2]) for k, change in changes.items()}}
     with open(run_dir / CONFIG_HISTORY, "a") as history:
         history.write(json.dumps(record) + "\n")
 

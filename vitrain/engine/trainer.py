@@ -86,7 +86,7 @@ class Trainer:
         model: Any,
         data: Any,
         task: Task | None,
-        changes: dict[str, tuple[Any, Any]] | None,
+        changes: dict[str, tuple] | None,
         signals: cluster.StopSignals,
     ) -> None:
         self.cfg, self.run_dir = cfg, cfg.run_dir
