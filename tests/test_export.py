@@ -43,13 +43,13 @@ def test_export_writes_the_trained_weights_in_fp32(trained, tmp_path):
     assert (tmp_path / "config.yaml").read_text().startswith("name: src")
 
 
-def test_export_writes_the_class_names_the_run_trained_on_and_an_overwrite_without_them_drops_the_file(
-    trained, tmp_path
-):
+def test_export_writes_the_class_names_given_and_an_overwrite_without_them_drops_the_file(trained, tmp_path):
     cfg, model, checkpoint = trained
-    _export(checkpoint, tmp_path, "vitrain")
-    names = json.loads((tmp_path / "classes.json").read_text())
-    assert names == ckpt.read_meta(checkpoint)["classes"] and len(names) == cfg.model.num_classes
+    _export(checkpoint, tmp_path, "vitrain")  # synthetic data names no classes: "0", "1", ... are not written as names
+    assert "classes" not in ckpt.read_meta(checkpoint) and not (tmp_path / "classes.json").exists()
+    names = [f"kind {i}" for i in range(cfg.model.num_classes)]
+    export(model, cfg, tmp_path, overwrite=True, classes=names)
+    assert json.loads((tmp_path / "classes.json").read_text()) == names
     for bad, why in ((names[:1], "1 names for model.num_classes"), ("cats", "give a list of class names")):
         with pytest.raises(ConfigError, match=why):  # refused before a file is touched
             export(model, cfg, tmp_path, overwrite=True, classes=bad)

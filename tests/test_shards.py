@@ -19,9 +19,20 @@ from tests.distributed_helpers import free_port, gpu_free_env
 from vitrain.config import DataConfig, load_config
 from vitrain.data.augment import BatchAugment
 from vitrain.data.loader import TRACE_ENV, Position, runs_on_import
+from vitrain.data.names import IndexNames
 from vitrain.data.pipeline import build_loaders
-from vitrain.data.shards import ShardIndex, ShardWriter, load_index, read_samples, scan_index, shard_urls
+from vitrain.data.shards import (
+    ShardIndex,
+    ShardWriter,
+    load_index,
+    read_index,
+    read_samples,
+    scan_index,
+    shard_urls,
+    write_index,
+)
 from vitrain.data.stream import Run, StreamLoader, StreamSet
+from vitrain.engine.runs import class_names
 from vitrain.errors import DataError
 from vitrain.shard_names import expand_braces
 
@@ -66,6 +77,12 @@ def test_brace_patterns_list_files_and_folders_name_the_samewrite_shards(tmp_pat
     assert shard_urls(str(tmp_path / "list.txt")) == urls
     index = scan_index(urls)
     assert index.counts == [3, 2, 4] and index.classes == ["0", "1"]
+    # Names made up from the labels stay that (never exported as names), through index.json too.
+    assert class_names({"classes": index.classes}) is None and class_names({"classes": ["0", "1"]}) == ["0", "1"]
+    write_index(tmp_path / "index.json", index)
+    assert isinstance(read_index(tmp_path / "index.json", urls).classes, IndexNames)
+    write_index(tmp_path / "index.json", ShardIndex(urls, index.counts, ["cat", "dog"]))
+    assert class_names(read_index(tmp_path / "index.json", urls)) == ["cat", "dog"]
     # A pipe: command streams the same samples as the file (seeking is replaced by reading past them).
     piped = [s.key for s in read_samples(f"pipe:cat {urls[2]}", skip=1, count=2)]
     assert piped == [s.key for s in read_samples(urls[2], skip=1, count=2)] == ["00006", "00007"]

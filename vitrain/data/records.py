@@ -16,6 +16,7 @@ import torch
 
 from vitrain.config import Config
 from vitrain.data.decode import decode_image
+from vitrain.data.names import index_names
 from vitrain.data.recordio import InsightfaceSet, read_insightface
 from vitrain.data.sources import decode_failure, held_out_split
 from vitrain.errors import DataError
@@ -126,7 +127,7 @@ def class_names(root: Path, records: InsightfaceSet) -> list[str]:
     the listing does not name is an error: the names would not be the classes the labels mean."""
     listing = class_listing(root)
     if listing is None:
-        return [str(i) for i in range(records.num_classes)]
+        return index_names(records.num_classes)
     names = [line for line in listing.read_text().splitlines() if line]
     check_labels(records, names, listing)
     if records.num_classes > len(names):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from vitrain.data.names import IndexNames, index_names
 from vitrain.errors import DataError
 from vitrain.files import atomic_write
 from vitrain.shard_names import PIPE, is_list_file, named_urls
@@ -218,7 +219,9 @@ def read_index(path: Path, urls: list[str]) -> ShardIndex | None:
     names = [url if url.startswith(PIPE) else Path(url).name for url in urls]
     if not all(name in counts for name in names):
         return None
-    return ShardIndex(urls, [counts[n] for n in names], list(saved["classes"]), saved.get("layout", "classes"))
+    classes = list(saved["classes"])
+    classes = IndexNames(classes) if saved.get("named") is False else classes  # indexed from labels alone
+    return ShardIndex(urls, [counts[n] for n in names], classes, saved.get("layout", "classes"))
 
 
 def check_index(path: Path, saved: Any) -> None:
@@ -251,6 +254,7 @@ def write_index(path: Path, index: ShardIndex, extra: dict[str, Any] | None = No
     names = [url if url.startswith(PIPE) else Path(url).name for url in index.urls]
     saved["counts"].update(dict(zip(names, index.counts, strict=True)))
     saved["classes"] = index.classes
+    saved["named"] = not isinstance(index.classes, IndexNames)  # false: "0", "1", ... made up from the labels
     saved["layout"] = index.layout
     saved.update(extra or {})
     atomic_write(path, (json.dumps(saved, indent=1) + "\n").encode())
@@ -266,7 +270,7 @@ def scan_index(urls: list[str], classes: list[str] | None = None) -> ShardIndex:
             if sample.label is not None:
                 top = max(top, sample.label)
         counts.append(n)
-    return ShardIndex(urls, counts, classes or [str(i) for i in range(top + 1)])
+    return ShardIndex(urls, counts, classes or index_names(top + 1))
 
 
 def load_index(urls: list[str], what: str) -> ShardIndex:

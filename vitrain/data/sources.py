@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from vitrain import registry
 from vitrain.config import Config
 from vitrain.data.decode import decode_image
+from vitrain.data.names import index_names
 from vitrain.data.prepared import PreparedSet, failed_files, is_prepared, open_prepared
 from vitrain.errors import DataError
 
@@ -561,6 +562,6 @@ def synthetic_images(cfg: Config) -> tuple[Any, Any]:
     n = cfg.data.synthetic_samples
     images = torch.randint(0, 256, (n, m.in_chans, m.image_size, m.image_size), dtype=torch.uint8, generator=gen)
     labels = torch.randint(0, m.num_classes, (n,), generator=gen)
-    data = ImageSet(images, labels, [str(i) for i in range(m.num_classes)])
+    data = ImageSet(images, labels, index_names(m.num_classes))
     n_val = max(1, n // 10)
     return data.subset(torch.arange(n_val, n)), data.subset(torch.arange(n_val))

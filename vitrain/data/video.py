@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vitrain.config import Config
+from vitrain.data.names import index_names
 from vitrain.data.shards import IMAGE_EXTS, VIDEO_EXTS, BadSample, Sample
 from vitrain.data.sources import IMAGE_SUFFIXES, SPLIT_SEED, ImageTree, Skipped, decode_pool, file_reader
 from vitrain.errors import ConfigError, DataError
@@ -171,7 +172,7 @@ def synthetic_clips(cfg: Config) -> tuple[ClipSet, ClipSet]:
                          generator=gen)  # fmt: skip
     starts = torch.arange(n) % distinct
     labels = torch.randint(0, m.num_classes, (n,), generator=gen)
-    classes = [str(i) for i in range(m.num_classes)]
+    classes = index_names(m.num_classes)
     data = ClipSet(pool, starts, torch.full((n,), t), labels, classes, [f"synthetic/{i}" for i in range(n)], t)
     n_val = max(1, n // 10)
     return data.subset(torch.arange(n_val, n)).sampled(1, random=True), data.subset(torch.arange(n_val))

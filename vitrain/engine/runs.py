@@ -22,6 +22,7 @@ from vitrain.config import (
     trusted_values,
 )
 from vitrain.data.loader import Position
+from vitrain.data.names import IndexNames
 from vitrain.engine.cluster import requeued, slurm_job
 from vitrain.errors import CheckpointError, ConfigError
 from vitrain.files import atomic_write, folder_problem
@@ -443,8 +444,11 @@ def _there(folder: str, value: str) -> str | None:
 
 def class_names(holder: Any) -> list[str] | None:
     """`holder.classes` where it is a non-empty list of names (a task's, or a checkpoint's meta.json read back);
-    None for anything else (a user's task may keep a count or a tensor under that name)."""
+    None for anything else (a user's task may keep a count or a tensor under that name) and for names made up from
+    the label indices (vitrain/data/names.py)."""
     classes = holder.get("classes") if isinstance(holder, dict) else getattr(holder, "classes", None)
+    if isinstance(classes, IndexNames):
+        return None
     if isinstance(classes, list | tuple) and classes and all(isinstance(c, str) for c in classes):
         return list(classes)
     return None
