@@ -153,7 +153,7 @@ def test_a_warning_says_whose_it_is_in_one_line(capsys):
 
 
 def test_eval_reads_a_relative_data_path_where_the_run_trained_unless_the_command_line_gives_it(tmp_path):
-    from vitrain.config import load_config
+    from vitrain.config import load_config, override_keys
     from vitrain.engine.runs import from_training_folder
 
     (tmp_path / "trained" / "frames-of-this-test").mkdir(parents=True)
@@ -172,7 +172,8 @@ def test_eval_reads_a_relative_data_path_where_the_run_trained_unless_the_comman
         cfg,
         [],
     )  # a checkpoint from before meta kept its folder
-    assert from_training_folder(cfg, meta, {"data"}, tmp_path / "meta.json") == (cfg, [])  # data={...} given whole
+    given = override_keys(["data={val_root: here.tar}"])  # a mapping merges into its section: only val_root is given
+    assert given == {"data.val_root"} and from_training_folder(cfg, meta, given, tmp_path / "meta.json")[0] == moved
 
 
 def test_eval_reads_a_face_runs_pairs_files_and_a_video_runs_baseline_where_they_trained(tmp_path):

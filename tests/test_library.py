@@ -99,6 +99,23 @@ def test_a_resume_refuses_a_handed_in_config_whose_values_it_would_ignore(tmp_pa
     assert vitrain.train(vitrain.load_config(cfg, ["train.max_steps=3"]), resume=True)["steps"] == 3  # the same
 
 
+def test_a_resume_from_another_folder_with_the_runs_own_config_handed_in_reads_its_data_where_it_trained(
+    tmp_path, monkeypatch
+):
+    from tests.data_helpers import TREE_MODEL, make_tree
+
+    make_tree(tmp_path / "trained" / "tree")
+    common = [*TREE_MODEL, "data.source=folder", "data.root=tree", "data.mean=[0.5]", "data.std=[0.5]",
+              "train.batch_size=4", "train.threads=1", "log.progress=false",
+              f"log.out_dir={tmp_path / 'runs'}"]  # fmt: skip
+    monkeypatch.chdir(tmp_path / "trained")
+    cfg = vitrain.load_config(None, [*common, "train.max_steps=1"])
+    assert vitrain.train(cfg)["steps"] == 1
+    monkeypatch.chdir(tmp_path)  # the run's relative data.root names nothing here
+    summary = vitrain.train(cfg, ["train.max_steps=2"], resume=True)  # not a difference of the config handed in
+    assert summary["steps"] == 2
+
+
 @pytest.mark.parametrize(
     "cfg, resume, line",
     [

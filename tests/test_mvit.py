@@ -204,15 +204,22 @@ def test_estimate_breaks_down_an_mvit_with_whole_weights_and_refuses_what_it_doe
     assert ddp.activations == cost.activations * 4 * 2  # four clips in bf16
     zero1 = estimate(cfg, devices=8, strategy="zero1", batch=4, precision="bf16")
     assert zero1.optimizer == cost.params * 8 // 8 and zero1.total == ddp.total - ddp.optimizer + zero1.optimizer
-    done = run_cli("estimate", "mvitv2_small", "--strategy", "zero1", "--devices", "8", "--batch", "4")
+    done = run_cli(
+        "estimate", "mvitv2_small", "--strategy", "zero1", "--devices", "8", "--batch", "64", "--memory", "16"
+    )
     assert done.returncode == 0 and "optimizer states" in done.stdout and "activations" in done.stdout, done.stderr
+    assert (
+        "needed: none suffice with whole weights (measure sharded runs: `vitrain bench run model.preset=" in done.stdout
+    )
+    done = run_cli("estimate", "mvitv2_small", "--devices", "1", "8")  # ddp where no strategy is given; this preset
+    assert "strategy=ddp" in done.stdout and done.stdout.count("\nmvitv2_small     0.03B") == 1, done.stdout
     with pytest.raises(ConfigError, match=re.escape("(asked: strategy=zero3, ac=False, pipeline_stages=1)")):
         estimate(cfg, devices=8, strategy="zero3")
     with pytest.raises(ConfigError, match=re.escape("(asked: strategy=ddp, ac=True, pipeline_stages=1)")):
         estimate(cfg, devices=8, strategy="ddp", ac=True)
 
 
-def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(tmp_path):
+def test_the_cli_trains_evaluates_resumes_and_exports_an_mvit_and_estimate_refuses_what_it_cannot_model(tmp_path):
     make_clip_tree(tmp_path / "clips")
     (tmp_path / "frames-run").mkdir()  # a finished image baseline's run folder, named relative to where it trains
     (tmp_path / "frames-run" / "summary.json").write_text(json.dumps({"val_video_top1": 0.25}))
@@ -240,7 +247,7 @@ def test_the_cli_trains_and_evaluates_an_mvit_on_clips_and_estimate_refuses_it(t
     done = run_cli("export", str(tmp_path / "runs" / "mvit"), str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "out" / "classes.json").read_text()) == ["a", "b"]  # the clip folders' classes
-    for estimate in (["mvitv2_small"], ["--from", "mvitv2_small"]):  # as a user runs it: one line, exit 2
+    for estimate in (["mvitv2_small", "--strategy", "zero3"], ["--from", "mvitv2_small"]):  # one line, exit 2
         done = run_cli("estimate", *estimate, warnings="")
         assert done.returncode == 2 and "MViTv2 (model.name=mvit)" in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1 and "data.source=synthetic task.name=video" in done.stderr

@@ -83,6 +83,11 @@ def test_brace_patterns_list_files_and_folders_name_the_samewrite_shards(tmp_pat
     assert isinstance(read_index(tmp_path / "index.json", urls).classes, IndexNames)
     write_index(tmp_path / "index.json", ShardIndex(urls, index.counts, ["cat", "dog"]))
     assert class_names(read_index(tmp_path / "index.json", urls)) == ["cat", "dog"]
+    for classes, named in ((["0", "1"], None), (["cat", "dog"], ["cat", "dog"])):  # an index.json from before "named"
+        saved = json.loads((tmp_path / "index.json").read_text())
+        saved.pop("named", None)
+        (tmp_path / "index.json").write_text(json.dumps({**saved, "classes": classes}))
+        assert class_names(read_index(tmp_path / "index.json", urls)) == named
     # A pipe: command streams the same samples as the file (seeking is replaced by reading past them).
     piped = [s.key for s in read_samples(f"pipe:cat {urls[2]}", skip=1, count=2)]
     assert piped == [s.key for s in read_samples(urls[2], skip=1, count=2)] == ["00006", "00007"]

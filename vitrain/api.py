@@ -59,7 +59,7 @@ def train(
     if resume:  # the run's own config, the command line's overrides on top (each change said and logged)
         cfg, changes = resumed_config(given, resume, overrides or [])
         if isinstance(source, Config | dict):  # a recipe is the run's by name; a config handed in says more
-            check_handed_config(given, cfg)
+            check_handed_config(given, cfg, changes)
     else:
         cfg = config(source, overrides)
     trainer = None

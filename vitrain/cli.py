@@ -438,7 +438,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitrain import checkpoint as ckpt
-    from vitrain.config import load_config, trusted_values
+    from vitrain.config import load_config, override_keys, trusted_values
     from vitrain.data import build_loaders
     from vitrain.device import resolve_device
     from vitrain.engine.protocol import load_model_weights
@@ -453,7 +453,7 @@ def _eval(args: argparse.Namespace) -> int:
     meta = ckpt.read_meta(path)
     # The checkpoint's config names no code or command the command line does not (vitrain/trust.py).
     cfg = load_config(overrides=args.overrides, base=meta["config"], untrusted=path / ckpt.META_FILE)
-    given = {item.split("=", 1)[0].strip() for item in args.overrides}
+    given = override_keys(args.overrides)
     cfg, moved = from_training_folder(cfg, meta, given, path / ckpt.META_FILE)  # relative data read where it trained
     for line in moved:
         print(f"vitrain: {line}", file=sys.stderr)
@@ -548,7 +548,13 @@ def _estimate(args: argparse.Namespace) -> int:
     from vitrain.models.memory import breakdown, grid, largest, preset_models, table
     from vitrain.models.plan import auto_wrap
 
-    setting = {"strategy": "zero3", "wrap": "auto", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
+    fields = {"image_size": args.image_size, "patch_size": args.patch_size}
+    model = None
+    if args.preset is not None:
+        model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
+    # An MViT's memory is modelled with whole weights (vitrain/models/memory.py): ddp unless a strategy is given.
+    strategy = "ddp" if model is not None and model.name == "mvit" else "zero3"
+    setting = {"strategy": strategy, "wrap": "auto", "offload": False, "ac": False, "batch": 1, "precision": "fp32"}
     setting.update(pipeline_stages=1, build="whole")
     if args.config:
         setting.update(_recipe_setting(_load([args.config])))
@@ -575,7 +581,6 @@ def _estimate(args: argparse.Namespace) -> int:
         shown["wrap"] = f"{setting['wrap']} (parallel.wrap=auto without autotune)"
     devices = args.devices or [1]
     header = ", ".join(f"{k}={v}" for k, v in {"devices": " ".join(map(str, devices)), **shown}.items())
-    fields = {"image_size": args.image_size, "patch_size": args.patch_size}
     # The whole answer is made before any of it is printed: a refused setting prints only its error line.
     if args.largest:
         base = {k: v for k, v in fields.items() if v}
@@ -583,12 +588,12 @@ def _estimate(args: argparse.Namespace) -> int:
         body = largest(args.memory[0], base, devices=devices[0], **setting)
     elif len(devices) > 1:
         title = f"peak memory per device with AdamW ({header})"
-        body = grid(devices, args.memory, preset_models(args.first, **fields), **setting)
-    elif args.preset is None:
+        models = {args.preset: model} if model is not None else preset_models(args.first, **fields)
+        body = grid(devices, args.memory, models, **setting)
+    elif model is None:
         title = f"memory per device with AdamW ({header})"
         body = table(args.memory[0], preset_models(args.first, **fields), devices=devices[0], **setting)
     else:
-        model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
         title = f"{args.preset}: memory per device with AdamW ({header})"
         body = breakdown(model, args.memory[0], devices=devices[0], **setting)
     print(title)

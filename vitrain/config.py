@@ -758,6 +758,15 @@ def _parse_override(item: str) -> dict[str, Any]:
     return node
 
 
+def override_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys `overrides` set: `data.root=X` sets data.root, `data={root: X}` too (a mapping merges into
+    its section, so only the keys it names are set)."""
+    keys: set[str] = set()
+    for item in overrides:
+        keys |= set(flatten(_parse_override(item)))
+    return keys
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> None:
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):

@@ -220,7 +220,9 @@ def read_index(path: Path, urls: list[str]) -> ShardIndex | None:
     if not all(name in counts for name in names):
         return None
     classes = list(saved["classes"])
-    classes = IndexNames(classes) if saved.get("named") is False else classes  # indexed from labels alone
+    # Indexed from labels alone: said since index.json says so ("named"); before, names that are the indices.
+    named = saved.get("named", classes != index_names(len(classes)))
+    classes = classes if named else IndexNames(classes)
     return ShardIndex(urls, [counts[n] for n in names], classes, saved.get("layout", "classes"))
 
 
@@ -239,6 +241,8 @@ def check_index(path: Path, saved: Any) -> None:
     classes = saved.get("classes")
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         raise DataError(f"shard index {path}: classes is not a list of class names; {again}")
+    if not isinstance(saved.get("named", True), bool):
+        raise DataError(f"shard index {path}: named is {saved['named']!r}, not true or false; {again}")
 
 
 def write_index(path: Path, index: ShardIndex, extra: dict[str, Any] | None = None) -> None:

@@ -16,6 +16,7 @@ from vitrain.config import (
     config_from_dict,
     flatten,
     load_config,
+    override_keys,
     read_config_file,
     to_dict,
     to_yaml,
@@ -404,7 +405,7 @@ def from_training_folder(
 ) -> tuple[Config, list[str]]:
     """The checkpoint's config with each relative path that does not exist here, but does under the folder the run
     trained from (meta.json's `cwd`), read from there (`MOVABLE_PATHS`); and a line for each. Keys in `given` (set on
-    the command line, or their whole section: relative to here) stay as they are, as does anything that names no
+    the command line: relative to here; vitrain.config.override_keys) stay as they are, as does anything that names no
     file here or there (a shard pattern, a `pipe:` command, a pair protocol). The moved paths name files the trust
     check of the config at `where` could not read from here: they are checked again where they now point
     (vitrain/trust.py)."""
@@ -414,7 +415,7 @@ def from_training_folder(
     moved: dict[str, dict[str, Any]] = {}
     lines = []
     for section, key in MOVABLE_PATHS:
-        if f"{section}.{key}" in given or section in given:
+        if f"{section}.{key}" in given:
             continue
         value = getattr(getattr(cfg, section), key)
         values = value if isinstance(value, tuple) else (value,)
@@ -571,8 +572,7 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
                 "new run without --resume"
             )
     # Resumed from another folder: relative paths that name nothing here are read where the run trained, as by eval.
-    given = {item.split("=", 1)[0].strip() for item in overrides}
-    moved, _ = from_training_folder(resumed, _trained_in(path, run_dir), given, saved_file)
+    moved, _ = from_training_folder(resumed, _trained_in(path, run_dir), override_keys(overrides), saved_file)
     kept = {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
     return moved, {**kept, **{key: (*change, TRAINED_IN) for key, change in config_changes(resumed, moved).items()}}
 
@@ -591,13 +591,15 @@ def _trained_in(path: Path, run_dir: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-def check_handed_config(given: Config, resumed: Config) -> None:
+def check_handed_config(given: Config, resumed: Config, changes: Mapping[str, tuple] | None = None) -> None:
     """The library's resume with a Config (or dict) handed in: the run continues with its own config.yaml and the
     overrides, so a value of the handed-in config that differs from the run's (and is not `auto`, which the run
-    resolved) would be ignored; refused in one line naming the keys, to be passed as overrides instead."""
+    resolved) would be ignored; refused in one line naming the keys, to be passed as overrides instead. Paths the
+    resume read where the run trained (`changes` with a reason) are the run's own values, moved: not differences."""
     located = ("name", "log.out_dir")  # where the run lives, found by them or by the resume path
+    moved = {k for k, change in (changes or {}).items() if len(change) > 2}
     differ = {k: (run, mine) for k, (run, mine) in config_changes(resumed, given).items()
-              if mine != "auto" and k not in located}  # fmt: skip
+              if mine != "auto" and k not in located and k not in moved}  # fmt: skip
     if differ:
         shown = ", ".join(
             f"{k}={_shown(mine)} (the run's {_shown(run)})" for k, (run, mine) in list(differ.items())[:4]

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from vitrain.config import ModelConfig
 from vitrain.errors import ConfigError
-from vitrain.models import complexity
+from vitrain.models import complexity, config_complexity
 from vitrain.models.plan import auto_wrap, check_stages
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
@@ -294,7 +294,8 @@ def _mvit_estimate(
         raise ConfigError(
             "the memory model counts MViTv2 (model.name=mvit) with whole weights on each device (strategy single, "
             f"ddp or zero1), without activation checkpointing or pipeline stages (asked: strategy={strategy}, ac={ac}, "
-            f"pipeline_stages={pipeline_stages}); measure the others with `{mvit_bench(cfg)}`"
+            f"pipeline_stages={pipeline_stages}); measure it that way with `{mvit_bench(cfg)}` and the run's "
+            "parallel.* keys"
         )
     w, g, o, m, mg, a = PRECISIONS[precision]
     cost = mvit_complexity(cfg, batch)  # activations for the batch; parameters once
@@ -386,7 +387,8 @@ def _gib(n: int) -> str:
 
 def mvit_bench(cfg: ModelConfig) -> str:
     """The command that measures an MViT's memory where the model here does not reach."""
-    return f"vitrain bench run model.preset={cfg.preset or 'mvitv2_small'} data.source=synthetic task.name=video"
+    model = f"model.preset={cfg.preset}" if cfg.preset else "model.name=mvit <its model.* keys>"
+    return f"vitrain bench run {model} data.source=synthetic task.name=video"
 
 
 def mvit_refusal(preset: str) -> str:
@@ -432,7 +434,7 @@ def table(device_gib: float, models: dict[str, ModelConfig], **kwargs) -> str:
         est = estimate(cfg, **kwargs)
         need = devices_needed(cfg, int(device_gib * 2**30), **others)
         lines.append(
-            f"{alias:<13}{complexity(cfg).params:>16,}{_gib(est.model_states):>12}{_gib(est.activations):>12}"
+            f"{alias:<13}{config_complexity(cfg).params:>16,}{_gib(est.model_states):>12}{_gib(est.activations):>12}"
             f"{_gib(est.total):>11}{_gib(est.build):>11}{_gib(est.peak):>10}{_gib(est.host_bytes):>10}"
             f"{need if need else 'never':>17}"
         )
@@ -449,7 +451,7 @@ def grid(device_counts: list[int], memories_gib: list[float], models: dict[str, 
             peak = estimate(cfg, devices=n, **kwargs).peak
             fits = next((f"{m:g}" for m in marks if peak <= m * 2**30), "-")
             cells.append(f"{_gib(peak):>9} {fits:>6}")
-        lines.append(f"{alias:<13}{complexity(cfg).params / 1e9:>8.2f}B" + "".join(cells))
+        lines.append(f"{alias:<13}{config_complexity(cfg).params / 1e9:>8.2f}B" + "".join(cells))
     memories = ", ".join(f"{m:g}" for m in marks)
     lines.append(f"each cell: peak GiB per device, then the smallest of {memories} GiB it fits in (-: none)")
     return "\n".join(lines)
@@ -480,7 +482,12 @@ def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
                         f"{size}/{p} x {size}/{p} patches; batch counts clips")  # fmt: skip
     others = {k: v for k, v in kwargs.items() if k != "devices"}
     need = devices_needed(cfg, int(device_gib * 2**30), **others)
-    lines.append(f"devices of {device_gib:g} GiB needed: {need if need else 'none suffice (shard with zero3)'}")
+    none = (
+        f"none suffice with whole weights (measure sharded runs: `{mvit_bench(cfg)}`)"
+        if cfg.name == "mvit"
+        else ("none suffice (shard with zero3)")
+    )
+    lines.append(f"devices of {device_gib:g} GiB needed: {need if need else none}")
     return "\n".join(lines)
 
 
