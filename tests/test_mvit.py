@@ -48,6 +48,16 @@ def test_mvitv2_small_has_the_published_parameters_and_multiply_adds():
     assert _flops(model, torch.empty(1, 48, 224, 224, device="meta")) == cost.flops  # torch's own count agrees
 
 
+def test_mvitv2_base_has_the_papers_size_on_32_frame_clips():
+    # Li et al. 2022, Table 5 (Kinetics-400): MViTv2-B 32x3, 51.2M parameters and 225 GFLOPs (multiply-adds) per view.
+    cfg = load_config(overrides=["model.preset=mvitv2_base", "model.num_classes=400"]).model
+    assert (cfg.stages, cfg.depth, cfg.num_frames, cfg.drop_path, cfg.dropout) == ((2, 3, 16, 3), 24, 32, 0.3, 0.5)
+    cost = config_complexity(cfg)
+    assert round(cost.params / 1e6, 1) == 51.2 and abs(cost.macs / 1e9 - 225) < 0.6
+    with torch.device("meta"):
+        assert count_parameters(build_model(cfg)) == cost.params
+
+
 def test_the_stages_pool_queries_once_each_and_attend_to_the_last_stages_grid():
     shapes = block_shapes(load_config(overrides=["model.preset=mvitv2_small"]).model)
     assert [s.dim_out for s in shapes] == [96] + [192] * 2 + [384] * 11 + [768] * 2

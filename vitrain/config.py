@@ -796,7 +796,7 @@ def _apply_preset(raw: dict[str, Any]) -> None:
     arch = {field: getattr(preset, field) for field in PRESET_FIELDS}
     if preset.stages:  # MViTv2: pooling attention over stages, classified from its class token
         arch |= {"name": "mvit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size, "pool": "cls",
-                 "drop_path": 0.2, "dropout": 0.5}  # fmt: skip
+                 "drop_path": preset.drop_path, "dropout": 0.5}  # fmt: skip
     elif preset.is_video:  # VideoMAE's choices; the model section may still override each
         arch |= {"name": "video_vit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size,
                  "pool": "gap", "pos_embed": "sincos"}  # fmt: skip

@@ -22,10 +22,18 @@ class Preset:
     num_frames: int = 1  # > 1: a space-time video ViT (model.name=video_vit) over clips of this many frames
     tubelet_size: int = 1  # video: frames per tubelet token
     stages: tuple[int, ...] = ()  # MViTv2 (model.name=mvit): blocks per stage; width and heads are the first stage's
+    drop_path: float = 0.0  # MViTv2: the published stochastic depth (its head dropout is 0.5 for every size)
 
     @property
     def is_video(self) -> bool:
         return self.num_frames > 1
+
+
+def _mvitv2(name: str, alias: str, stages: tuple[int, ...], num_frames: int, drop_path: float) -> Preset:
+    """An MViTv2 as Li et al. 2022 size them for video: width 96 and one head in the first stage, a 4x MLP, 3x7x7
+    tubes of stride 2x4x4 over 224 px frames."""
+    return Preset(name, alias, 96, sum(stages), 1, 384, 4, num_frames=num_frames, tubelet_size=2, stages=stages,
+                  drop_path=drop_path)  # fmt: skip
 
 
 PRESETS: dict[str, Preset] = {
@@ -46,7 +54,9 @@ PRESETS: dict[str, Preset] = {
         Preset("video_vit_base_patch16", "ViViT-B/16x2", 768, 12, 12, 3072, 16, num_frames=16, tubelet_size=2),
         # MViTv2-S as Li et al. 2022 train it on Kinetics-400 (16 frames of 224 px, 3x7x7 embedding of stride 2x4x4,
         # stages of 1, 2, 11 and 2 blocks from width 96 and one head): vitrain/models/mvit.py, tests/test_mvit.py.
-        Preset("mvitv2_small", "MViTv2-S", 96, 16, 1, 384, 4, num_frames=16, tubelet_size=2, stages=(1, 2, 11, 2)),
+        _mvitv2("mvitv2_small", "MViTv2-S", (1, 2, 11, 2), num_frames=16, drop_path=0.2),
+        # MViTv2-B on 32 frames (the paper's 32x3): stages of 2, 3, 16 and 3 blocks, the same widths and strides.
+        _mvitv2("mvitv2_base", "MViTv2-B", (2, 3, 16, 3), num_frames=32, drop_path=0.3),
         # Large presets: 4x MLP, head dim 128, width a multiple of 1024 so that every matmul tiles well.
         Preset("vit_10b_patch14", "ViT-10B/14", 5120, 32, 40, 20480, 14),
         Preset("vit_22b_patch14", "ViT-22B/14", 6144, 48, 48, 24576, 14),
