@@ -533,6 +533,7 @@ FROZEN_ON_RESUME = ("model.", "task.", "data.source", "data.root", "data.train_s
 # same weights, or where the run lives
 FREE_ON_RESUME = ("model.attention", "model.init_from", "model.inflate_from", "model.inflate", "name", "log.out_dir")
 CONFIG_HISTORY = "config_history.jsonl"
+TRAINED_IN = "read from the folder the run trained in"  # why a resume changed a relative path (resumed_config)
 
 
 def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tuple[Config, dict[str, tuple]]:
@@ -575,9 +576,6 @@ def resumed_config(cfg: Config, resume: bool | str, overrides: list[str]) -> tup
     moved, _ = from_training_folder(resumed, _trained_in(path, run_dir), override_keys(overrides), saved_file)
     kept = {key: change for key, change in changes.items() if key not in FREE_ON_RESUME}
     return moved, {**kept, **{key: (*change, TRAINED_IN) for key, change in config_changes(resumed, moved).items()}}
-
-
-TRAINED_IN = "read from the folder the run trained in"
 
 
 def _trained_in(path: Path, run_dir: Path) -> dict[str, Any]:

@@ -482,11 +482,9 @@ def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
                         f"{size}/{p} x {size}/{p} patches; batch counts clips")  # fmt: skip
     others = {k: v for k, v in kwargs.items() if k != "devices"}
     need = devices_needed(cfg, int(device_gib * 2**30), **others)
-    none = (
-        f"none suffice with whole weights (measure sharded runs: `{mvit_bench(cfg)}`)"
-        if cfg.name == "mvit"
-        else ("none suffice (shard with zero3)")
-    )
+    none = "none suffice (shard with zero3)"
+    if cfg.name == "mvit":  # whole weights only in this model
+        none = f"none suffice with whole weights (measure sharded runs: `{mvit_bench(cfg)}`)"
     lines.append(f"devices of {device_gib:g} GiB needed: {need if need else none}")
     return "\n".join(lines)
 
