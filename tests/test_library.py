@@ -112,6 +112,9 @@ def test_a_resume_from_another_folder_with_the_runs_own_config_handed_in_reads_i
     cfg = vitrain.load_config(None, [*common, "train.max_steps=1"])
     assert vitrain.train(cfg)["steps"] == 1
     monkeypatch.chdir(tmp_path)  # the run's relative data.root names nothing here
+    other = vitrain.load_config(cfg, ["data.root=elsewhere"])  # another value than the run's is still refused
+    with pytest.raises(vitrain.errors.ConfigError, match=r'differs in data.root="elsewhere" \(the run\'s "tree"\)'):
+        vitrain.train(other, ["train.max_steps=2"], resume=True)
     summary = vitrain.train(cfg, ["train.max_steps=2"], resume=True)  # not a difference of the config handed in
     assert summary["steps"] == 2
 

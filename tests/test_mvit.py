@@ -219,10 +219,13 @@ def test_estimate_breaks_down_an_mvit_with_whole_weights_and_refuses_what_it_doe
     )
     assert done.returncode == 0 and "optimizer states" in done.stdout and "activations" in done.stdout, done.stderr
     assert (
-        "needed: none suffice with whole weights (measure sharded runs: `vitrain bench run model.preset=" in done.stdout
+        "needed: none suffice with whole weights: a smaller batch, or measure other layouts with `vitrain bench run "
+        "model.preset=mvitv2_small model.image_size=224" in done.stdout
     )
     done = run_cli("estimate", "mvitv2_small", "--devices", "1", "8")  # ddp where no strategy is given; this preset
-    assert "strategy=ddp" in done.stdout and done.stdout.count("\nmvitv2_small     0.03B") == 1, done.stdout
+    assert "strategy=ddp" in done.stdout and done.stdout.count("\nMViTv2-S         0.03B") == 1, done.stdout
+    done = run_cli("estimate", "mvitv2_small", "--largest", "--devices", "8")  # the ViT ladder: its own default
+    assert done.returncode == 0 and "strategy=zero3" in done.stdout, done.stdout + done.stderr
     with pytest.raises(ConfigError, match=re.escape("(asked: strategy=zero3, ac=False, pipeline_stages=1)")):
         estimate(cfg, devices=8, strategy="zero3")
     with pytest.raises(ConfigError, match=re.escape("(asked: strategy=ddp, ac=True, pipeline_stages=1)")):

@@ -545,12 +545,13 @@ def _export(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from vitrain.config import load_config
+    from vitrain.models import find_preset
     from vitrain.models.memory import breakdown, grid, largest, preset_models, table
     from vitrain.models.plan import auto_wrap
 
     fields = {"image_size": args.image_size, "patch_size": args.patch_size}
     model = None
-    if args.preset is not None:
+    if args.preset is not None and not args.largest:  # --largest climbs the ViT presets' proportions instead
         model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
     # An MViT's memory is modelled with whole weights (vitrain/models/memory.py): ddp unless a strategy is given.
     strategy = "ddp" if model is not None and model.name == "mvit" else "zero3"
@@ -588,7 +589,7 @@ def _estimate(args: argparse.Namespace) -> int:
         body = largest(args.memory[0], base, devices=devices[0], **setting)
     elif len(devices) > 1:
         title = f"peak memory per device with AdamW ({header})"
-        models = {args.preset: model} if model is not None else preset_models(args.first, **fields)
+        models = {find_preset(args.preset).alias: model} if model is not None else preset_models(args.first, **fields)
         body = grid(devices, args.memory, models, **setting)
     elif model is None:
         title = f"memory per device with AdamW ({header})"
@@ -642,8 +643,8 @@ def _models(args: argparse.Namespace) -> int:
         gib = cost.params * bytes_per_param / 2**30
         size = f"{p.num_frames}x{p.image_size}" if p.is_video else str(p.image_size)
         print(f"{p.name:<24}{p.alias:<14}{cost.params:>16,}{size:>7}{cost.flops / 1e9:>11.1f}{gib:>12.1f}")
-    print("GFLOPs: one forward pass of one image (video: one 16-frame clip), multiply-add = 2 FLOPs (timm's tables")
-    print("count MACs: half).")
+    print("GFLOPs: one forward pass of one image (video: one clip of the preset's frames), multiply-add = 2 FLOPs")
+    print("(timm's tables count MACs: half).")
     print("train GiB: fp32 AdamW model state (weights, gradients, two moments) without activations.")
     return 0
 

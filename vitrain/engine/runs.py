@@ -595,9 +595,9 @@ def check_handed_config(given: Config, resumed: Config, changes: Mapping[str, tu
     resolved) would be ignored; refused in one line naming the keys, to be passed as overrides instead. Paths the
     resume read where the run trained (`changes` with a reason) are the run's own values, moved: not differences."""
     located = ("name", "log.out_dir")  # where the run lives, found by them or by the resume path
-    moved = {k for k, change in (changes or {}).items() if len(change) > 2}
-    differ = {k: (run, mine) for k, (run, mine) in config_changes(resumed, given).items()
-              if mine != "auto" and k not in located and k not in moved}  # fmt: skip
+    moved = {k: change[0] for k, change in (changes or {}).items() if len(change) > 2}  # the run's value before
+    differ = {k: (moved.get(k, run), mine) for k, (run, mine) in config_changes(resumed, given).items()
+              if mine != "auto" and k not in located and (k not in moved or mine != moved[k])}  # fmt: skip
     if differ:
         shown = ", ".join(
             f"{k}={_shown(mine)} (the run's {_shown(run)})" for k, (run, mine) in list(differ.items())[:4]

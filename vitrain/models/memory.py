@@ -387,7 +387,11 @@ def _gib(n: int) -> str:
 
 def mvit_bench(cfg: ModelConfig) -> str:
     """The command that measures an MViT's memory where the model here does not reach."""
-    model = f"model.preset={cfg.preset}" if cfg.preset else "model.name=mvit <its model.* keys>"
+    model = (
+        f"model.preset={cfg.preset} model.image_size={cfg.image_size}"
+        if cfg.preset
+        else "model.name=mvit <its model.* keys>"
+    )
     return f"vitrain bench run {model} data.source=synthetic task.name=video"
 
 
@@ -484,7 +488,7 @@ def breakdown(cfg: ModelConfig, device_gib: float, **kwargs) -> str:
     need = devices_needed(cfg, int(device_gib * 2**30), **others)
     none = "none suffice (shard with zero3)"
     if cfg.name == "mvit":  # whole weights only in this model
-        none = f"none suffice with whole weights (measure sharded runs: `{mvit_bench(cfg)}`)"
+        none = f"none suffice with whole weights: a smaller batch, or measure other layouts with `{mvit_bench(cfg)}`"
     lines.append(f"devices of {device_gib:g} GiB needed: {need if need else none}")
     return "\n".join(lines)
 
