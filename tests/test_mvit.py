@@ -113,6 +113,26 @@ def test_its_blocks_are_the_sharding_and_checkpointing_units():
     assert len(plan.norms) == 3 * 5 + 1  # per block: two norms and one after each of the q, k, v poolings; the last
 
 
+def test_the_precision_probe_times_one_block_of_each_shape_and_weighs_it_by_their_number(monkeypatch):
+    # Stages of 2 and 3 blocks: the first stage's two are alike; the second's first pools the grid, its others alike.
+    from vitrain.engine import native
+    from vitrain.parallel.distributed import DistInfo
+
+    cfg = load_config(base={"model": {**TINY, "stages": [2, 3], "depth": 5}, "parallel": {"wrap": "block"}})
+    model = build_model(cfg.model)
+    probes = plan_of(model, "block").probes(4)
+    assert [(list(model.blocks).index(b), shape, n) for b, shape, n in probes] == [
+        (0, (4, 1 + 2 * 4 * 4, 16), 2), (2, (4, 1 + 2 * 4 * 4, 16), 1), (3, (4, 1 + 2 * 2 * 2, 32), 2)
+    ]  # fmt: skip
+    for (block, shape, _), width in zip(probes, (16, 32, 32), strict=True):
+        assert block(torch.randn(shape)).shape[-1] == width  # each takes the input it is given
+    seconds = {0: 1.0, 2: 4.0, 3: 10.0}  # a block's time in every mode, by its index
+    monkeypatch.setattr(native, "time_block_modes", lambda block, shape, **_: dict.fromkeys(
+        ("fp32", "amp_o1"), seconds[list(model.blocks).index(block)]))  # fmt: skip
+    timed = native.time_modes(cfg, model, DistInfo(0, 1, 0, torch.device("cpu")))
+    assert timed == {"fp32": (2 * 1.0 + 4.0 + 2 * 10.0) / 5, "amp_o1": (2 * 1.0 + 4.0 + 2 * 10.0) / 5}
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

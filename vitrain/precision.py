@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import os
 import shutil
 import sys
@@ -113,8 +114,8 @@ def resolve(
 
     `decided`: autotune's measured choice, which auto becomes where it is given (vitrain/engine/autotune.py); without
     it the rules below apply. On a CPU whose bf16 matmuls are not emulated, under zero2/zero3, `time_modes`
-    (seconds of one block's forward and backward in fp32, amp_o1 and amp_o2, see `time_block_modes`) picks the
-    fastest.
+    (seconds of one block's forward and backward in fp32, amp_o1 and amp_o2, see `time_block_modes`; the average
+    block where they differ, as MViT's stages do) picks the fastest.
     """
     if cfg.mode != "auto":
         dtype = torch.float32 if cfg.mode == "fp32" else LOW_DTYPES[cfg.dtype]
@@ -336,12 +337,21 @@ def _layer_norm_in_fp32(
     return F.layer_norm(x.float(), shape, weight, bias, eps).to(out_dtype)
 
 
+def _rows_in_fp32(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """`_layer_norm_in_fp32` over the rows of a 2-D `x`, their width read from it (not a constant of the graph)."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps).to(out_dtype)
+
+
 @functools.cache
 def _compiled_layer_norm(device_type: str) -> Callable[..., torch.Tensor]:
-    """One compiled function for every norm of the run on a device kind (weights are its inputs, so the shapes pick
-    the graph)."""
+    """One compiled function for every norm of the run on a device kind. It takes rows: norms of other ranks and
+    widths (MViT's stages and pooled heads) share a graph whose sizes turn dynamic on the first change, where each
+    (rank, width) pair would compile its own and soon pass torch.compile's limit of 8 (the rest then run eager,
+    with a warning). A model whose norms share one shape (the ViT) keeps one static graph."""
     key_compiled_cpu_kernels(device_type)
-    return torch.compile(_layer_norm_in_fp32)
+    return torch.compile(_rows_in_fp32)
 
 
 class CompiledFp32LayerNorm(nn.LayerNorm):
@@ -353,10 +363,14 @@ class CompiledFp32LayerNorm(nn.LayerNorm):
     out_dtype: torch.dtype  # the working copy's low dtype (what norm_output_to hands on)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.weight, self.bias, tuple(self.normalized_shape), self.eps, self.out_dtype)
         if not torch.is_grad_enabled() or plain_graph():  # compile, export and tracing see the plain ops
+            args = (x, self.weight, self.bias, tuple(self.normalized_shape), self.eps, self.out_dtype)
             return _layer_norm_in_fp32(*args)
-        return _compiled_layer_norm(x.device.type)(*args)
+        features = math.prod(self.normalized_shape)
+        weight = None if self.weight is None else self.weight.reshape(features)
+        bias = None if self.bias is None else self.bias.reshape(features)
+        rows = _compiled_layer_norm(x.device.type)(x.reshape(-1, features), weight, bias, self.eps, self.out_dtype)
+        return rows.reshape(x.shape)
 
 
 def fp32_between(module: nn.Module, dtype: torch.dtype, compile_norms: bool) -> None:

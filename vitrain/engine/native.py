@@ -271,11 +271,17 @@ class Frozen:
 
 def time_modes(cfg: Config, model: nn.Module, dist: DistInfo) -> dict[str, float]:
     """auto precision's probe under zero2/zero3 on CPUs whose bf16 is not emulated: one block's forward and backward
-    per mode, timed on rank 0 for every rank (precision.resolve picks the fastest)."""
+    per mode (where the blocks differ, the average block: one of each kind timed, weighed by how many there are),
+    timed on rank 0 for every rank (precision.resolve picks the fastest)."""
     plan = plan_of(model, cfg.parallel.wrap, cfg.parallel.block)
-    shape = plan.block_input_shape(cfg.train.batch_size)
-    timed = None
+    timed: dict[str, float] | None = None
     if dist.is_main:
         compiled = compiles_norms(cfg.precision.compile_norms, dist.device)  # amp_o2 timed as it would train
-        timed = time_block_modes(plan.checkpoint_units[0], shape, device=dist.device, compile_norms=compiled)
+        probes = plan.probes(cfg.train.batch_size)
+        blocks = sum(count for _, _, count in probes)
+        timed = {}
+        for block, shape, count in probes:
+            seconds = time_block_modes(block, shape, device=dist.device, compile_norms=compiled)
+            for mode, s in seconds.items():
+                timed[mode] = timed.get(mode, 0.0) + s * count / blocks
     return broadcast_object(timed)

@@ -284,13 +284,21 @@ class MViT(nn.Module):
         return out
 
     def parallel_plan(self, wrap: str) -> ParallelPlan:
-        """Each block a sharding and checkpointing unit (sublayer: its attention and MLP too); a timing probe feeds
-        the first block its input."""
+        """Each block a sharding and checkpointing unit (sublayer: its attention and MLP too). The blocks differ by
+        stage: a timing probe feeds one block of each shape its own input and weighs it by the blocks of that shape."""
         blocks = list(self.blocks)
         units: list[nn.Module] = [sub for b in blocks for sub in (b.attn, b.mlp)] if wrap == "sublayer" else []
         units += blocks if wrap in ("block", "sublayer") else []
-        first = tokens(block_shapes(self.cfg)[0].grid_in)
-        return ParallelPlan(units, blocks, *fp32_layers(self, blocks), lambda n: (n, first, self.cfg.width))
+        shapes = block_shapes(self.cfg)
+        kinds: dict[BlockShape, list[int]] = {}
+        for i, shape in enumerate(shapes):
+            kinds.setdefault(shape, []).append(i)
+        counted = tuple((found[0], len(found)) for found in kinds.values())
+
+        def block_input_shape(n: int, i: int = 0) -> tuple[int, ...]:
+            return (n, tokens(shapes[i].grid_in), shapes[i].dim_in)
+
+        return ParallelPlan(units, blocks, *fp32_layers(self, blocks), block_input_shape, counted)
 
 
 def from_torchvision(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

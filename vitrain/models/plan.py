@@ -35,8 +35,18 @@ class ParallelPlan:
     # each block's then the rest, one fp32 unit per group.
     norms: list[nn.Module]
     fp32_groups: list[list[nn.Module]]
-    # A repeated block's input shape for a micro-batch of n images: what a one-block timing probe feeds it.
-    block_input_shape: Callable[[int], tuple[int, ...]]
+    # A repeated block's input shape for a micro-batch of n images (of checkpoint unit i where the blocks differ):
+    # what a one-block timing probe feeds it.
+    block_input_shape: Callable[..., tuple[int, ...]]
+    # Where the blocks differ in shape (MViT's stages): (the index of one block of each kind, how many blocks are of
+    # that kind). A probe times each kind once and weighs it by its count. Empty: every block is like the first.
+    block_kinds: tuple[tuple[int, int], ...] = ()
+
+    def probes(self, n: int) -> list[tuple[nn.Module, tuple[int, ...], int]]:
+        """What a timing probe runs for micro-batches of n: (a block, its input's shape, the blocks it stands for)."""
+        if not self.block_kinds:
+            return [(self.checkpoint_units[0], self.block_input_shape(n), 1)]
+        return [(self.checkpoint_units[i], self.block_input_shape(n, i), count) for i, count in self.block_kinds]
 
 
 def vit_plan(model: nn.Module, wrap: str) -> ParallelPlan:
