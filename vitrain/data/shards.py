@@ -221,7 +221,7 @@ def read_index(path: Path, urls: list[str]) -> ShardIndex | None:
         return None
     classes = list(saved["classes"])
     # Indexed from labels alone: said since index.json says so ("named"); before, names that are the indices.
-    named = saved.get("named", classes != index_names(len(classes)))
+    named = saved["named"] if "named" in saved else classes != index_names(len(classes))
     classes = classes if named else IndexNames(classes)
     return ShardIndex(urls, [counts[n] for n in names], classes, saved.get("layout", "classes"))
 

@@ -424,7 +424,8 @@ def from_training_folder(
             new = tuple(t or v for t, v in zip(there, values, strict=True))
             moved.setdefault(section, {})[key] = new if isinstance(value, tuple) else new[0]
             for v, t in zip(values, there, strict=True):
-                lines += [f"{section}.{key}={v} read from the folder the run trained in: {t}"] if t else []
+                if t:
+                    lines.append(f"{section}.{key}={v} read from the folder the run trained in: {t}")
     if not moved:
         return cfg, []
     check_config({s: {k: v for k, v in keys.items() if isinstance(v, str)} for s, keys in moved.items()}, where)

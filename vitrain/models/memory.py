@@ -392,15 +392,20 @@ def mvit_bench(cfg: ModelConfig) -> str:
         if cfg.preset
         else "model.name=mvit <its model.* keys>"
     )
+    return _clip_bench(model)
+
+
+def _clip_bench(model: str) -> str:
+    """`vitrain bench run` of the model `model` (its model.* keys) on synthetic clips."""
     return f"vitrain bench run {model} data.source=synthetic task.name=video"
 
 
 def mvit_refusal(preset: str) -> str:
     """`vitrain estimate`'s one line for an MViTv2 preset in a table of presets, whose columns it does not model."""
+    bench = _clip_bench(f"model.preset={preset}")
     return (
         f"vitrain estimate's tables model vitrain's ViT and video ViT; {preset} is MViTv2 (model.name=mvit): give it "
-        f"alone (`vitrain estimate {preset} --strategy ddp`), or measure it with `vitrain bench run model.preset="
-        f"{preset} data.source=synthetic task.name=video train.batch_size=2`"
+        f"alone (`vitrain estimate {preset} --strategy ddp`), or measure it with `{bench} train.batch_size=2`"
     )
 
 
