@@ -163,6 +163,10 @@ def test_naming_a_preset_on_the_command_line_replaces_the_recipes_stages():
     recipe = CONFIG_DIR / "video-weizmann-mvit.yaml"
     big = load_config(recipe, ["model.preset=mvitv2_small"]).model
     assert (big.stages, big.depth, big.width, big.num_frames, big.dropout) == ((1, 2, 11, 2), 16, 96, 16, 0.5)
+    assert big.drop_path == 0.2  # the preset's stochastic depth, not the recipe's 0.1 for its 4 blocks
+    assert load_config(recipe, ["model.preset=mvitv2_base", "model.drop_path=0.05"]).model.drop_path == 0.05
+    from_vivit = load_config(CONFIG_DIR / "video-weizmann.yaml", ["model.preset=mvitv2_small"]).model
+    assert (from_vivit.name, from_vivit.pos_embed, from_vivit.pool) == ("mvit", "learned", "cls")  # not its sincos
     vivit = load_config(recipe, ["model.preset=video_vit_small_patch16"]).model
     assert (vivit.name, vivit.stages, vivit.width) == ("video_vit", (), 384)
 

@@ -510,7 +510,7 @@ def load_config(
         from vitrain.presets import find_preset  # models import config: import late
 
         preset = find_preset(str(named[-1]))
-        for key in PRESET_FIELDS + (VIDEO_PRESET_FIELDS if preset is not None and preset.is_video else ()):
+        for key in _preset_model(preset) if preset is not None else PRESET_FIELDS:
             (raw.get("model") or {}).pop(key, None)
     for item in parsed:
         _merge(raw, item)
@@ -779,7 +779,6 @@ def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> Non
 
 # What a model preset sets (stages: MViTv2's, empty for the others)
 PRESET_FIELDS = ("width", "depth", "heads", "mlp_dim", "patch_size", "image_size", "stages")
-VIDEO_PRESET_FIELDS = ("name", "num_frames", "tubelet_size", "pool", "pos_embed")  # and a video preset besides
 
 
 def _apply_preset(raw: dict[str, Any]) -> None:
@@ -793,14 +792,19 @@ def _apply_preset(raw: dict[str, Any]) -> None:
         close = difflib.get_close_matches(str(model["preset"]), preset_names(), n=1)
         hint = f"did you mean {close[0]}?" if close else "run `vitrain models` for the list"
         raise ConfigError(f"model.preset={model['preset']} is not a known preset; {hint}")
+    raw["model"] = {**_preset_model(preset), **model, "preset": preset.name}
+
+
+def _preset_model(preset: Any) -> dict[str, Any]:
+    """The model fields a preset sets: what a preset named by an override takes over from the file."""
     arch = {field: getattr(preset, field) for field in PRESET_FIELDS}
     if preset.stages:  # MViTv2: pooling attention over stages, classified from its class token
         arch |= {"name": "mvit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size, "pool": "cls",
-                 "drop_path": preset.drop_path, "dropout": 0.5}  # fmt: skip
+                 "pos_embed": "learned", "drop_path": preset.drop_path, "dropout": 0.5}  # fmt: skip
     elif preset.is_video:  # VideoMAE's choices; the model section may still override each
         arch |= {"name": "video_vit", "num_frames": preset.num_frames, "tubelet_size": preset.tubelet_size,
                  "pool": "gap", "pos_embed": "sincos"}  # fmt: skip
-    raw["model"] = {**arch, **model, "preset": preset.name}
+    return arch
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
