@@ -358,3 +358,10 @@ def test_cli_refuses_a_deepspeed_config_it_does_not_model(capsys):
     # DeepSpeed's ZeRO partitions other states than the native engine (and offloads the optimizer on its own).
     assert main(["estimate", "ViT-B/16", "--config", "face-deepspeed", "--devices", "2"]) == 2
     assert "train.engine=deepspeed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("named", [["ViT-B/16"], ["--largest"]])
+def test_cli_refuses_a_start_where_no_table_of_presets_is_printed(named, capsys):
+    assert main(["estimate", *named, "--from", "ViT-L/16"]) == 2
+    err = capsys.readouterr().err
+    assert "--from starts the table of presets" in err and len(err.strip().splitlines()) == 1

@@ -550,6 +550,9 @@ def _estimate(args: argparse.Namespace) -> int:
     from vitrain.models.plan import auto_wrap
 
     fields = {"image_size": args.image_size, "patch_size": args.patch_size}
+    if args.first is not None and (args.preset is not None or args.largest):
+        alone = f"the preset {args.preset} alone" if args.preset is not None else "--largest's own climb"
+        raise ConfigError(f"--from starts the table of presets; {alone} has no start: drop --from or the other")
     model = None
     if args.preset is not None and not args.largest:  # --largest climbs the ViT presets' proportions instead
         model = load_config(base={"model": {"preset": args.preset, **{k: v for k, v in fields.items() if v}}}).model
