@@ -461,9 +461,9 @@ def test_a_resume_on_the_same_machine_keeps_the_runs_decision_and_on_another_rac
 ):
     # A resume raced attention again: the race's noise could pick the other kernel, and the resumed run's losses then
     # left the uninterrupted run's in their last bits (seen: zero2 on two ranks, fp32, 2.4e-7 at the second step).
-    def run(steps, seconds, resume):
+    def run(steps, seconds, resume, extra=()):
         ran = fake_steps(monkeypatch, seconds)
-        cfg = load_config(None, tiny_overrides(tmp_path, "model.attention=auto", f"train.max_steps={steps}"))
+        cfg = load_config(None, tiny_overrides(tmp_path, "model.attention=auto", f"train.max_steps={steps}", *extra))
         trainer = Trainer(cfg, resume=resume)
         try:
             trainer.fit()
@@ -489,6 +489,16 @@ def test_a_resume_on_the_same_machine_keeps_the_runs_decision_and_on_another_rac
     monkeypatch.setattr(tune, "cpu_description", lambda: "CPU: another kind")  # resumed on another machine
     elsewhere, ran, _ = run(4, {(None, "sdpa"): 1.0, (None, "manual"): 2.0}, resume=True)
     assert elsewhere.tuned.values == {"model.attention": "sdpa"} and ran
+    # Resumed on the machine it was measured on, with another batch: another step, so raced again.
+    shutil.rmtree(tmp_path / "cache")
+    other, ran, header = run(5, swapped, resume=True, extra=("train.batch_size=32",))
+    assert other.tuned.values == {"model.attention": "manual"} and ran
+    assert not any("kept on resume" in line for line in header)
+    # A run's autotune.json written before the step's key was kept: it holds as it did then.
+    saved = json.loads((other.run_dir / "autotune.json").read_text())
+    (other.run_dir / "autotune.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "step"}))
+    older, ran, _ = run(6, {(None, "sdpa"): 1.0, (None, "manual"): 2.0}, resume=True)  # batch 64 again
+    assert older.tuned.values == {"model.attention": "manual"} and ran == []
 
 
 def _face_autotune_on_two_ranks(out_dir, faces, cache):

@@ -102,6 +102,7 @@ class Decision:
     cached_at: str = ""  # where the decision is cached (a hit: read from there)
     from_cache: bool = False
     machine: dict[str, Any] = dataclasses.field(default_factory=dict)  # where it was measured (machine_of)
+    step: str = ""  # the timed step's cache key (cache_path's file name without .json); "": written before it was kept
 
     def precision(self, cfg: PrecisionConfig) -> Resolved | None:
         mode = self.values.get("precision.mode")
@@ -162,19 +163,19 @@ def autotune(
     if not options or not enabled():
         return None
     machine = machine_of(dist)
-    if kept is not None:  # a resume: the run's own decision where it was measured on this machine
+    path = cache_path(cfg, device, options)
+    if kept is not None:  # a resume: the run's own decision where it was measured on this machine, for this shape
         with all_or_none("reading the run's autotune.json"):
             previous = _read_cache(kept) if dist.is_main else None
         previous = broadcast_object(previous)
-        chosen = _still_valid(previous, options, machine)  # each rank against its own machine; all must agree
+        chosen = _still_valid(previous, options, machine, path)  # each rank against its own machine; all must agree
         if previous is not None and max_over_ranks(float(chosen is None), device) == 0.0:
             return chosen
-    path = cache_path(cfg, device, options)
     with all_or_none("reading the autotune cache"):
         cached = _read_cache(path) if dist.is_main else None
     cached = broadcast_object(cached)
     if cached is not None:
-        cached.machine = machine  # measured on a machine like this one (the cache's key)
+        cached.machine, cached.step = machine, path.stem  # measured on a machine like this one (the cache's key)
         return cached
     available = broadcast_object(available_bytes(device))  # rank 0's: every rank decides alike
     fits, need = _memory_check(cfg, available)
@@ -225,7 +226,7 @@ def autotune(
         f"autotune ({where}, {torch.get_num_threads()} thread(s){processes}, batch {batch}, candidates taking turns, "
         f"best step each): {measured}{skipped} -> {kept or 'the fastest: '}{chosen}"
     )
-    decision = Decision(values, images_per_s, notes, reason, cached_at=str(path), machine=machine)
+    decision = Decision(values, images_per_s, notes, reason, cached_at=str(path), machine=machine, step=path.stem)
     if dist.is_main:
         _write_cache(path, decision)
     return decision
@@ -550,11 +551,15 @@ def machine_of(dist: DistInfo) -> dict[str, Any]:
     return {"device": _device_name(dist.device), "torch": torch.__version__, "threads": threads, "processes": processes}
 
 
-def _still_valid(previous: Decision | None, options: dict[str, list[str]], machine: dict[str, Any]) -> Decision | None:
-    """A resumed run's earlier decision, for the keys still auto, where it was measured on this machine and each of
-    its values is still a candidate here; else None (race again). A decision written before machines were recorded,
-    or changed by hand to a value not among the candidates, is raced again."""
-    if previous is None or previous.machine != machine:
+def _still_valid(
+    previous: Decision | None, options: dict[str, list[str]], machine: dict[str, Any], path: Path
+) -> Decision | None:
+    """A resumed run's earlier decision, for the keys still auto, where it was measured on this machine for the step
+    the run takes now (its cache key, `path`'s name: a resume that changes the batch, optimizer, model or sharding
+    times another step; a decision written before the key was kept holds as before) and each of its values is still
+    a candidate here; else None (race again). A decision written before machines were recorded, or changed by hand to
+    a value not among the candidates, is raced again."""
+    if previous is None or previous.machine != machine or previous.step not in ("", path.stem):
         return None
     if any(previous.values.get(key) not in values for key, values in options.items()):
         return None
@@ -580,6 +585,7 @@ def _read_cache(path: Path) -> Decision | None:
         and texts(decision.notes)
         and isinstance(decision.reason, str)
         and texts(decision.machine)
+        and isinstance(decision.step, str)
     ):
         return None  # the same for a file of the right keys and the wrong kinds (a run's autotune.json, hand-edited)
     decision.from_cache, decision.cached_at = True, str(path)
