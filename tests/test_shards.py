@@ -556,6 +556,61 @@ def test_a_pack_into_a_folder_packed_from_another_source_is_one_line_and_changes
     assert _files(out) == before
 
 
+def _renamed_class(tree: Path) -> str:
+    (tree / "test" / "dog").rename(tree / "test" / "dgo")
+    return "classes ['dgo'] that the train split does not have"
+
+
+def _empty_class(tree: Path) -> str:
+    (tree / "test" / "bird").mkdir()
+    return f"class folder {tree / 'test' / 'bird'} is empty"
+
+
+def _two_depths(tree: Path) -> str:
+    (tree / "train" / "dog" / "puppies").mkdir()
+    (tree / "train" / "dog" / "000.png").rename(tree / "train" / "dog" / "puppies" / "000.png")
+    return "images at two depths"
+
+
+# Each mistake once cost a whole split without a word (pack tried every folder as a split, skipping any it could not
+# read) or read the tree another way than `vitrain data prepare`; both now list a tree alike and refuse these.
+@pytest.mark.parametrize("mistake", [_renamed_class, _empty_class, _two_depths])
+def test_pack_and_prepare_refuse_a_tree_that_would_lose_a_split_or_a_class(tmp_path, capsys, mistake):
+    from vitrain.cli import main
+
+    make_tree(tmp_path / "tree", {"train": 3, "test": 2})
+    said = mistake(tmp_path / "tree")
+    for command in (["pack", "--format", "shards"], ["prepare"]):
+        out = tmp_path / command[0]
+        code = main(["data", command[0], str(tmp_path / "tree"), str(out), *command[1:]])
+        err = capsys.readouterr().err
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (command, err)
+        assert not out.exists() or not any(out.iterdir())
+
+
+def test_the_folder_source_names_a_class_folder_whose_images_sit_one_folder_down(tmp_path):
+    from vitrain.data.sources import ImageTree, list_split
+
+    make_tree(tmp_path / "tree", {"train": 3})
+    (tmp_path / "tree" / "train" / "dog").rename(tmp_path / "puppies")
+    (tmp_path / "tree" / "train" / "dog").mkdir()
+    (tmp_path / "puppies").rename(tmp_path / "tree" / "train" / "dog" / "puppies")
+    with pytest.raises(DataError, match="holds images only in folders below it .*puppies/000.png"):
+        list_split(ImageTree(tmp_path / "tree"), "train", required=True)
+
+
+def test_pack_reads_a_zip_with_one_top_folder_and_a_bare_class_tree_as_prepare_does(tmp_path, capsys):
+    from tests.data_helpers import zip_tree
+
+    make_tree(tmp_path / "tree", {"train": 3, "test": 2})
+    zip_tree(tmp_path / "tree", tmp_path / "tree.zip")
+    assert _pack_here(capsys, tmp_path / "tree.zip", tmp_path / "zipped", "shards")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "zipped").glob("*.tar")) == ["test-000000.tar", "train-000000.tar"]
+    make_tree(tmp_path / "bare", {"": 3})  # <class>/<image> only: the train split
+    assert _pack_here(capsys, tmp_path / "bare", tmp_path / "packed", "shards")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "packed").glob("*.tar")) == ["train-000000.tar"]
+
+
 @pytest.mark.parametrize("held", ["index.json", "train.rec"])
 def test_a_pack_into_a_folder_holding_files_of_no_pack_is_one_line(tmp_path, capsys, held):
     make_tree(tmp_path / "tree", {"train": 20, "test": 4}, suffix=".jpg")

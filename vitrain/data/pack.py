@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 
 from vitrain.data.faces import open_face_tree
 from vitrain.data.shards import FORMAT, INDEX, ShardIndex, ShardWriter, read_samples, write_index
-from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, decode_pool, file_reader, list_split
+from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, decode_pool, file_reader, find_splits
 from vitrain.errors import DataError
 from vitrain.files import atomic_write, folder_problem
 
@@ -50,21 +50,12 @@ def list_source(src: Path, identities: bool) -> Listing:
         rows = [(name, label) for label, identity in enumerate(tree.identities) for name in tree.files[identity]]
         return Listing(tree.root, tree.is_zip, {"train": rows}, list(tree.identities), "identities")
     tree = ImageTree(src)
-    splits, classes = {}, None
-    tops = sorted({PurePosixPath(n).parts[0] for n in tree.names if "/" in n})
-    candidates = sorted({p for t in tops for p in (t, *[n.split("/")[1] for n in tree.names if n.startswith(t + "/")])})
-    for split in candidates:
-        prefix = tree.split_prefix(split)
-        if prefix is None or split in splits:
-            continue
-        try:
-            listing = list_split(tree, split, required=True, classes=classes)
-        except DataError:
-            continue
-        names, labels, classes = listing
-        splits[split] = list(zip(names, labels, strict=True))
-    if not splits:
-        raise DataError(f"{src} holds no <split>/<class>/<image> tree; for face identity folders add --identities")
+    found = find_splits(tree)  # as `vitrain data prepare` reads a tree
+    classes = sorted({c for folders in found.values() for c in folders})
+    splits = {
+        split: [(name, classes.index(c)) for c, names in folders.items() for name in names]
+        for split, folders in found.items()
+    }
     return Listing(tree.root, tree.is_zip, splits, classes, "classes")
 
 

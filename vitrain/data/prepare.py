@@ -18,27 +18,18 @@ import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from vitrain.data.faces import FaceTree, open_face_tree
 from vitrain.data.prepared import FAILED, FORMAT, IDENTITIES, IDENTITIES_SPLIT, MANIFEST, sha256_file
-from vitrain.data.sources import (
-    IMAGE_SUFFIXES,
-    ImageTree,
-    checked_class_folders,
-    decode_failure,
-    decode_image,
-    file_reader,
-    location,
-)
+from vitrain.data.sources import ImageTree, decode_failure, decode_image, file_reader, find_splits, location
 from vitrain.errors import DataError
 from vitrain.files import atomic_write, folder_problem
 
 PLAN = "plan.json"
-KNOWN_SPLITS = ("train", "val", "valid", "validation", "test")
 GREY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 
 
@@ -90,7 +81,7 @@ def prepare(
         splits, classes = {IDENTITIES_SPLIT: tree.files}, tree.identities
     else:
         tree = ImageTree(src)
-        splits = _find_splits(tree)
+        splits = find_splits(tree)
         classes = sorted({c for folders in splits.values() for c in folders})
     probed_channels, sizes = _probe(tree, splits)
     channels = channels or probed_channels
@@ -125,28 +116,6 @@ def prepare(
     jobs = [(str(src), tree.is_zip, s.name, s.files, s.labels, mode, size, str(dst)) for s in todo]
     _run(jobs, workers, progress)
     return _finish(dst, plan, shards, splits, len(done), len(todo))
-
-
-def _find_splits(tree: ImageTree) -> dict[str, dict[str, list[str]]]:
-    """{split: {class: images}}: a split is a folder holding <class>/<image>; a bare class tree is 'train'."""
-    prefixes = set()
-    for name in tree.names:
-        parts = PurePosixPath(name).parts
-        if name.endswith("/") or not name.lower().endswith(IMAGE_SUFFIXES) or len(parts) < 2:
-            continue
-        if any(p.startswith(".") or p == "__MACOSX" for p in parts):
-            continue
-        prefixes.add("/".join(parts[:-2]) + "/" if len(parts) > 2 else "")
-    if not prefixes:
-        raise DataError(f"{tree.root} holds no images ({', '.join(IMAGE_SUFFIXES)}) in <class>/ folders")
-    splits: dict[str, dict[str, list[str]]] = {}
-    for prefix in sorted(prefixes):
-        last = PurePosixPath(prefix).name if prefix else ""
-        split = last if (len(prefixes) > 1 or last in KNOWN_SPLITS) else "train"
-        if split in splits:
-            raise DataError(f"{tree.root} has two folders named '{split}' holding classes; keep one")
-        splits[split] = checked_class_folders(tree, prefix)
-    return splits
 
 
 def _probe(tree: ImageTree | FaceTree, splits: dict[str, dict[str, list[str]]]) -> tuple[int, list[tuple[int, int]]]:

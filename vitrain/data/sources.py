@@ -414,8 +414,57 @@ def checked_class_folders(tree: ImageTree, prefix: str) -> dict[str, list[str]]:
         raise DataError(f"{tree.location(prefix)} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)})")
     for name, files in folders.items():
         if not files:
+            deeper = [n for n in tree.deeper_images(prefix) if n.startswith(tree.location(prefix + name + "/"))]
+            if deeper:
+                raise DataError(
+                    f"class folder {tree.location(prefix + name)} holds images only in folders below it (e.g. "
+                    f"{deeper[0]}); the tree is <split>/<class>/<image>: move them up into it"
+                )
             raise DataError(f"class folder {tree.location(prefix + name)} is empty; add images or remove it")
     return folders
+
+
+KNOWN_SPLITS = ("train", "val", "valid", "validation", "test")  # a lone folder of these names is a split, not a class
+
+
+def find_splits(tree: ImageTree) -> dict[str, dict[str, list[str]]]:
+    """{split: {class: images}} of an image tree, for `vitrain data prepare` and `pack`: a split is the folder holding
+    <class>/<image> folders, at any depth (a zip's one top folder); a bare class tree is 'train'. Images at two depths
+    (a class folder holding class folders) and a class that another split has and 'train' lacks are refused."""
+    prefixes = set()
+    for name in tree.names:
+        parts = PurePosixPath(name).parts
+        if name.endswith("/") or not name.lower().endswith(IMAGE_SUFFIXES) or len(parts) < 2:
+            continue
+        if any(p.startswith(".") or p == "__MACOSX" for p in parts):
+            continue
+        prefixes.add("/".join(parts[:-2]) + "/" if len(parts) > 2 else "")
+    if not prefixes:
+        raise DataError(f"{tree.root} holds no images ({', '.join(IMAGE_SUFFIXES)}) in <class>/ folders")
+    for outer in prefixes:
+        inner = next((p for p in sorted(prefixes) if p != outer and p.startswith(outer)), None)
+        if inner is not None:
+            raise DataError(
+                f"{tree.root} has images at two depths: in class folders under {tree.location(outer) or 'its top'} "
+                f"and under {tree.location(inner)}, inside one of them; keep one <split>/<class>/<image> tree"
+            )
+    splits: dict[str, dict[str, list[str]]] = {}
+    where: dict[str, str] = {}
+    for prefix in sorted(prefixes):
+        last = PurePosixPath(prefix).name if prefix else ""
+        split = last if (len(prefixes) > 1 or last in KNOWN_SPLITS) else "train"
+        if split in splits:
+            raise DataError(f"{tree.root} has two folders named '{split}' holding classes; keep one")
+        splits[split], where[split] = checked_class_folders(tree, prefix), prefix
+    if "train" in splits:
+        for split, folders in splits.items():
+            unknown = sorted(set(folders) - set(splits["train"]))
+            if unknown:
+                raise DataError(
+                    f"{tree.location(where[split])} has classes {unknown} that the train split does not have; "
+                    "name them as in train or remove them"
+                )
+    return splits
 
 
 def held_out_line(cfg: Config, splits: list[str]) -> str:
