@@ -347,3 +347,29 @@ def test_a_resume_takes_the_parameter_groups_from_its_config_and_the_moments_fro
     assert set(state) == set(moments)
     for name, moment in moments.items():
         assert torch.equal(state[name]["exp_avg"], moment), name
+
+
+def test_a_resume_while_another_process_trains_the_run_stops_before_touching_its_folder(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    (run_dir / ckpt.CHECKPOINT_DIR / ".tmp-step_00000024").mkdir(parents=True)  # the other process's save, in flight
+    (run_dir / runs.RUN_FILE).write_text("{}\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from vitrain.engine import runs; runs.hold_run({str(run_dir)!r}); print('held', "
+         "flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=f"is being trained by process {holder.pid} on .*; wait for it"):
+            runs.choose_run(run_dir, resume=True)
+        assert (run_dir / ckpt.CHECKPOINT_DIR / ".tmp-step_00000024").is_dir()  # its save left alone
+    finally:
+        holder.communicate("\n", timeout=60)
+    try:
+        choice = runs.choose_run(run_dir, resume=True)  # that process ended: its lock went with it
+        assert "removed .tmp-step_00000024" in " ".join(choice.notes)
+    finally:
+        runs.release_run(run_dir)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 
 RUN_FILE = "run.json"  # marks a folder as a vitrain run; a new run creates it exclusively
 SUPERSEDED = "superseded-"  # newer checkpoints moved aside when a run goes back to an earlier step
+RUN_LOCK = ".lock"  # flock'ed by the process that trains the run (rank 0), for as long as it does
+_held_runs: dict[Path, int] = {}  # run folder -> the lock file's descriptor this process holds
 
 
 @dataclass
@@ -101,12 +105,48 @@ def choose_run(
     return RunChoice(run_dir, None, is_new=True)
 
 
+def hold_run(run_dir: Path) -> None:
+    """Rank 0: lock the run folder for as long as this process trains it (release_run, or the process's end). Another
+    process still training it (a second --resume while the first runs) is refused in one line before anything in the
+    folder changes: cleaning its leftovers would remove the checkpoint it is writing. Where the file system has no
+    flock, nothing is locked."""
+    key = Path(run_dir).resolve()
+    if key in _held_runs:  # this process's own earlier Trainer of the run (a library resumes in one process)
+        return
+    try:
+        fd = os.open(key / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise CheckpointError(
+            f"{run_dir} is being trained by {holder}; wait for it to end (or stop it), then resume"
+        ) from None
+    except OSError:
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held_runs[key] = fd
+
+
+def release_run(run_dir: Path) -> None:
+    """Let go of the run folder's lock (hold_run) where this process holds it."""
+    fd = _held_runs.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, checked: bool = False) -> RunChoice:
     """Continue `run_dir` from `checkpoint` or, when None, its newest complete one (after cleaning leftovers).
 
     Cleaning only removes what vitrain's own interrupted writes left; the newer checkpoints are listed to move aside
     (RunChoice.newer) once the one to continue has been read and checked (`checked`: the caller already did).
     """
+    hold_run(run_dir)  # first: a process still training the run stops this one before its leftovers are touched
     notes = [f"{what} in {run_dir / ckpt.CHECKPOINT_DIR}" for what in ckpt.clean_leftovers(run_dir)]
     stopped = read_run_file(run_dir).get("stopped")
     if isinstance(stopped, dict):
@@ -263,6 +303,7 @@ def mark_run(run_dir: Path, is_new: bool, resumed_from: Path | None) -> None:
         ckpt.fsync_dir(run_dir)
     else:
         ckpt.write_json(run_dir / RUN_FILE, record)
+    hold_run(run_dir)  # a resume holds it already (choose_run)
 
 
 def check_same_model(path: Path, meta: dict, cfg: Config) -> None:

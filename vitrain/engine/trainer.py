@@ -212,6 +212,8 @@ class Trainer:
         A model's linear layers that an engine swapped to the CPU kernel's class are nn.Linear again, and the engine
         lets go of what it set up outside itself (the DeepSpeed engine: the launcher variables it set)."""
         self.used = True
+        if getattr(self, "run_dir", None) is not None:
+            runs.release_run(self.run_dir)
         if self.model is not None:
             unfuse_linear_bias(self.model)
         close_engine(self.engine)
