@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -324,10 +325,14 @@ def test_resume_checks_the_overrides_against_the_runs_config_not_the_recipes(tmp
     assert 'parallel.offload: "none" -> "params" (command line)' in capsys.readouterr().err
 
 
-def test_resume_refuses_a_run_whose_every_checkpoint_is_damaged_and_keeps_them(trained, tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_resume_refuses_a_run_whose_every_checkpoint_is_damaged_and_keeps_them(trained, tmp_path, capsys, damage):
     run = fresh_copy(trained, tmp_path)
     for step in ckpt.step_dirs(run):
-        flip_one_byte(step / data_files(step)[0])
+        if damage == "flipped":
+            flip_one_byte(step / data_files(step)[0])
+        else:  # a finished save (its marker lists the size) cut short later: damage, not a write interrupted
+            os.truncate(step / data_files(step)[0], 1000)
     before = snapshot(run)
     line = error_line(capsys, ["train", "--resume", str(run)])
     assert line.startswith(f"--resume: every checkpoint of {run} is damaged")

@@ -230,7 +230,7 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
         kind = " (DeepSpeed's files)" if (step / DEEPSPEED_DIR).is_dir() else ""
         if not (step / COMPLETE_FILE).is_file():
             report.append((step, False, f"incomplete: no {COMPLETE_FILE} marker (its write was interrupted)"))
-        elif not _marker_reads(step):
+        elif not marker_reads(step):
             report.append((step, False, f"damaged: its {COMPLETE_FILE} marker cannot be read (not the JSON it was)"))
         elif not is_complete(step):
             report.append((step, False, f"damaged: a file is missing or its size differs from {COMPLETE_FILE}"))
@@ -262,7 +262,7 @@ def _folder_of(file: Path) -> str:
     return f"a run folder (the one holding {CHECKPOINT_DIR}/) or a step folder ({CHECKPOINT_DIR}/step_00000100 in it)"
 
 
-def _marker_reads(path: Path) -> bool:
+def marker_reads(path: Path) -> bool:
     """Whether a step folder's COMPLETE marker is what a save writes, a JSON object with a "files" object: a garbled
     one is named as such, not taken for a missing or short file."""
     try:
