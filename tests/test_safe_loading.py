@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 
 from tests.conftest import reseal_with_checksums, run_cli, tiny_overrides
 from tests.distributed_helpers import free_port, tiny_config, torchrun_env
@@ -26,7 +27,7 @@ from vitrain.engine import Trainer
 from vitrain.engine.protocol import load_model_weights
 from vitrain.errors import CheckpointError, ConfigError, DataError
 from vitrain.models import create_model
-from vitrain.weights import read_weights
+from vitrain.weights import load_pretrained, read_weights
 
 
 class Payload:
@@ -173,6 +174,21 @@ def test_an_old_protocol_pickle_as_init_from_gives_its_error_and_no_torch_warnin
         with pytest.raises(CheckpointError, match="model.init_from=.*evil.pt cannot be read"):
             read_weights(weights)
     assert not caught and not proof.exists()
+
+
+def test_a_weights_file_keying_a_tensor_by_no_name_is_one_line_naming_it(tmp_path, tiny_model):
+    path = tmp_path / "intkey.pt"
+    torch.save({1: torch.zeros(2), **tiny_model.state_dict()}, path)
+    with pytest.raises(CheckpointError, match=r"model.init_from=.*intkey.pt names a tensor by 1 \(int\), not a string"):
+        read_weights(path)
+
+
+def test_half_a_head_of_another_size_is_named_as_the_missing_tensor(tmp_path, tiny_model):
+    state = {**tiny_model.state_dict(), "head.bias": torch.zeros(5)}
+    del state["head.weight"]
+    save_file(state, str(tmp_path / "half.safetensors"))
+    with pytest.raises(CheckpointError, match="half.safetensors holds .*: it lacks tensor head.weight$"):
+        load_pretrained(tiny_model, tmp_path / "half.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------- an index that lies

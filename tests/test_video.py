@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,21 @@ def test_inflation_resamples_another_grid_and_refuses_another_width(tmp_path):
     save_file(wide.state_dict(), str(tmp_path / "wide.safetensors"))
     with pytest.raises(CheckpointError, match="model.inflate_from=.*wide.safetensors: .* where the model has"):
         inflate_into(video, tmp_path / "wide.safetensors")
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 32), (25, 32)])
+def test_a_position_table_of_no_square_grid_is_one_line_naming_its_shape(tmp_path, shape):
+    image, video, path = _image_and_video(tmp_path, "cls")
+    save_file({**image.state_dict(), "pos_embed": torch.zeros(shape)}, str(path))
+    with pytest.raises(CheckpointError, match=rf"image.safetensors: pos_embed is {re.escape(str(shape))}, not an"):
+        inflate_into(video, path)
+
+
+def test_a_deeper_image_vit_is_refused_naming_its_extra_tensor(tmp_path):
+    deep = VisionTransformer(dataclasses.replace(VIDEO_CFG, name="vit", num_frames=1, tubelet_size=1, depth=3))
+    save_file(deep.state_dict(), str(tmp_path / "deep.safetensors"))
+    with pytest.raises(CheckpointError, match="deep.safetensors: it has an extra tensor blocks.2.attn.proj.bias"):
+        inflate_into(VideoTransformer(VIDEO_CFG), tmp_path / "deep.safetensors")
 
 
 def test_the_recipes_are_a_video_vit_and_its_frame_averaged_image_baseline():

@@ -266,6 +266,12 @@ def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, t
             break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{config_key}={path} does not hold a state dict of tensors")
+    for key in state:
+        if not isinstance(key, str):
+            raise CheckpointError(
+                f"{config_key}={path} names a tensor by {key!r:.40} ({type(key).__name__}), not a string; save a "
+                "state dict keyed by tensor names (model.state_dict())"
+            )
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
@@ -294,11 +300,13 @@ def load_pretrained(model: nn.Module, path: Path, config_key: str = "model.init_
     for key in ("dist_token", "head_dist.weight", "head_dist.bias"):  # a student of train.distill: DeiT's token
         if key in own and key not in state:  # and head start from scratch where the source has none
             state[key] = own[key]
-    head = [k for k in ("head.weight", "head.bias") if k in state and k in own and state[k].shape != own[k].shape]
-    if head:
+    head = [k for k in ("head.weight", "head.bias") if k in own]
+    # a head for another number of classes starts afresh; half a head (bias, no weight), or a head of another width
+    # (a wider model's file), is a tensor missing or misshapen, named below
+    if head and all(k in state for k in head) and state[head[0]].shape[0] != own[head[0]].shape[0]:
         warnings.warn(
-            f"{config_key}={path}: its head has {state['head.weight'].shape[0]} classes, this model "
-            f"{own['head.weight'].shape[0]}; the head starts from scratch",
+            f"{config_key}={path}: its head has {state[head[0]].shape[0]} classes, this model "
+            f"{own[head[0]].shape[0]}; the head starts from scratch",
             stacklevel=2,
         )
         for key in head:

@@ -100,11 +100,12 @@ def check(m: ModelConfig) -> None:
 
 
 def inflate_state(
-    image: dict[str, torch.Tensor], model: VideoTransformer, mode: str = "average"
+    image: dict[str, torch.Tensor], model: VideoTransformer, mode: str = "average", source: str = "model.inflate_from"
 ) -> dict[str, torch.Tensor]:
     """An image ViT's state dict made to fit `model`: the 2-D patch kernel spread over the tubelet (`average`:
     w / t on every frame; `center`: w on frame t // 2), the position table resampled to the clip's grid and repeated
     over time (the class token's row kept), a classifier of another size left out (it stays freshly initialized).
+    `source`: the config key and file, for the error lines.
 
     With `average`, pos_embed=learned and pool=gap, a clip of one frame repeated has exactly the image model's
     logits on that frame: each tubelet embeds as the frame's patch does, every time step holds the same tokens, and
@@ -116,7 +117,7 @@ def inflate_state(
     state = dict(image)
     kernel = state.get("patch_embed.proj.weight")
     if kernel is None or kernel.ndim != 4:
-        raise CheckpointError("model.inflate_from holds no image ViT patch embedding (patch_embed.proj.weight, 4-D)")
+        raise CheckpointError(f"{source} holds no image ViT patch embedding (patch_embed.proj.weight, 4-D)")
     t = cfg.tubelet_size
     if mode == "average":
         state["patch_embed.proj.weight"] = kernel.unsqueeze(2).repeat(1, 1, t, 1, 1) / t
@@ -125,19 +126,27 @@ def inflate_state(
         spread[:, :, t // 2] = kernel
         state["patch_embed.proj.weight"] = spread
     if "pos_embed" in own and "pos_embed" in state:
-        state["pos_embed"] = _inflated_positions(state["pos_embed"], model)
+        state["pos_embed"] = _inflated_positions(state["pos_embed"], model, source)
     else:
         state.pop("pos_embed", None)  # a fixed sin-cos table on either side is not learned: nothing to carry
     for name in ("head.weight", "head.bias"):
-        if name in state and name in own and state[name].shape != own[name].shape:
+        if "head.weight" not in own:  # an embedding model: the source's classifier has no counterpart here
+            state.pop(name, None)
+        elif name in state and name in own and state[name].shape != own[name].shape:
             state[name] = own[name]
     return state
 
 
-def _inflated_positions(pos: torch.Tensor, model: VideoTransformer) -> torch.Tensor:
+def _inflated_positions(pos: torch.Tensor, model: VideoTransformer, source: str) -> torch.Tensor:
     """(1, prefix + G*G, D) image table -> (1, prefix + T' * g*g, D): the class row kept (or dropped for pool=gap),
     the grid resampled to the clip's g x g, then repeated over the T' tubelet steps."""
     cfg = model.cfg
+    rows = pos.shape[1] if pos.ndim == 3 and pos.shape[0] == 1 else 0
+    if not any(n > 0 and math.isqrt(n) ** 2 == n for n in (rows, rows - 1)):  # a square grid (and a class row)
+        raise CheckpointError(
+            f"{source}: pos_embed is {tuple(pos.shape)}, not an image ViT's position table (1, G*G or 1 + G*G, width) "
+            "for a G x G patch grid; inflate from an image ViT's weights"
+        )
     image_prefix = 0 if math.isqrt(pos.shape[1]) ** 2 == pos.shape[1] else 1
     if model.pos_prefix and not image_prefix:
         raise CheckpointError(
@@ -159,15 +168,18 @@ def inflate_into(model: nn.Module, path: Path, mode: str = "average") -> None:
 
     if not isinstance(model, VideoTransformer):
         raise ConfigError(f"model.inflate_from={path} inflates into a video ViT; set model.name=video_vit")
-    state = inflate_state(read_weights(Path(path), "model.inflate_from"), model, mode)
+    state = inflate_state(read_weights(Path(path), "model.inflate_from"), model, mode, f"model.inflate_from={path}")
     own = model.state_dict()
     wrong = [k for k in own if k in state and state[k].shape != own[k].shape]
     missing = [k for k in own if k not in state]
-    if wrong or missing:
-        name = (wrong or missing)[0]
-        what = f"{tuple(state[name].shape)} where the model has {tuple(own[name].shape)}" if wrong else "no tensor"
+    extra = sorted(set(state) - set(own))  # a deeper model's blocks: refused, as model.init_from refuses them
+    if wrong or missing or extra:
+        name = (wrong or missing or extra)[0]
+        if wrong:
+            what = f"{name} has {tuple(state[name].shape)} where the model has {tuple(own[name].shape)}"
+        else:
+            what = f"{name} has no tensor" if missing else f"it has an extra tensor {name}"
         raise CheckpointError(
-            f"model.inflate_from={path}: {name} has {what}; inflate from an image ViT of the same width, depth and "
-            "heads"
+            f"model.inflate_from={path}: {what}; inflate from an image ViT of the same width, depth and heads"
         )
     model.load_state_dict({k: state[k] for k in own})
