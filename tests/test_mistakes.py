@@ -169,6 +169,18 @@ def test_a_garbled_complete_marker_is_said_once_per_command(trained, tmp_path, c
         assert err.count(said) == 1, err
 
 
+@pytest.mark.parametrize("sums", [{"nonexist": "ab"}, "abc"])  # a checksum for no listed file, or not a mapping
+def test_a_marker_whose_checksums_do_not_fit_its_files_is_damage_said_in_one_line(trained, tmp_path, capsys, sums):
+    run = fresh_copy(trained, tmp_path)
+    previous, newest = ckpt.step_dirs(run)[-2:]
+    marker = json.loads((newest / ckpt.COMPLETE_FILE).read_text())
+    (newest / ckpt.COMPLETE_FILE).write_text(json.dumps({**marker, ckpt.CHECKSUM: sums}))
+    for argv in (["eval", str(newest)], ["export", str(newest), str(tmp_path / "out")]):
+        assert error_line(capsys, argv).startswith(f"checkpoint {newest} is damaged: its COMPLETE marker holds ")
+    assert main(["train", "--resume", str(run), "train.epochs=2"]) == 0  # from the step before it
+    assert f"resumed from {previous}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "file, give",
     [
@@ -189,6 +201,28 @@ def test_checkpoint_verify_of_a_file_says_which_folder_to_give(trained, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- export
+
+
+def test_an_export_over_another_formats_leaves_none_of_its_files(trained, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["export", str(trained), str(out), "--format", "timm"]) == 0
+    assert (out / "timm.json").is_file()
+    assert main(["export", str(trained), str(out), "--overwrite"]) == 0  # vitrain's: timm.json would contradict it
+    assert sorted(p.name for p in out.iterdir()) == ["classes.json", "config.yaml", "model.safetensors"]
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_partial_file(trained, tmp_path, capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    def full(state, path, metadata=None):
+        Path(path).write_bytes(b"part")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    out = tmp_path / "out"
+    line = error_line(capsys, ["export", str(trained), str(out)])
+    assert line == f"export: cannot write to {out} (No space left on device (os error 28)); choose a writable folder"
+    assert list(out.iterdir()) == []
 
 
 def test_export_never_replaces_an_export_without_overwrite(trained, tmp_path, capsys):

@@ -114,11 +114,12 @@ def file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
 class CheckpointDamaged(CheckpointError):
     """A file of a complete step folder does not match the checksum written with it."""
 
-    def __init__(self, path: Path, name: str, actual: str, expected: str):
+    def __init__(self, path: Path, name: str, actual: str, expected: str, why: str = ""):
         self.path, self.file = path, name
+        why = why or f"{name} does not match the checksum written with it (XXH3-64 {actual} != {expected})"
         super().__init__(
-            f"checkpoint {path} is damaged: {name} does not match the checksum written with it (XXH3-64 {actual} != "
-            f"{expected}); use an earlier step (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
+            f"checkpoint {path} is damaged: {why}; use an earlier step (`vitrain checkpoint verify "
+            f"{run_dir_of(path)}` lists them)"
         )
 
 
@@ -200,7 +201,15 @@ def verify(path: Path) -> None:
     if _verified.get(path.resolve()) == stamp:
         return
     check_listed(path)  # before a byte is read: a listed symbolic link would be checksummed as the folder's own
-    expected = json.loads(marker.read_text()).get(CHECKSUM) or {}
+    listed = json.loads(marker.read_text())
+    expected = (listed.get(CHECKSUM) or {}) if isinstance(listed, dict) else None
+    files = listed.get("files") if isinstance(listed, dict) else None
+    if not isinstance(expected, dict) or not isinstance(files, dict) or not set(expected) <= set(files):
+        odd = sorted(set(expected) - set(files)) if isinstance(expected, dict) and isinstance(files, dict) else []
+        what = f"checksums for {odd[0]!r}, a file it does not list" if odd else "no files and checksums it can read"
+        raise CheckpointDamaged(path, COMPLETE_FILE, "", "", why=f"its {COMPLETE_FILE} marker holds {what}")
+    if not all(isinstance(v, str) for v in expected.values()):
+        raise CheckpointDamaged(path, COMPLETE_FILE, "", "", why=f"its {COMPLETE_FILE} marker's checksums are not text")
     actual = file_checksums(path, sorted(expected))
     for name in sorted(expected):
         if actual[name] != expected[name]:

@@ -510,7 +510,7 @@ def _export(args: argparse.Namespace) -> int:
     from vitrain.engine.runs import class_names
     from vitrain.files import check_output_folder
     from vitrain.tasks import build_task
-    from vitrain.weights import EXPORT_FILES, export, write_classes
+    from vitrain.weights import EXPORT_FILES, export
 
     # Before a checkpoint is read (the library checks again for its own callers).
     check_output_folder(Path(args.out), args.overwrite, EXPORT_FILES[args.format], "export", CheckpointError)
@@ -530,16 +530,9 @@ def _export(args: argparse.Namespace) -> int:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(built)))
         else:  # names that do not fit the head (a hand-edited meta.json): none are written
             built = None
-    if args.format != "onnx":
-        print(export(model, cfg, Path(args.out), args.format, overwrite=args.overwrite, classes=built))
-        return 0
-    from vitrain.onnx_export import export_checked
-
-    onnx_file, parity = export_checked(model, cfg, Path(args.out), args.overwrite, args.tolerance)
-    write_classes(Path(args.out), built)
-    print(onnx_file)
-    print(parity.line() if parity else "onnxruntime is not installed: the graph was not checked against PyTorch "
-          "(pip install 'vitrain[onnx]')")  # fmt: skip
+    said: list[str] = []  # onnx: the parity line, printed after the file's path
+    path = export(model, cfg, Path(args.out), args.format, args.overwrite, args.tolerance, built, said.append)
+    print("\n".join([str(path), *said]))
     return 0
 
 

@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +107,18 @@ def export(
     overwrite: bool = False,
     tolerance: float = 1e-4,
     classes: list[str] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Path:
     """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm); for onnx,
     OUT/model.onnx checked by onnxruntime to `tolerance` (vitrain/onnx_export.py) plus OUT/config.yaml. `classes`:
-    the outputs' class names in index order, written to OUT/classes.json (a run's checkpoint keeps them).
+    the outputs' class names in index order, written to OUT/classes.json (a run's checkpoint keeps them). `say`: given
+    onnx's parity line (or why it was not checked). With `overwrite`, another format's files of an earlier export in
+    OUT go (timm.json, model.onnx beside new model.safetensors, ...): nothing there contradicts these weights.
 
     An OUT that is a file, or that already holds an export (without `overwrite`), or that cannot be written is
     refused in one line before anything is written; each file appears whole or not at all."""
 
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     _check_arguments(model, cfg, out_dir)
@@ -125,8 +129,12 @@ def export(
         from vitrain.onnx_export import export_checked
 
         check_output_folder(Path(out_dir), overwrite, EXPORT_FILES[fmt], "export", CheckpointError)  # classes.json too
-        path = export_checked(model, cfg, Path(out_dir), overwrite, tolerance)[0]
+        path, parity = export_checked(model, cfg, Path(out_dir), overwrite, tolerance)
         write_classes(Path(out_dir), classes)
+        _remove_other_formats(Path(out_dir), fmt)
+        if say is not None:
+            say(parity.line() if parity else "onnxruntime is not installed: the graph was not checked against "
+                "PyTorch (pip install 'vitrain[onnx]')")  # fmt: skip
         return path
     if fmt == "timm" and cfg.model.name.startswith("timm:"):
         raise CheckpointError(
@@ -170,12 +178,19 @@ def export(
         if fmt == "timm":
             atomic_write(out_dir / "timm.json", timm_json.encode())
         write_classes(out_dir, classes)
-    except OSError as error:
+        _remove_other_formats(out_dir, fmt)
+    except (OSError, SafetensorError) as error:  # safetensors' own for a full disk or a refused write
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(
-            f"export: cannot write to {out_dir} ({error.strerror}); choose a writable folder"
-        ) from None
+        why = error.strerror if isinstance(error, OSError) else str(error).rpartition("I/O error: ")[2] or str(error)
+        raise CheckpointError(f"export: cannot write to {out_dir} ({why}); choose a writable folder") from None
     return path
+
+
+def _remove_other_formats(out_dir: Path, fmt: str) -> None:
+    """After an export of `fmt` into OUT: the files only another format writes, left by an earlier export there."""
+    ours = set(EXPORT_FILES[fmt])
+    for name in sorted({n for files in EXPORT_FILES.values() for n in files} - ours):
+        (out_dir / name).unlink(missing_ok=True)
 
 
 def _check_classes(classes: Any, cfg: Config) -> None:
