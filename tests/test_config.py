@@ -418,3 +418,10 @@ def test_a_wrong_engine_kind_stops_train_in_one_line_before_the_run_folder_exist
 def test_a_negative_optimizer_or_schedule_factor_is_refused_naming_it(override, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("betas", ["[1.5,0.9]", "[0.9,1.0]", "[-0.1,0.999]"])
+@pytest.mark.parametrize("name", ["adamw", "lamb", "muon"])
+def test_betas_outside_0_to_1_are_refused_naming_them(betas, name):
+    with pytest.raises(ConfigError, match=r"^optim\.betas=\[.*\]: each beta must be in \[0, 1\)"):
+        load_config(overrides=[f"optim.betas={betas}", f"optim.name={name}"])

@@ -239,6 +239,31 @@ def test_reading_without_idx_meets_the_same_damage(tmp_path):
         RecordFile(tmp_path / "a.rec")
 
 
+def test_an_idx_that_stops_short_of_its_rec_is_refused_naming_both(tmp_path):
+    offsets = write_set(tmp_path / "a.rec", [(0, b"zero"), (1, b"one"), (2, b"two")])
+    idx, size = tmp_path / "a.idx", (tmp_path / "a.rec").stat().st_size
+    idx.write_text("".join(idx.read_text().splitlines(keepends=True)[:2]))
+    says = rf"a\.idx: its last record ends at byte {offsets[2]} but .*a\.rec goes on to byte {size}"
+    with pytest.raises(DataError, match=says):
+        RecordFile(tmp_path / "a.rec")
+    idx.unlink()
+    assert RecordFile(tmp_path / "a.rec").keys == [0, 1, 2]
+
+
+def test_a_folder_with_the_val_rec_but_no_train_rec_is_refused_not_trained_on(tmp_path, jpeg):
+    from tests.conftest import tiny_overrides
+    from vitrain.config import load_config
+    from vitrain.data.records import recordio_source
+
+    images = [(k % 2, jpeg, f"{k}.jpg") for k in range(5)]
+    write_im2rec(tmp_path / "one", "faces", images)  # one un-split .rec: trained on, a share held out
+    train, val = recordio_source(load_config(None, tiny_overrides(tmp_path, f"data.root={tmp_path / 'one'}")))
+    assert len(train) + len(val) == 5
+    write_im2rec(tmp_path / "split", "test", images)
+    with pytest.raises(DataError, match=r"has test\.rec \(data\.val_split\) but no train\.rec"):
+        recordio_source(load_config(None, tiny_overrides(tmp_path, f"data.root={tmp_path / 'split'}")))
+
+
 # ------------------------------------------------------------------------------------------------------ float32
 
 

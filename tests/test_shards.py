@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -115,6 +116,35 @@ def test_webdataset_shardwriter_shards_read_back_with_every_image_extension_and_
 
     summary = train(cfg)
     assert summary["steps"] == 2 and summary["val_samples"] == 2  # 20% of each 5/5/2-sample shard: 1, 1, 0
+
+
+@pytest.mark.parametrize("cut", ["at-a-member", "in-a-label-header"])
+@pytest.mark.parametrize("piped", [False, True], ids=["file", "pipe"])
+def test_a_shard_cut_off_between_or_inside_headers_is_truncated_not_short(tmp_path, cut, piped):
+    (url,) = write_shards(tmp_path, [6])
+    label_member = [m for m in tarfile.open(url) if m.name.endswith(".cls")][3]  # tarfile reads either as the end
+    raw = Path(url).read_bytes()
+    Path(url).write_bytes(raw[: label_member.offset + (100 if cut == "in-a-label-header" else 0)])
+    url = f"pipe:cat {url}" if piped else url
+    for labels_only in (False, True):
+        with pytest.raises(DataError, match=rf"^shard {re.escape(url)} is truncated .* sample 00003\)"):
+            list(read_samples(url, labels_only=labels_only))
+
+
+def test_a_json_label_that_is_not_an_integer_and_two_cls_that_differ_are_bad_samples(tmp_path):
+    writer = ShardWriter(str(tmp_path / "s-00.tar"))
+    for key, label in (("half", {"json": b"1.5"}), ("yes", {"json": b'{"label": true}'}), ("two", {"json": b"2.0"})):
+        writer.write(key, {"jpg": jpeg_bytes(0), **label})
+    writer.write("both", {"jpg": jpeg_bytes(0), "cls": b"1"})
+    writer.write("both", {"cls": b"0"})  # a second member of the same sample
+    writer.write("same", {"jpg": jpeg_bytes(0), "cls": b"1"})
+    writer.write("same", {"cls": b"1\n"})
+    writer.close()
+    samples = {s.key: s for s in read_samples(str(tmp_path / "s-00.tar"))}
+    assert [(k, s.label) for k, s in samples.items()] == [("half", None), ("yes", None), ("two", 2), ("both", None),
+                                                           ("same", 1)]  # fmt: skip
+    assert samples["half"].problem == samples["yes"].problem == "has a .json label that is not an integer"
+    assert samples["both"].problem == "has two .cls labels that differ"
 
 
 # ---------------------------------------------------------------------------------------------- the split
@@ -489,6 +519,18 @@ def test_a_label_past_the_classes_is_a_bad_sample_named_or_skipped(tmp_path, ski
         return
     labels = torch.cat([batch[1] for batch in loader.epoch(0)])
     assert len(labels) == 6 and labels.max() < 2
+    assert sorted(where.split()[0] for where in loader.skipped) == ["00002", "00005"]
+
+
+def test_a_bad_sample_counts_as_skipped_when_its_batch_is_taken_not_when_prefetched(tmp_path, monkeypatch):
+    monkeypatch.setattr("vitrain.data.stream.in_background", lambda items, depth: iter(list(items)))  # all ahead
+    urls = write_shards(tmp_path / "s", [6], classes=3)  # labels 0 1 2 0 1 2; the index names 2 classes
+    loader = _stream(urls, [6], workers=0, shuffle=False, window=1, batch_size=2, prefetch=2)
+    loader.data.skip_bad = 2
+    batches = loader.epoch(0)
+    next(batches)
+    assert loader.skipped == {}
+    list(batches)
     assert sorted(where.split()[0] for where in loader.skipped) == ["00002", "00005"]
 
 

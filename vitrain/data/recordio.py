@@ -222,6 +222,12 @@ def _read_idx(path: Path, rec: RecordReader) -> dict[int, int]:
                 f"{path}: line {number}: offset {offset} is past the end of {rec.name} ({size} bytes); {_CORRUPT}"
             )
         offsets[key] = offset
+    end = rec.read_at(max(offsets.values()))[1] if offsets else 0
+    if end < size:  # a cut-off .idx: the records past it would never be read
+        raise DataError(
+            f"{path}: its last record ends at byte {end} but {rec.name} goes on to byte {size}, so records are missing "
+            "from it; make the .idx again, or delete it to read the .rec in one sequential pass"
+        )
     return offsets
 
 

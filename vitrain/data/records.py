@@ -142,7 +142,13 @@ def recordio_source(cfg: Config) -> tuple[RecordSet, RecordSet]:
     """data.source=recordio: `<train_split>.rec` (or the one .rec) and `<val_split>.rec`, else a held-out share."""
     d, m = cfg.data, cfg.model
     root = Path(d.root).expanduser()
-    train_records = open_records(root, d.train_split) or open_records(root)
+    train_records = open_records(root, d.train_split)
+    if train_records is None and (root / f"{d.val_split}.rec").is_file():  # the one .rec would train and validate
+        raise DataError(
+            f"data.root={d.root} has {d.val_split}.rec (data.val_split) but no {d.train_split}.rec (data.train_split), "
+            f"and would train on the validation images; restore {root / d.train_split}.rec or pack the set again"
+        )
+    train_records = train_records or open_records(root)
     classes = class_names(root, train_records)
     make = lambda r: RecordSet(r, classes, m.in_chans, m.image_size, d.decode_reduce, d.decode_workers, d.skip_bad)  # noqa: E731
     train = make(train_records)

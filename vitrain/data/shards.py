@@ -116,16 +116,20 @@ def parse_label(ext: str, raw: bytes) -> int:
             value = next((value[k] for k in LABEL_KEYS if k in value), None)
         if isinstance(value, list) and value:
             value = value[0]
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{value!r} is not an integer")  # int() would round 1.5 and read true as 1
     else:
         value = text
     return int(value)  # ValueError/TypeError: the caller names the sample
 
 
-def _sample(key: str, members: dict[str, bytes], where: str) -> Sample:
+def _sample(key: str, members: dict[str, bytes], where: str, clash: str = "") -> Sample:
     image = next((raw for ext, raw in members.items() if ext.rpartition(".")[2] in IMAGE_EXTS), None)
     label, problem = None, ""
     label_ext = next((e for e in ("cls", "json") if e in members), None)
-    if label_ext is None:
+    if clash:
+        problem = f"has two .{clash} labels that differ"
+    elif label_ext is None:
         problem = f"has no label (no .cls or .json member; it has {', '.join(sorted(members)) or 'nothing'})"
     else:
         try:
@@ -138,38 +142,61 @@ def _sample(key: str, members: dict[str, bytes], where: str) -> Sample:
     return Sample(key, image, label, where, problem, members)
 
 
+class _Header(tarfile.TarInfo):
+    """A member header that notes on its TarFile why the listing ended: tarfile ends it quietly where the file is
+    cut off or a header is corrupt, as it does at the end-of-archive block."""
+
+    @classmethod
+    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.EOFHeaderError:
+            raise
+        except tarfile.EmptyHeaderError:
+            tar.cut = "the file ends without the end-of-archive block"
+            raise
+        except tarfile.HeaderError as exc:
+            tar.cut = f"the member header there is cut off or corrupt ({exc})"
+            raise
+
+
 def read_samples(url: str, skip: int = 0, count: int | None = None, labels_only: bool = False) -> Iterator[Sample]:
     """The shard's samples in order, after skipping `skip` of them (for a local file by reading only tar headers),
     at most `count`. A truncated or corrupt tar raises a DataError naming the shard and byte offset."""
     seekable = not url.startswith(PIPE)
     with open_shard(url) as stream:
         try:
-            tar = tarfile.open(fileobj=stream, mode="r:" if seekable else "r|")
+            tar = tarfile.open(fileobj=stream, mode="r:" if seekable else "r|", tarinfo=_Header)
         except tarfile.TarError as exc:
             raise DataError(f"shard {url} is not a readable tar file ({exc}); write it again") from None
-        key, members, offset, seen, emitted = None, {}, 0, 0, 0
+        key, members, offset, seen, emitted, clash = None, {}, 0, 0, 0, ""
         try:
             while count is None or emitted < count:
                 member = tar.next()
                 tar.members = []  # the listing would grow with the shard; nothing here needs it
+                if member is None and getattr(tar, "cut", ""):
+                    raise tarfile.ReadError(tar.cut)
                 name_key = split_name(member.name) if member is not None and member.isfile() else None
                 if member is not None and name_key is None:
                     continue
                 if member is None or name_key[0] != key:
                     if key is not None:
                         if seen >= skip:
-                            yield _sample(key, members, f"{url} byte {offset}")
+                            yield _sample(key, members, f"{url} byte {offset}", clash)
                             emitted += 1
                         seen += 1
                     if member is None or (count is not None and emitted >= count):
                         break
-                    key, members, offset = name_key[0], {}, member.offset
+                    key, members, offset, clash = name_key[0], {}, member.offset, ""
                 wanted = seen >= skip and (not labels_only or name_key[1] in ("cls", "json"))
                 if wanted:
                     extracted = tar.extractfile(member)
-                    members[name_key[1]] = extracted.read() if extracted is not None else b""
-                    if len(members[name_key[1]]) != member.size:
+                    raw = extracted.read() if extracted is not None else b""
+                    if len(raw) != member.size:
                         raise tarfile.ReadError("unexpected end of data")
+                    if name_key[1] in ("cls", "json") and members.get(name_key[1], raw).strip() != raw.strip():
+                        clash = name_key[1]
+                    members[name_key[1]] = raw
                 else:
                     members.setdefault(name_key[1], b"")
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:

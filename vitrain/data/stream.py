@@ -296,26 +296,34 @@ class StreamLoader:
         )
         batches = (self._finish(batch, epoch, first + b) for b, batch in enumerate(from_workers(loader)))
         batches = in_background(batches, self.prefetch) if self.prefetch else batches
-        return trace(batches, "train" if self.shuffle else "val")
+        return trace(self._taken(batches), "train" if self.shuffle else "val")
 
-    def _finish(self, batch: tuple, epoch: int, number: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    def _taken(self, batches: Iterator[tuple]) -> Iterator[tuple[torch.Tensor, torch.Tensor, list]]:
+        """The batches as the consumer takes them: their bad samples count as skipped then, not when prefetched."""
+        try:
+            for images, labels, keys, bad in batches:
+                if bad:
+                    self.skipped.update(bad)
+                    if len(self.skipped) > self.data.skip_bad:
+                        where, reason = bad[-1]
+                        raise DataError(
+                            f"sample {where} {reason}; fix the shard, or let the run skip bad samples: data.skip_bad="
+                            f"{self.data.skip_bad} allows {self.data.skip_bad}, this is number {len(self.skipped)}"
+                        )
+                yield images, labels, keys
+        finally:  # stop the prefetch thread now when the consumer stops early
+            getattr(batches, "close", lambda: None)()
+
+    def _finish(self, batch: tuple, epoch: int, number: int) -> tuple[torch.Tensor, torch.Tensor, list, list]:
         images, labels, keys, bad = batch
         if number % TRIM_EVERY == TRIM_EVERY - 1:
             trim_heap()
-        if bad:
-            self.skipped.update(bad)
-            if len(self.skipped) > self.data.skip_bad:
-                where, reason = bad[-1]
-                raise DataError(
-                    f"sample {where} {reason}; fix the shard, or let the run skip bad samples: data.skip_bad="
-                    f"{self.data.skip_bad} allows {self.data.skip_bad}, this is number {len(self.skipped)}"
-                )
         if self.device.type == "cuda":
             images, labels = images.pin_memory(), labels.pin_memory()
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
         images, labels = self.augment(images, labels, batch_generator(self.seed, epoch, number, self.rank))
-        return images, labels, keys
+        return images, labels, keys, bad
 
 
 # A stream's batches are made in the loader's thread and freed in the training thread. glibc's malloc keeps freed

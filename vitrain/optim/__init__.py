@@ -59,6 +59,8 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"schedule.{name}={getattr(s, name)} must be >= 0 (it multiplies the lr)")
     if not 0.0 <= o.momentum < 1.0:
         raise ConfigError(f"optim.momentum={o.momentum} must be in [0, 1)")
+    if not all(0.0 <= beta < 1.0 for beta in o.betas):  # torch's refusal is a traceback, muon's comes mid-run
+        raise ConfigError(f"optim.betas=[{o.betas[0]}, {o.betas[1]}]: each beta must be in [0, 1), e.g. [0.9, 0.999]")
     if o.impl == "fused" and cfg.train.engine == "native" and fused_refused_by(o.name, cfg.parallel.strategy):
         raise ConfigError(
             f"optim.impl=fused with optim.name={o.name} under parallel.strategy={cfg.parallel.strategy}: torch's fused "
