@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.conftest import reseal_with_checksums, tiny_overrides
 from tests.data_helpers import make_tree, zip_with_bad_images
 from tests.test_trainer import snapshot
 from vitrain import checkpoint as ckpt
@@ -167,6 +167,27 @@ def test_a_garbled_complete_marker_is_said_once_per_command(trained, tmp_path, c
         assert main(argv) == 0
         err = capsys.readouterr().err
         assert err.count(said) == 1, err
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        ({"step": None}, "step=null is not a whole number"),  # the key removed
+        ({"precision": 5}, "precision=5 is not a mapping"),
+        ({"loader": "x"}, 'loader="x" is not a mapping'),
+        ({"world_size": "two"}, 'world_size="two" is not a whole number'),
+        ({"config": [1, 2]}, "config=[1, 2] is not a mapping"),
+    ],
+)
+def test_a_hand_edited_meta_json_is_one_line_naming_the_key(trained, tmp_path, capsys, edit, said):
+    run = fresh_copy(trained, tmp_path)
+    newest = ckpt.step_dirs(run)[-1]
+    meta = {**json.loads((newest / ckpt.META_FILE).read_text()), **edit}
+    (newest / ckpt.META_FILE).write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
+    reseal_with_checksums(newest)  # handed over whole: its marker agrees with the edited file
+    for argv in (["eval", str(newest)], ["train", "--resume", str(newest), "train.epochs=2"]):
+        line = error_line(capsys, argv)
+        assert line.startswith(f"checkpoint {newest / ckpt.META_FILE}: {said}"), line
 
 
 @pytest.mark.parametrize("sums", [{"nonexist": "ab"}, "abc"])  # a checksum for no listed file, or not a mapping

@@ -988,9 +988,18 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta = _read_json_meta(meta_file) if meta_file.is_file() else _read_legacy_meta(legacy)
     if not isinstance(meta, dict) or "config" not in meta:
         raise CheckpointError(f"checkpoint {meta_file} holds no config; it was not written by vitrain")
+    # What a resume, eval or export reads of the rest: of the kind a save writes, or one line here, not a
+    # traceback deep in the engine (a hand-edited meta.json).
+    for key, kind in META_KINDS.items():
+        value = meta.get(key)
+        if (value is not None or key == "config") and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise CheckpointError(
+                f"checkpoint {meta_file}: {key}={json.dumps(value)[:60]} is not a {_KIND_NAMES[kind]}; it is damaged, "
+                f"use an earlier step of {run_dir_of(path)} (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
+            )
     # The run's progress: whole numbers, or a resume fails deep in the schedule (the last two: absent before 2026-11).
     for key in ("step", "epoch", "schedule_step", "steps_per_epoch"):
-        value = meta.get(key, 0)
+        value = meta.get(key, 0 if key != "step" else None)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CheckpointError(
                 f"checkpoint {meta_file}: {key}={json.dumps(value)} is not a whole number >= 0; it is damaged, use an "
@@ -999,6 +1008,11 @@ def read_meta(path: Path) -> dict[str, Any]:
     if (path / DCP_INDEX).is_file():
         read_index(path)  # refuse a crafted DCP index before anything else reads it
     return meta
+
+
+# meta.json's keys besides the progress counts, and their kinds (config required, the others where present)
+META_KINDS = {"config": dict, "precision": dict, "loader": dict, "world_size": int, "strategy": str, "engine": str}
+_KIND_NAMES = {dict: "mapping", int: "whole number", str: "text"}
 
 
 def _read_json_meta(meta_file: Path) -> dict[str, Any]:
