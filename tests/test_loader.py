@@ -289,6 +289,35 @@ def test_cutmix_targets_match_the_pasted_area():
 # ---------------------------------------------------------------------------------------------- plain path
 
 
+def test_the_plain_loader_names_a_damaged_or_unknown_file_and_refuses_skip_bad(tmp_path):
+    import zipfile
+
+    from vitrain.data.plain import PlainSamples
+    from vitrain.data.sources import ImageTree
+    from vitrain.errors import ConfigError
+
+    make_tree(tmp_path / "tree", {"train": 2})
+    (tmp_path / "tree" / "train" / "cat" / "empty.png").write_bytes(b"")
+    archive = tmp_path / "tree.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as z:
+        for path in sorted((tmp_path / "tree").rglob("*.png")):
+            z.write(path, path.relative_to(tmp_path / "tree").as_posix())
+    first = zipfile.ZipFile(archive).infolist()[0]
+    raw = bytearray(archive.read_bytes())
+    raw[first.header_offset + 30 + len(first.filename) + 20] ^= 0xFF  # one byte of its data: the CRC fails
+    archive.write_bytes(bytes(raw))
+    cfg = _cfg("data.source=folder", f"data.root={archive}", "data.loader=plain")
+    names = ["train/cat/000.png", "train/cat/empty.png"]
+    samples = PlainSamples(ImageTree(archive), names, [0, 0], ["cat"], cfg, train=False)
+    with pytest.raises(DataError, match=rf"^cannot read image {archive}:train/cat/000.png: Bad CRC-32"):
+        samples[0, 0]
+    with pytest.raises(DataError, match=rf"^cannot decode image {archive}:train/cat/empty.png: not an image file "):
+        samples[0, 1]
+    with pytest.raises(ConfigError, match="^data.skip_bad=1 skips undecodable files in the fast loader"):
+        build_loaders(_cfg("data.source=folder", f"data.root={tmp_path / 'tree'}", "data.loader=plain",
+                           "data.skip_bad=1"), CPU)  # fmt: skip
+
+
 def test_plain_loader_yields_the_same_batches_as_the_fast_path(prepared_tree):
     src, out = prepared_tree
     common = ["data.hflip=0.0", "train.batch_size=8", "data.loader_workers=1"]

@@ -48,6 +48,11 @@ def check(cfg: Config) -> None:
         raise ConfigError(
             f"data.loader=plain decodes image files per sample; it needs data.source=folder, not {d.source}"
         )
+    if d.loader == "plain" and d.skip_bad:  # it decodes a file as a worker draws it: nothing to take its place
+        raise ConfigError(
+            f"data.skip_bad={d.skip_bad} skips undecodable files in the fast loader; data.loader=plain (the per-sample "
+            "PIL baseline) stops at the first one: set data.loader=fast, or data.skip_bad=0"
+        )
     if not 0.0 < d.rrc_scale[0] <= d.rrc_scale[1] <= 1.0:
         raise ConfigError(f"data.rrc_scale={list(d.rrc_scale)} must be area fractions with 0 < low <= high <= 1")
     if d.min_size and not (0 < d.min_size <= m.image_size and d.min_size % m.patch_size == 0):

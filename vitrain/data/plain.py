@@ -52,20 +52,25 @@ class PlainSamples(Dataset):
         return len(self.names)
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
         epoch, i = key
         name = self.names[i]
-        if self.is_zip:
-            if self._archive is None:
-                self._archive = zipfile.ZipFile(self.root)
-            raw = self._archive.read(name)
-        else:
-            raw = (Path(self.root) / name).read_bytes()
+        where = f"{self.root}:{name}" if self.is_zip else str(Path(self.root) / name)
+        try:
+            if self.is_zip:
+                if self._archive is None:
+                    self._archive = zipfile.ZipFile(self.root)
+                raw = self._archive.read(name)
+            else:
+                raw = (Path(self.root) / name).read_bytes()
+        except (OSError, EOFError, zipfile.BadZipFile) as exc:  # a damaged member (its CRC), a file gone
+            raise DataError(f"cannot read image {where}: {exc}; fix or remove the file") from None
         try:
             img = Image.open(io.BytesIO(raw)).convert(self.mode)
+        except UnidentifiedImageError:  # its text names the in-memory buffer, not the file
+            raise DataError(f"cannot decode image {where}: not an image file PIL knows; fix or remove it") from None
         except Exception as exc:  # PIL raises many types for bad files
-            where = f"{self.root}:{name}" if self.is_zip else str(Path(self.root) / name)
             raise DataError(f"cannot decode image {where}: {exc}; fix or remove the file") from None
         rng = np.random.default_rng((self.seed, epoch, i))
         return self.transform(img, rng), self.labels[i]
