@@ -142,6 +142,18 @@ def test_a_flipped_byte_in_the_newest_step_is_named_and_resume_falls_back(traine
     assert (run / "checkpoints" / f"superseded-{newest.name}" / name).is_file()  # kept aside, not deleted
 
 
+def test_a_file_cut_short_under_a_finished_marker_is_named_as_damage(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    newest = ckpt.step_dirs(run)[-1]
+    name = data_files(newest)[0]
+    size = (newest / name).stat().st_size
+    os.truncate(newest / name, 1000)
+    said = f"{name} has 1000 bytes where its COMPLETE marker lists {size}"
+    main(["checkpoint", "verify", str(run)])
+    assert f"{newest}: damaged: {said}" in capsys.readouterr().out
+    assert error_line(capsys, ["eval", str(newest)]).startswith(f"checkpoint {newest} is damaged ({said}); use an")
+
+
 def test_checkpoint_verify_says_what_each_step_is(trained, tmp_path, capsys):
     run = fresh_copy(trained, tmp_path)
     newest = ckpt.step_dirs(run)[-1]

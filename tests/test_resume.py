@@ -168,7 +168,7 @@ def test_going_back_with_another_model_is_refused_before_anything_moves(tmp_path
     before = snapshot(cfg.run_dir)
     earlier = ckpt.step_dirs(cfg.run_dir)[0]
     other = tiny_config(tmp_path, "run", train=TEN_STEPS, model={"depth": 3})
-    with pytest.raises(CheckpointError, match="different model config"):
+    with pytest.raises(CheckpointError, match=r"was trained with model.depth=\d, this run has 3 \(its config.yaml"):
         Trainer(other, resume=str(earlier))
     assert snapshot(cfg.run_dir) == before  # no newer step was moved aside, nothing was cleaned or written
 
@@ -373,3 +373,14 @@ def test_a_resume_while_another_process_trains_the_run_stops_before_touching_its
         assert "removed .tmp-step_00000024" in " ".join(choice.notes)
     finally:
         runs.release_run(run_dir)
+
+
+def test_a_run_whose_checkpoints_folder_is_a_file_is_refused_before_it_trains(tmp_path):
+    cfg = tiny_config(tmp_path, "run", train={"max_steps": 1})
+    Trainer(cfg).fit()
+    shutil.rmtree(cfg.run_dir / ckpt.CHECKPOINT_DIR)
+    (cfg.run_dir / ckpt.CHECKPOINT_DIR).write_text("not a folder")
+    before = snapshot(cfg.run_dir)
+    with pytest.raises(CheckpointError, match=r"checkpoints is a file, not the run's checkpoints folder; move it"):
+        Trainer(cfg, resume=True)
+    assert snapshot(cfg.run_dir) == before

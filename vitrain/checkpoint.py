@@ -242,7 +242,7 @@ def verify_report(path: Path) -> list[tuple[Path, bool, str]]:
         elif not marker_reads(step):
             report.append((step, False, f"damaged: its {COMPLETE_FILE} marker cannot be read (not the JSON it was)"))
         elif not is_complete(step):
-            report.append((step, False, f"damaged: a file is missing or its size differs from {COMPLETE_FILE}"))
+            report.append((step, False, f"damaged: {size_problem(step) or 'its files differ from ' + COMPLETE_FILE}"))
         else:
             listed = json.loads((step / COMPLETE_FILE).read_text())
             try:
@@ -279,6 +279,18 @@ def marker_reads(path: Path) -> bool:
         return isinstance(listed, dict) and isinstance(listed.get("files"), dict)
     except (OSError, ValueError):
         return False
+
+
+def size_problem(path: Path) -> str:
+    """Where a readable COMPLETE marker and the files disagree: the first file missing or of another size ("")."""
+    listed = json.loads((Path(path) / COMPLETE_FILE).read_text())["files"]
+    for name, size in sorted(listed.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes where its {COMPLETE_FILE} marker lists {size}"
+    return ""
 
 
 def is_complete(path: Path) -> bool:
@@ -978,9 +990,12 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"{DEEPSPEED_DIR}/ in it); give a step folder such as RUN/checkpoints/step_00000100 or a run folder"
         )
     if not is_complete(path):
+        damage = size_problem(path) if marker_reads(path) else ""  # its save finished; a file changed since
+        interrupted = f"incomplete (no valid {COMPLETE_FILE} marker: its write was interrupted)"
+        what = f"damaged ({damage})" if damage else interrupted
         raise CheckpointError(
-            f"checkpoint {path} is incomplete (no valid {COMPLETE_FILE} marker: its write was interrupted); use an "
-            f"earlier complete step of {run_dir_of(path)} (`vitrain checkpoint verify {run_dir_of(path)}` lists them)"
+            f"checkpoint {path} is {what}; use an earlier complete step of {run_dir_of(path)} (`vitrain checkpoint "
+            f"verify {run_dir_of(path)}` lists them)"
         )
     check_listed(path)  # on every rank: each reads the folder's files
     if rank() == 0:  # one reader of every byte is enough; the other ranks wait for it in the collective load

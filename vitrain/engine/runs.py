@@ -147,6 +147,11 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
     (RunChoice.newer) once the one to continue has been read and checked (`checked`: the caller already did).
     """
     hold_run(run_dir)  # first: a process still training the run stops this one before its leftovers are touched
+    saves = run_dir / ckpt.CHECKPOINT_DIR
+    if saves.exists() and not saves.is_dir():  # it would train, rewrite the run's files, then fail at its first save
+        raise CheckpointError(
+            f"--resume: {saves} is a file, not the run's checkpoints folder; move it away, then resume"
+        )
     notes = [f"{what} in {run_dir / ckpt.CHECKPOINT_DIR}" for what in ckpt.clean_leftovers(run_dir)]
     stopped = read_run_file(run_dir).get("stopped")
     if isinstance(stopped, dict):
@@ -317,9 +322,19 @@ def check_same_model(path: Path, meta: dict, cfg: Config) -> None:
     # kernel computes the same function of the same weights (auto may pick another one on another machine).
     same = {"init_from": "", "inflate_from": "", "inflate": "average", "attention": "auto"}
     distilled = bool(saved.train.distill.teacher), bool(cfg.train.distill.teacher)  # DeiT's token and head or not
-    if dataclasses.replace(saved.model, **same) != dataclasses.replace(cfg.model, **same) or len(set(distilled)) > 1:
+    ours, theirs = dataclasses.replace(cfg.model, **same), dataclasses.replace(saved.model, **same)
+    differ = [f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name)]
+    if differ:
+        key = differ[0]
         raise CheckpointError(
-            f"checkpoint {path} was trained with a different model config; resume with the same model.* keys"
+            f"checkpoint {path} was trained with model.{key}={_shown(getattr(theirs, key))}, this run has "
+            f"{_shown(getattr(ours, key))} (its config.yaml or the command line); resume with the checkpoint's model.* "
+            "keys"
+        )
+    if len(set(distilled)) > 1:
+        raise CheckpointError(
+            f"checkpoint {path} was trained {'with' if distilled[0] else 'without'} train.distill.teacher (its "
+            "distillation token and head); resume with the checkpoint's train.distill.teacher"
         )
 
 
