@@ -166,6 +166,9 @@ def test_unknown_preset_suggests():
 def test_malformed_override():
     with pytest.raises(ConfigError, match=r"must look like section\.key=value"):
         load_config(None, ["model.depth"])
+    with pytest.raises(ConfigError, match=r"\[0\.5 is not a whole YAML list or mapping; close it with '\]'"):
+        load_config(None, ["data.mean=[0.5"])  # it was read as the text "[0.5", then as [0.5]
+    assert load_config(None, ["name=a: b: c"]).name == "a: b: c"  # text YAML cannot read stays text
 
 
 @pytest.mark.parametrize(

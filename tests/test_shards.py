@@ -595,6 +595,9 @@ def test_a_pack_into_a_folder_packed_from_another_source_is_one_line_and_changes
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"vitrain: error: {out} already holds a pack of ") and "new folder" in lines[0]
+    (tmp_path / "tree" / "train" / "cat" / "000.jpg").rename(tmp_path / "tree" / "train" / "cat" / "renamed.jpg")
+    code, err = _pack_here(capsys, tmp_path / "tree", out, fmt)  # the same folder, one image renamed
+    assert code == 2 and "with different list of source files (images added, removed or renamed)" in err, err
     assert _files(out) == before
 
 

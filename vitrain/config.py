@@ -726,7 +726,7 @@ def read_config_file(path: Path, fix: str = "") -> dict[str, Any]:
     if data is None:  # an empty recipe: the defaults
         return {}
     if not isinstance(data, dict):
-        raise refuse(f"must hold a mapping of sections, got {type(data).__name__}", "e.g. `optim:\n  lr: 0.001`")
+        raise refuse(f"must hold a mapping of sections, got {type(data).__name__}", "e.g. `optim: {lr: 0.001}`")
     return data
 
 
@@ -748,6 +748,12 @@ def _parse_override(item: str) -> dict[str, Any]:
     try:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
+        if value.strip().startswith(("[", "{")):  # a list or mapping cut short: not to be read as text
+            closing = "]" if value.strip().startswith("[") else "}"
+            raise ConfigError(
+                f"override {item!r}: {value.strip()} is not a whole YAML list or mapping; close it with {closing!r} "
+                "(quote the value in the shell)"
+            ) from None
         parsed = value
     node: dict[str, Any] = {}
     cursor = node

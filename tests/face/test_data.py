@@ -151,6 +151,9 @@ def test_the_verification_count_must_leave_both_sides_identities():
         split_identities, IDENTITIES, 20, "last", 0
     )
     assert "task.verify_identities=1" in one_line_error(split_identities, IDENTITIES, 1, "seeded", 0)
+    assert "with 2 identities; verification needs 2 held-out identities and 1 to train on: add identity" in (
+        one_line_error(split_identities, ["a", "b"], 2, "last", 0)
+    )  # not "use 2 to 1"
 
 
 # ---------------------------------------------------------------------------------------------- decode

@@ -115,10 +115,9 @@ def split_identities(identities: list[str], verify: int, how: str, seed: int) ->
     """
     ordered = sorted(set(identities), key=natural_key)
     if not 2 <= verify <= len(ordered) - 1:
-        raise DataError(
-            f"task.verify_identities={verify} is impossible with {len(ordered)} identities; "
-            f"use 2 to {len(ordered) - 1} (both sides need identities)"
-        )
+        fix = (f"use 2 to {len(ordered) - 1} (both sides need identities)" if len(ordered) >= 3
+               else "verification needs 2 held-out identities and 1 to train on: add identity folders")  # fmt: skip
+        raise DataError(f"task.verify_identities={verify} is impossible with {len(ordered)} identities; {fix}")
     if how == "last":
         chosen = set(ordered[-verify:])
     elif how == "seeded":

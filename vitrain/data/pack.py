@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 
 from vitrain.data.faces import open_face_tree
 from vitrain.data.shards import FORMAT, INDEX, ShardIndex, ShardWriter, read_samples, write_index
-from vitrain.data.sources import IMAGE_SUFFIXES, ImageTree, decode_pool, file_reader, find_splits
+from vitrain.data.sources import IMAGE_SUFFIXES, PLAN_WORDS, ImageTree, decode_pool, file_reader, find_splits
 from vitrain.errors import DataError
 from vitrain.files import atomic_write, folder_problem
 
@@ -137,7 +137,7 @@ def _check_folder(out: Path, record: dict[str, object]) -> bool:
         if changed:
             raise DataError(
                 f"{out} already holds a pack of {old.get('source', 'another source')} with different "
-                f"{', '.join(changed)}; pack into a new folder or delete {out}"
+                f"{', '.join(PLAN_WORDS.get(k, k) for k in changed)}; pack into a new folder or delete {out}"
             )
         return True
     if out.is_dir() and any(out.iterdir()):

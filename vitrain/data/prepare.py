@@ -25,7 +25,15 @@ import numpy as np
 
 from vitrain.data.faces import FaceTree, open_face_tree
 from vitrain.data.prepared import FAILED, FORMAT, IDENTITIES, IDENTITIES_SPLIT, MANIFEST, sha256_file
-from vitrain.data.sources import ImageTree, decode_failure, decode_image, file_reader, find_splits, location
+from vitrain.data.sources import (
+    PLAN_WORDS,
+    ImageTree,
+    decode_failure,
+    decode_image,
+    file_reader,
+    find_splits,
+    location,
+)
 from vitrain.errors import DataError
 from vitrain.files import atomic_write, folder_problem
 
@@ -156,7 +164,7 @@ def _start_or_resume(dst: Path, plan: dict[str, Any]) -> None:
         changed = [k for k in plan if old.get(k) != plan[k]]
         if changed:
             raise DataError(
-                f"{dst} holds a preparation with different {', '.join(changed)}; "
+                f"{dst} holds a preparation with different {', '.join(PLAN_WORDS.get(k, k) for k in changed)}; "
                 f"prepare into a new folder or delete {dst}"
             )
         for tmp in dst.glob("*.tmp"):

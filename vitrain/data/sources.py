@@ -424,6 +424,9 @@ def checked_class_folders(tree: ImageTree, prefix: str) -> dict[str, list[str]]:
     return folders
 
 
+# A prepare plan's or pack record's keys as an error line names them where they changed
+PLAN_WORDS = {"files_sha256": "list of source files (images added, removed or renamed)"}
+
 KNOWN_SPLITS = ("train", "val", "valid", "validation", "test")  # a lone folder of these names is a split, not a class
 
 
