@@ -142,6 +142,24 @@ def test_export_refuses_arguments_of_the_wrong_kind_before_writing_anything(
     assert vitrain.export(tiny_model, tiny_cfg, tmp_path / "out").is_file()  # the retry is not refused
 
 
+@pytest.mark.parametrize(
+    "options, line",
+    [
+        ({"out_dir": ""}, r"out_dir is ''; give a folder path"),  # it wrote into the working folder
+        ({"overwrite": "no"}, r"^export\(\.\.\., overwrite=\): give True or False, not 'no'"),  # "no" was true
+        ({"fmt": "onnx", "tolerance": "x"}, r"^export\(\.\.\., tolerance=\): give a number such as 1e-4"),
+    ],
+)
+def test_export_refuses_options_of_the_wrong_kind_before_writing_anything(
+    options, line, tiny_model, tiny_cfg, tmp_path
+):
+    import vitrain
+
+    with pytest.raises(ConfigError, match=line):
+        vitrain.export(tiny_model, tiny_cfg, **{"out_dir": tmp_path / "out", **options})
+    assert not (tmp_path / "out").exists()
+
+
 def test_timm_export_refuses_a_model_other_than_the_vit_its_config_describes(tiny_model, tiny_cfg, tmp_path):
     import vitrain
 

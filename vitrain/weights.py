@@ -122,6 +122,7 @@ def export(
     from safetensors.torch import save_file
 
     _check_arguments(model, cfg, out_dir)
+    _check_options(overwrite, tolerance)
     _check_classes(classes, cfg)
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format {fmt} is unknown; choose one of: {', '.join(FORMATS)}")
@@ -221,8 +222,16 @@ def _check_arguments(model: Any, cfg: Any, out_dir: Any) -> None:
             f"{call}: cfg is {_what(cfg)}, not a vitrain Config; pass the model's config, e.g. "
             "vitrain.load_config('digits', [...])"
         )
-    if not isinstance(out_dir, str | os.PathLike):
+    if not isinstance(out_dir, str | os.PathLike) or not str(out_dir).strip():  # "": the working folder, unasked
         raise ConfigError(f"{call}: out_dir is {_what(out_dir)}; give a folder path (str or Path)")
+
+
+def _check_options(overwrite: Any, tolerance: Any) -> None:
+    """export's overwrite (a bool: "no" would be true) and tolerance (a number), before anything is written."""
+    if not isinstance(overwrite, bool):
+        raise ConfigError(f"export(..., overwrite=): give True or False, not {_what(overwrite)}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
+        raise ConfigError(f"export(..., tolerance=): give a number such as 1e-4, not {_what(tolerance)}")
 
 
 def _what(value: Any) -> str:
