@@ -162,6 +162,15 @@ def test_a_voc_box_outside_its_image_names_the_xml_and_object(tmp_path: Path):
         detection_source(detection_cfg(root))
 
 
+def test_a_voc_size_other_than_the_images_is_named(tmp_path: Path):
+    # Boxes are checked against <size> but scaled by the decoded image: a larger <size> let boxes lie outside it.
+    root = write_voc(tmp_path, {"train": 1, "val": 1}, size=(80, 60))
+    xml = root / "Annotations" / "img_000.xml"
+    xml.write_text(xml.read_text().replace("<width>80</width>", "<width>160</width>"))
+    with pytest.raises(DataError, match=r"^image .*img_000.png is 80x60 but its annotation gives 160x60 \(its <size>"):
+        detection_source(detection_cfg(root))
+
+
 @pytest.mark.parametrize(
     ("pattern", "new", "message"),
     [

@@ -465,7 +465,8 @@ def load_split(cfg: Config, split: str, train: bool) -> DetectionSet:
     tree, annotations = read_annotations(cfg, split, train)
     size = cfg.model.image_size
     records = annotations.images
-    images, scales = letterbox_files(tree, [r.name for r in records], size, cfg.data.decode_workers)
+    declared = [(r.width, r.height) for r in records]  # the boxes are checked against these (check_box)
+    images, scales = letterbox_files(tree, [r.name for r in records], size, cfg.data.decode_workers, declared)
     most = max(1, max(len(r.boxes) for r in records))
     targets = torch.full((len(records), most, 5), -1.0)
     for i, (record, scale) in enumerate(zip(records, scales.tolist(), strict=True)):
@@ -475,9 +476,12 @@ def load_split(cfg: Config, split: str, train: bool) -> DetectionSet:
     return DetectionSet(images, targets, scales, records, annotations.classes, skipped)
 
 
-def letterbox_files(tree: ImageTree, names: list[str], size: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+def letterbox_files(
+    tree: ImageTree, names: list[str], size: int, workers: int, declared: list[tuple[int, int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, 3, size, size) uint8 letterboxed images of a tree's files and their scale factors, decoded in chunks by
-    `workers` processes (data.decode_workers); a file that does not decode is an error naming it."""
+    `workers` processes (data.decode_workers); a file that does not decode is an error naming it, and so is one whose
+    (width, height) differs from its annotation's `declared` one (its boxes were checked against that size)."""
     chunks = [names[i : i + 256] for i in range(0, len(names), 256)]
     jobs = [(str(tree.root), tree.is_zip, chunk, size) for chunk in chunks]
     if workers <= 1 or len(chunks) == 1:
@@ -485,27 +489,42 @@ def letterbox_files(tree: ImageTree, names: list[str], size: int, workers: int) 
     else:
         with decode_pool(workers) as pool:
             results = list(pool.map(_letterbox_chunk, jobs))
-    for start, (_, _, failed) in zip(range(0, len(names), 256), results, strict=True):
+    for start, (_, _, failed, sizes) in zip(range(0, len(names), 256), results, strict=True):
         if failed:
             row, reason = failed[0]
             where = location(tree.root, tree.is_zip, names[start + row])
             raise DataError(f"cannot decode image {where} ({reason}); fix or remove the file and its annotations")
+        for row, (width, height) in enumerate(sizes):
+            said = declared[start + row] if declared is not None else (width, height)
+            if tuple(said) != (width, height):
+                where = location(tree.root, tree.is_zip, names[start + row])
+                raise DataError(
+                    f"image {where} is {width}x{height} but its annotation gives {said[0]}x{said[1]} (its <size>, or "
+                    "width/height); fix the annotation: its boxes are read in the image's pixels"
+                )
     images = torch.from_numpy(np.concatenate([r[0] for r in results]))
     return images, torch.from_numpy(np.concatenate([r[1] for r in results]))
 
 
-def _letterbox_chunk(job: tuple[str, bool, list[str], int]) -> tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]:
+def _letterbox_chunk(job: tuple[str, bool, list[str], int]) -> tuple[np.ndarray, np.ndarray, list, list]:
+    """A chunk's letterboxed images, scales, (row, reason) of files that do not decode, and each file's size."""
+    from PIL import Image
+
     root, is_zip, names, size = job
     images = np.zeros((len(names), 3, size, size), dtype=np.uint8)
     scales = np.zeros(len(names), dtype=np.float32)
-    failed = []
+    failed, sizes = [], []
     with file_reader(root, is_zip) as read:
         for i, name in enumerate(names):
             try:
-                images[i], scales[i] = letterbox(read(name), size)
+                raw = read(name)
+                with Image.open(io.BytesIO(raw)) as img:  # the header only
+                    sizes.append(img.size)
+                images[i], scales[i] = letterbox(raw, size)
             except Exception as error:  # Pillow raises many kinds for a file that is not an image
                 failed.append((i, decode_failure(error)))
-    return images, scales, failed
+                sizes.append((0, 0))
+    return images, scales, failed, sizes
 
 
 def read_classes(cfg: Config) -> list[str]:
