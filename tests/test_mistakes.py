@@ -202,6 +202,17 @@ def test_a_hand_edited_meta_json_is_one_line_naming_the_key(trained, tmp_path, c
         assert line.startswith(f"checkpoint {newest / ckpt.META_FILE}: {said}"), line
 
 
+def test_a_bad_value_in_a_checkpoints_config_names_the_file_it_was_read_from(trained, tmp_path, capsys):
+    run = fresh_copy(trained, tmp_path)
+    newest = ckpt.step_dirs(run)[-1]
+    meta = json.loads((newest / ckpt.META_FILE).read_text())
+    meta["config"]["model"]["width"] = "abc"
+    (newest / ckpt.META_FILE).write_text(json.dumps(meta))
+    reseal_with_checksums(newest)
+    line = error_line(capsys, ["export", str(newest), str(tmp_path / "out")])
+    assert line.startswith("model.width=") and line.endswith(f"(the config read from {newest / ckpt.META_FILE})")
+
+
 @pytest.mark.parametrize("sums", [{"nonexist": "ab"}, "abc"])  # a checksum for no listed file, or not a mapping
 def test_a_marker_whose_checksums_do_not_fit_its_files_is_damage_said_in_one_line(trained, tmp_path, capsys, sums):
     run = fresh_copy(trained, tmp_path)

@@ -142,10 +142,10 @@ def test_metadata_is_json_and_holds_no_pickle(step_dir):
     assert meta["format"] == ckpt.FORMAT_VERSION and meta["step"] == 1
 
 
-def test_a_tampered_shard_makes_the_checkpoint_incomplete(tmp_path, step_dir):
+def test_a_tampered_shard_makes_the_checkpoint_damaged(tmp_path, step_dir):
     shard = next(step_dir.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])
-    with pytest.raises(CheckpointError, match="is incomplete"):
+    with pytest.raises(CheckpointError, match=rf"is damaged \({shard.name} has \d+ bytes where its COMPLETE marker"):
         ckpt.read_meta(step_dir)
 
 
@@ -181,6 +181,14 @@ def test_a_weights_file_keying_a_tensor_by_no_name_is_one_line_naming_it(tmp_pat
     torch.save({1: torch.zeros(2), **tiny_model.state_dict()}, path)
     with pytest.raises(CheckpointError, match=r"model.init_from=.*intkey.pt names a tensor by 1 \(int\), not a string"):
         read_weights(path)
+
+
+def test_a_weights_file_holding_nan_is_named_not_the_runs_lr(tmp_path, tiny_model):
+    state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    state["cls_token"][0, 0, 0] = float("nan")
+    save_file(state, str(tmp_path / "diverged.safetensors"))
+    with pytest.raises(CheckpointError, match=r"diverged.safetensors: tensor cls_token holds inf/NaN .*another file$"):
+        load_pretrained(tiny_model, tmp_path / "diverged.safetensors")
 
 
 def test_half_a_head_of_another_size_is_named_as_the_missing_tensor(tmp_path, tiny_model):

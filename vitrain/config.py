@@ -517,10 +517,16 @@ def load_config(
     if untrusted is not None:
         typed = {key: value for item in parsed for key, value in flatten(item).items()}
         trust.check_config(raw, untrusted, {**(trusted or {}), **typed}, data)
-    _apply_preset(raw)
-    cfg = _build(Config, raw, prefix="")
-    if check:
-        validate(cfg)
+    try:
+        _apply_preset(raw)
+        cfg = _build(Config, raw, prefix="")
+        if check:
+            validate(cfg)
+    except ConfigError as error:
+        if untrusted is None or type(error) is not ConfigError:
+            raise
+        given = " with the command line's overrides" if overrides else ""
+        raise ConfigError(f"{error} (the config read from {untrusted}{given})") from None
     return cfg
 
 

@@ -296,6 +296,12 @@ def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, t
                 f"{config_key}={path} names a tensor by {key!r:.40} ({type(key).__name__}), not a string; save a "
                 "state dict keyed by tensor names (model.state_dict())"
             )
+    for key, tensor in state.items():  # else the run's first check blames its own lr for the file's values
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"{config_key}={path}: tensor {key} holds inf/NaN (weights saved after a run diverged); start from "
+                "another file"
+            )
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
