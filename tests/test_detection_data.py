@@ -313,6 +313,15 @@ def test_a_voc_tree_without_split_lists_holds_out_val_fraction(tmp_path: Path):
     train, val = detection_source(detection_cfg(root, "data.val_fraction=0.3"))
     assert (len(train), len(val)) == (7, 3)
     assert not {r.name for r in train.records} & {r.name for r in val.records}
+    assert train.skipped.held_out.startswith("data: no 'val' split beside 'train' in data.root (it has no other")
+
+
+def test_a_voc_tree_listing_one_split_but_not_the_other_is_refused(tmp_path: Path):
+    # A share of every image held out as validation would include images of train.txt (or the other way round).
+    root = write_voc(tmp_path, {"train": 6, "val": 2})
+    (root / "ImageSets" / "Main" / "val.txt").unlink()
+    with pytest.raises(DataError, match=r"has ImageSets/Main/train.txt but no val.txt \(it has train\); add val.txt"):
+        detection_source(detection_cfg(root))
 
 
 def test_a_box_sticking_out_by_under_a_pixel_is_clipped_not_refused(tmp_path: Path):

@@ -43,6 +43,7 @@ from vitrain.data.sources import (
     decode_failure,
     decode_pool,
     file_reader,
+    held_out_line,
     held_out_split,
     location,
 )
@@ -82,6 +83,7 @@ class Annotations:
     images: list[ImageRecord]
     classes: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (annotation, why)
+    held_out: str = ""  # VOC without its split's list: validation held out of every image, why in one line
 
 
 class BadAnnotations:
@@ -393,6 +395,7 @@ def read_annotations(cfg: Config, split: str, train: bool) -> tuple[ImageTree, A
     if not root.exists():
         raise DataError(f"data.root={cfg.data.root} does not exist; give a COCO or VOC folder or a .zip of one")
     tree = ImageTree(root)
+    held_out = ""
     with file_reader(tree.root, tree.is_zip) as read:
         layout = find_layout(tree)
         if layout == "coco":
@@ -402,10 +405,20 @@ def read_annotations(cfg: Config, split: str, train: bool) -> tuple[ImageTree, A
             images, classes, skipped = annotations.images, annotations.classes, annotations.skipped
         else:
             records, classes, skipped = read_voc(tree, read, cfg.data.skip_bad)
+            lists = sorted(PurePosixPath(n).stem for n in tree.names if "ImageSets/Main/" in n and n.endswith(".txt"))
+            other = cfg.data.val_split if train else cfg.data.train_split
+            if split not in lists and other in lists:  # a share of every image would hold the other list's images
+                raise DataError(
+                    f"data.root={cfg.data.root} has ImageSets/Main/{other}.txt but no {split}.txt (it has "
+                    f"{', '.join(lists)}); add {split}.txt, set data.{'train' if train else 'val'}_split to one of "
+                    "them, or remove the lists to hold out data.val_fraction of every image"
+                )
             images = voc_split(tree, read, records, split, train, cfg)
+            if train and split not in lists:
+                held_out = held_out_line(cfg, lists)
     if not images:
         raise DataError(f"data.root={cfg.data.root}: split {split} lists no images; a split needs at least one")
-    return tree, Annotations(images, classes, skipped)
+    return tree, Annotations(images, classes, skipped, held_out)
 
 
 def letterbox(raw: bytes, size: int) -> tuple[np.ndarray, float]:
@@ -472,7 +485,7 @@ def load_split(cfg: Config, split: str, train: bool) -> DetectionSet:
     for i, (record, scale) in enumerate(zip(records, scales.tolist(), strict=True)):
         for j, box in enumerate(record.boxes):
             targets[i, j] = torch.tensor([box.x1 * scale, box.y1 * scale, box.x2 * scale, box.y2 * scale, box.label])
-    skipped = Skipped(undecodable=list(annotations.skipped))
+    skipped = Skipped(undecodable=list(annotations.skipped), held_out=annotations.held_out)
     return DetectionSet(images, targets, scales, records, annotations.classes, skipped)
 
 
