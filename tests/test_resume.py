@@ -384,3 +384,15 @@ def test_a_run_whose_checkpoints_folder_is_a_file_is_refused_before_it_trains(tm
     with pytest.raises(CheckpointError, match=r"checkpoints is a file, not the run's checkpoints folder; move it"):
         Trainer(cfg, resume=True)
     assert snapshot(cfg.run_dir) == before
+
+
+def test_a_finished_fit_lets_go_of_the_run_for_another_process(tmp_path):
+    # A library's fit() without close(), then the run resumed in processes it launches (tests/test_pipeline.py).
+    import subprocess
+    import sys
+
+    cfg = tiny_config(tmp_path, "run", train={"max_steps": 1})
+    Trainer(cfg).fit()
+    code = f"from vitrain.engine import runs; runs.hold_run({str(cfg.run_dir)!r}); print('held')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "held", done.stderr

@@ -146,7 +146,17 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
     Cleaning only removes what vitrain's own interrupted writes left; the newer checkpoints are listed to move aside
     (RunChoice.newer) once the one to continue has been read and checked (`checked`: the caller already did).
     """
+    held = Path(run_dir).resolve() in _held_runs
     hold_run(run_dir)  # first: a process still training the run stops this one before its leftovers are touched
+    try:
+        return _continue_held(run_dir, checkpoint, check, checked)
+    except BaseException:
+        if not held:  # a refused resume lets go of the folder it took
+            release_run(run_dir)
+        raise
+
+
+def _continue_held(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, checked: bool) -> RunChoice:
     saves = run_dir / ckpt.CHECKPOINT_DIR
     if saves.exists() and not saves.is_dir():  # it would train, rewrite the run's files, then fail at its first save
         raise CheckpointError(

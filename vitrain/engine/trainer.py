@@ -77,6 +77,10 @@ class Trainer:
             except cluster.Stopped:
                 self.close()  # a handed-in model's linear layers are nn.Linear again
                 raise
+            except BaseException:
+                if getattr(self, "run_dir", None) is not None:  # a run refused while it was set up is let go
+                    runs.release_run(self.run_dir)
+                raise
         self.setup_signal = signals.received  # one that came after the set-up's last check: fit() stops for it
 
     def _set_up(
@@ -301,6 +305,7 @@ class Trainer:
             if log is not None:
                 log.close(status)
             self._let_pending_save_end()
+            runs.release_run(self.run_dir)  # trained (or stopped): another process may continue the run now
             # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
             # where a thread still inside torch aborts the process.
             getattr(self.epoch_batches, "close", lambda: None)()
