@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test suite's image-zip maker: the doc's cases are the tests' cases
 
-from tests.data_helpers import zip_with_bad_images  # noqa: E402
+from tests.data_helpers import make_tree, zip_with_bad_images  # noqa: E402
 
 TINY = ["model.image_size=16", "model.patch_size=4", "model.width=32", "model.depth=2", "model.heads=2",
         "train.epochs=1", "train.batch_size=90", "train.checkpoint_every_steps=10", "log.progress=false",
@@ -47,6 +47,18 @@ def main() -> int:
         shutil.copytree(run, cut)
         cut_step = sorted((cut / "checkpoints").glob("step_*"))[-1]
         (cut_step / "COMPLETE").unlink()
+        short = work / "runs" / "short"
+        shutil.copytree(run, short)
+        short_step = sorted((short / "checkpoints").glob("step_*"))[-1]
+        short_shard = next(short_step.glob("*.distcp"))
+        os.truncate(short_shard, short_shard.stat().st_size // 2)
+        no_saves = work / "runs" / "no-saves"
+        shutil.copytree(run, no_saves)
+        shutil.rmtree(no_saves / "checkpoints")
+        (no_saves / "checkpoints").write_text("not a folder")
+        tree = work / "tree"
+        make_tree(tree, {"train": 2, "test": 1})
+        (tree / "test" / "dog").rename(tree / "test" / "dgo")
         no_config = work / "runs" / "no-config"
         shutil.copytree(run, no_config)
         (no_config / "config.yaml").unlink()
@@ -73,6 +85,8 @@ def main() -> int:
             ("an undecodable image", ["train", *folder]),
             ("a negative skip_bad", ["train", "data.skip_bad=-1"]),
             ("a value that is not a finite number", ["train", "optim.lr=nan"]),
+            ("a list cut short", ["train", "data.mean=[0.5"]),
+            ("an optimizer beta outside [0, 1)", ["train", "optim.betas=[1.5,0.9]"]),
             ("a negative step limit", ["train", "train.max_steps=-1"]),
             ("an engine path to something that is not an engine", ["train", "train.engine=os:system"]),
             ("a config path that is a folder", ["config", "show", "runs"]),
@@ -85,22 +99,26 @@ def main() -> int:
             ("--resume with another optimizer", ["train", "--resume", str(run), "optim.name=sgd"]),
             ("a recipe beside --resume RUN", ["train", "face-orl", "--resume", str(run)]),
             ("--resume of a run whose config.yaml is gone", ["train", "--resume", str(no_config)]),
+            ("--resume of a run whose checkpoints/ is a file", ["train", "--resume", str(no_saves)]),
+            ("--resume of a run whose every checkpoint was cut short", ["train", "--resume", str(short)]),
             ("eval of a damaged checkpoint", ["eval", str(damaged)]),
             ("eval of a step whose write was cut short", ["eval", str(cut_step)]),
+            ("eval of a step whose file was cut short later", ["eval", str(short_step)]),
             ("eval of a file", ["eval", str(a_file)]),
             ("eval --pairs on a classification run", ["eval", str(run), "--pairs", "cfp-fp"]),
             ("export into a folder that holds an export", ["export", str(run), str(out)]),
             ("export to a file", ["export", str(run), str(a_file)]),
             ("export under a file", ["export", str(run), str(a_file / "sub")]),
             ("checkpoint verify of a damaged run", ["checkpoint", "verify", str(damaged)]),
+            ("a pack of a tree whose test classes differ from train's", ["data", "pack", "tree", "packed"]),
             ("config keys of a misspelt section", ["config", "keys", "trian"]),
             ("lr-find with start above end", ["lr-find", "--start", "1", "--end", "0.1"]),
             ("estimate of a misspelt preset", ["estimate", "vit_hgue_patch14"]),
         ]
         rows = []
-        names = {str(newest): "STEP", str(cut_step): "STEP", str(damaged): "RUN", str(no_config): "RUN",
-                 str(run): "RUN", str(zip_path): "ZIP", str(out): "OUT", str(a_file): "FILE",
-                 str(work): "."}  # fmt: skip
+        names = {str(newest): "STEP", str(cut_step): "STEP", str(short_step): "STEP", str(damaged): "RUN",
+                 str(no_config): "RUN", str(no_saves): "RUN", str(short): "RUN", str(run): "RUN", str(zip_path): "ZIP",
+                 str(out): "OUT", str(a_file): "FILE", str(work): "."}  # fmt: skip
         for what, args in cases:
             result = vitrain(*args, cwd=work)
             lines = [line for line in result.stderr.splitlines() if line.startswith("vitrain: error:")]
@@ -131,8 +149,11 @@ def main() -> int:
         "- `parallel.strategy=ddp|zero1|zero2|zero3` without torchrun runs as one process and says so in the log.",
         "- `data.skip_bad=N` lets a folder or zip source skip up to N undecodable images, each named in `log.txt` and",
         "  counted in `summary.json` (`skipped_files`); files without an image suffix are never read and are counted",
-        "  (`non_image_files`) and named too. A prepared source (`vitrain data prepare`) lists its undecodable files",
-        "  in `failed.txt` when it is made.",
+        "  (`non_image_files`) and named too. Images in folders below a class folder (`<split>/<class>/<sub>/<image>`)",
+        "  are not read either (vitrain reads `<split>/<class>/<image>`); the log names them. A prepared source",
+        "  (`vitrain data prepare`) lists its undecodable files in `failed.txt` when it is made.",
+        "- The process that trains a run holds `RUN/.lock`: a second `--resume` of it while it trains stops in one",
+        "  line naming that process and its host, before anything in the folder changes.",
         "- `vitrain config keys [SECTION]` lists every key with its type, default and meaning.",
         "",
         "| mistake | command | exit | what vitrain prints |",
