@@ -52,6 +52,11 @@ def main() -> int:
         short_step = sorted((short / "checkpoints").glob("step_*"))[-1]
         short_shard = next(short_step.glob("*.distcp"))
         os.truncate(short_shard, short_shard.stat().st_size // 2)
+        all_short = work / "runs" / "all-short"
+        shutil.copytree(run, all_short)
+        for step in (all_short / "checkpoints").glob("step_*"):
+            for shard_file in step.glob("*.distcp"):
+                os.truncate(shard_file, shard_file.stat().st_size // 2)
         no_saves = work / "runs" / "no-saves"
         shutil.copytree(run, no_saves)
         shutil.rmtree(no_saves / "checkpoints")
@@ -100,24 +105,26 @@ def main() -> int:
             ("a recipe beside --resume RUN", ["train", "face-orl", "--resume", str(run)]),
             ("--resume of a run whose config.yaml is gone", ["train", "--resume", str(no_config)]),
             ("--resume of a run whose checkpoints/ is a file", ["train", "--resume", str(no_saves)]),
-            ("--resume of a run whose every checkpoint was cut short", ["train", "--resume", str(short)]),
+            ("--resume of a run whose every checkpoint was cut short", ["train", "--resume", str(all_short)]),
             ("eval of a damaged checkpoint", ["eval", str(damaged)]),
             ("eval of a step whose write was cut short", ["eval", str(cut_step)]),
             ("eval of a step whose file was cut short later", ["eval", str(short_step)]),
             ("eval of a file", ["eval", str(a_file)]),
             ("eval --pairs on a classification run", ["eval", str(run), "--pairs", "cfp-fp"]),
+            ("eval --show on a classification run", ["eval", str(run), "--show", "3"]),
             ("export into a folder that holds an export", ["export", str(run), str(out)]),
             ("export to a file", ["export", str(run), str(a_file)]),
             ("export under a file", ["export", str(run), str(a_file / "sub")]),
             ("checkpoint verify of a damaged run", ["checkpoint", "verify", str(damaged)]),
-            ("a pack of a tree whose test classes differ from train's", ["data", "pack", "tree", "packed"]),
+            ("a pack whose test classes differ from train's", ["data", "pack", "tree", "out2", "--format", "shards"]),
             ("config keys of a misspelt section", ["config", "keys", "trian"]),
             ("lr-find with start above end", ["lr-find", "--start", "1", "--end", "0.1"]),
             ("estimate of a misspelt preset", ["estimate", "vit_hgue_patch14"]),
         ]
         rows = []
         names = {str(newest): "STEP", str(cut_step): "STEP", str(short_step): "STEP", str(damaged): "RUN",
-                 str(no_config): "RUN", str(no_saves): "RUN", str(short): "RUN", str(run): "RUN", str(zip_path): "ZIP",
+                 str(no_config): "RUN", str(no_saves): "RUN", str(short): "RUN", str(all_short): "RUN", str(cut): "RUN",
+                 str(run): "RUN", str(zip_path): "ZIP",
                  str(out): "OUT", str(a_file): "FILE", str(work): "."}  # fmt: skip
         for what, args in cases:
             result = vitrain(*args, cwd=work)
