@@ -169,6 +169,8 @@ def test_malformed_override():
     with pytest.raises(ConfigError, match=r"\[0\.5 is not a whole YAML list or mapping; close it with '\]'"):
         load_config(None, ["data.mean=[0.5"])  # it was read as the text "[0.5", then as [0.5]
     assert load_config(None, ["name=a: b: c"]).name == "a: b: c"  # text YAML cannot read stays text
+    shards = "data.root={a,b}/shard-{000..009}.tar"  # closed braces YAML cannot read: a brace pattern, as before
+    assert load_config(None, [shards], check=False).data.root == "{a,b}/shard-{000..009}.tar"
 
 
 @pytest.mark.parametrize(

@@ -320,6 +320,7 @@ def test_a_voc_tree_listing_one_split_but_not_the_other_is_refused(tmp_path: Pat
     # A share of every image held out as validation would include images of train.txt (or the other way round).
     root = write_voc(tmp_path, {"train": 6, "val": 2})
     (root / "ImageSets" / "Main" / "val.txt").unlink()
+    (root / "ImageSets" / "Main" / "cat_train.txt").write_text("img_000 1\n")  # VOC's per-class lists: not splits
     with pytest.raises(DataError, match=r"has ImageSets/Main/train.txt but no val.txt \(it has train\); add val.txt"):
         detection_source(detection_cfg(root))
 

@@ -253,6 +253,11 @@ def test_an_export_over_another_formats_leaves_none_of_its_files(trained, tmp_pa
     assert (out / "timm.json").is_file()
     assert main(["export", str(trained), str(out), "--overwrite"]) == 0  # vitrain's: timm.json would contradict it
     assert sorted(p.name for p in out.iterdir()) == ["classes.json", "config.yaml", "model.safetensors"]
+    mine = tmp_path / "mine"  # a folder of the user's, no export in it: their model.onnx stays
+    mine.mkdir()
+    (mine / "model.onnx").write_bytes(b"the user's own graph")
+    assert main(["export", str(trained), str(mine)]) == 0
+    assert (mine / "model.onnx").read_bytes() == b"the user's own graph"
 
 
 def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_partial_file(trained, tmp_path, capsys, monkeypatch):

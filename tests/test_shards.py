@@ -617,9 +617,15 @@ def _two_depths(tree: Path) -> str:
     return "images at two depths"
 
 
+def _unlabelled_folder(tree: Path) -> str:
+    (tree / "val").mkdir()
+    (tree / "train" / "cat" / "000.png").rename(tree / "val" / "000.png")  # ImageNet's raw val/: no class folders
+    return f"images at two depths, {tree / 'val' / '000.png'} and {tree / 'test' / 'cat' / '000.png'}"
+
+
 # Each mistake once cost a whole split without a word (pack tried every folder as a split, skipping any it could not
 # read) or read the tree another way than `vitrain data prepare`; both now list a tree alike and refuse these.
-@pytest.mark.parametrize("mistake", [_renamed_class, _empty_class, _two_depths])
+@pytest.mark.parametrize("mistake", [_renamed_class, _empty_class, _two_depths, _unlabelled_folder])
 def test_pack_and_prepare_refuse_a_tree_that_would_lose_a_split_or_a_class(tmp_path, capsys, mistake):
     from vitrain.cli import main
 

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import tiny_overrides
 from vitrain import device
 from vitrain.config import load_config
-from vitrain.engine import Trainer
+from vitrain.engine import Trainer, runs
 from vitrain.engine import autotune as tune
 from vitrain.engine.report import header_lines
 from vitrain.parallel import DistInfo
@@ -499,6 +499,32 @@ def test_a_resume_on_the_same_machine_keeps_the_runs_decision_and_on_another_rac
     (other.run_dir / "autotune.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "step"}))
     older, ran, _ = run(6, {(None, "sdpa"): 1.0, (None, "manual"): 2.0}, resume=True)  # batch 64 again
     assert older.tuned.values == {"model.attention": "manual"} and ran == []
+
+
+def test_a_zero3_resume_keeps_the_unit_and_kernel_autotune_chose(tmp_path, autotune_on, monkeypatch):
+    # config.yaml held the chosen unit (wrap=block), so the resume's step had another cache key than the decision's
+    # and every FSDP resume raced again; the unit stays auto there, as the attention does.
+    seconds = {(a, w): 1.0 + 0.1 * i for i, (a, w) in enumerate(
+        (a, w) for a in ("sdpa", "manual") for w in ("model", "block", "sublayer"))}  # fmt: skip
+    overrides = ("model.attention=auto", "parallel.strategy=zero3", "parallel.wrap=auto")
+    ran = fake_steps(monkeypatch, seconds)
+    first = Trainer(load_config(None, tiny_overrides(tmp_path, *overrides, "train.max_steps=1")))
+    try:
+        first.fit()
+    finally:
+        first.close()
+    chosen = first.tuned.values
+    assert ran and set(chosen) == {"model.attention", "parallel.wrap"}
+    shutil.rmtree(tmp_path / "cache")
+    ran = fake_steps(monkeypatch, {key: 2.0 - s for key, s in seconds.items()})  # a race now would pick otherwise
+    # As `vitrain train --resume` builds it: the run's own config.yaml with the command line's values on top.
+    resumed, _ = runs.resumed_config(first.cfg, True, ["train.max_steps=2"])
+    again = Trainer(resumed, resume=True)
+    try:
+        again.fit()
+    finally:
+        again.close()
+    assert ran == [] and again.tuned.values == chosen
 
 
 def _face_autotune_on_two_ranks(out_dir, faces, cache):

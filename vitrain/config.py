@@ -754,10 +754,11 @@ def _parse_override(item: str) -> dict[str, Any]:
     try:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
-        if value.strip().startswith(("[", "{")):  # a list or mapping cut short: not to be read as text
-            closing = "]" if value.strip().startswith("[") else "}"
+        text = value.strip()
+        if text[:1] in "[{" and text.count(text[0]) > text.count("]" if text[0] == "[" else "}"):  # cut short
+            closing = "]" if text[0] == "[" else "}"
             raise ConfigError(
-                f"override {item!r}: {value.strip()} is not a whole YAML list or mapping; close it with {closing!r} "
+                f"override {item!r}: {text} is not a whole YAML list or mapping; close it with {closing!r} "
                 "(quote the value in the shell)"
             ) from None
         parsed = value

@@ -112,8 +112,8 @@ def export(
     """Write OUT/model.safetensors (fp32, one file) plus OUT/config.yaml (and OUT/timm.json for timm); for onnx,
     OUT/model.onnx checked by onnxruntime to `tolerance` (vitrain/onnx_export.py) plus OUT/config.yaml. `classes`:
     the outputs' class names in index order, written to OUT/classes.json (a run's checkpoint keeps them). `say`: given
-    onnx's parity line (or why it was not checked). With `overwrite`, another format's files of an earlier export in
-    OUT go (timm.json, model.onnx beside new model.safetensors, ...): nothing there contradicts these weights.
+    onnx's parity line (or why it was not checked). Where `overwrite` replaces an earlier export in OUT, that export's
+    files of another format go (timm.json, model.onnx beside new model.safetensors, ...): nothing contradicts these.
 
     An OUT that is a file, or that already holds an export (without `overwrite`), or that cannot be written is
     refused in one line before anything is written; each file appears whole or not at all."""
@@ -130,9 +130,14 @@ def export(
         from vitrain.onnx_export import export_checked
 
         check_output_folder(Path(out_dir), overwrite, EXPORT_FILES[fmt], "export", CheckpointError)  # classes.json too
+        replaced = _replaces_an_export(Path(out_dir), overwrite)
         path, parity = export_checked(model, cfg, Path(out_dir), overwrite, tolerance)
-        write_classes(Path(out_dir), classes)
-        _remove_other_formats(Path(out_dir), fmt)
+        try:
+            write_classes(Path(out_dir), classes)
+            _remove_other_formats(Path(out_dir), fmt, replaced)
+        except OSError as error:
+            why = error.strerror
+            raise CheckpointError(f"export: cannot write to {out_dir} ({why}); choose a writable folder") from None
         if say is not None:
             say(parity.line() if parity else "onnxruntime is not installed: the graph was not checked against "
                 "PyTorch (pip install 'vitrain[onnx]')")  # fmt: skip
@@ -171,6 +176,7 @@ def export(
     state = timm_state_dict(model) if fmt == "timm" else model.state_dict()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     tmp = out_dir / f".{WEIGHTS_FILE}.tmp"
+    replaced = _replaces_an_export(out_dir, overwrite)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(state, str(tmp), metadata={"format": fmt, "producer": "vitrain"})
@@ -179,7 +185,7 @@ def export(
         if fmt == "timm":
             atomic_write(out_dir / "timm.json", timm_json.encode())
         write_classes(out_dir, classes)
-        _remove_other_formats(out_dir, fmt)
+        _remove_other_formats(out_dir, fmt, replaced)
     except (OSError, SafetensorError) as error:  # safetensors' own for a full disk or a refused write
         tmp.unlink(missing_ok=True)
         why = error.strerror if isinstance(error, OSError) else str(error).rpartition("I/O error: ")[2] or str(error)
@@ -187,8 +193,16 @@ def export(
     return path
 
 
-def _remove_other_formats(out_dir: Path, fmt: str) -> None:
-    """After an export of `fmt` into OUT: the files only another format writes, left by an earlier export there."""
+def _replaces_an_export(out_dir: Path, overwrite: bool) -> bool:
+    """Whether this export overwrites an earlier one in OUT (every format writes config.yaml): only then are another
+    format's files there an export's, to be removed (a folder of other files keeps them)."""
+    return overwrite and (Path(out_dir) / "config.yaml").is_file()
+
+
+def _remove_other_formats(out_dir: Path, fmt: str, replaced: bool) -> None:
+    """After an export of `fmt` over an earlier one (`replaced`): the files only another format writes."""
+    if not replaced:
+        return
     ours = set(EXPORT_FILES[fmt])
     for name in sorted({n for files in EXPORT_FILES.values() for n in files} - ours):
         (out_dir / name).unlink(missing_ok=True)

@@ -405,7 +405,10 @@ def read_annotations(cfg: Config, split: str, train: bool) -> tuple[ImageTree, A
             images, classes, skipped = annotations.images, annotations.classes, annotations.skipped
         else:
             records, classes, skipped = read_voc(tree, read, cfg.data.skip_bad)
-            lists = sorted(PurePosixPath(n).stem for n in tree.names if "ImageSets/Main/" in n and n.endswith(".txt"))
+            lists = sorted(  # the split lists, not VOC's per-class ones (aeroplane_train.txt)
+                stem for n in tree.names
+                if "ImageSets/Main/" in n and n.endswith(".txt") and "_" not in (stem := PurePosixPath(n).stem)
+            )  # fmt: skip
             other = cfg.data.val_split if train else cfg.data.train_split
             if split not in lists and other in lists:  # a share of every image would hold the other list's images
                 raise DataError(

@@ -414,7 +414,9 @@ def checked_class_folders(tree: ImageTree, prefix: str) -> dict[str, list[str]]:
         raise DataError(f"{tree.location(prefix)} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)})")
     for name, files in folders.items():
         if not files:
-            deeper = [n for n in tree.deeper_images(prefix) if n.startswith(tree.location(prefix + name + "/"))]
+            below = prefix + name + "/"
+            images = [n for n in tree.names if n.lower().endswith(IMAGE_SUFFIXES)]
+            deeper = [tree.location(n) for n in images if n.startswith(below)]
             if deeper:
                 raise DataError(
                     f"class folder {tree.location(prefix + name)} holds images only in folders below it (e.g. "
@@ -444,12 +446,15 @@ def find_splits(tree: ImageTree) -> dict[str, dict[str, list[str]]]:
         prefixes.add("/".join(parts[:-2]) + "/" if len(parts) > 2 else "")
     if not prefixes:
         raise DataError(f"{tree.root} holds no images ({', '.join(IMAGE_SUFFIXES)}) in <class>/ folders")
-    for outer in prefixes:
+    for outer in sorted(prefixes):
         inner = next((p for p in sorted(prefixes) if p != outer and p.startswith(outer)), None)
-        if inner is not None:
+        if inner is not None:  # e.g. train/cat/a.jpg beside val/1.jpg (a folder of unlabelled images)
+            depth = lambda n, p: n.startswith(p) and n[len(p) :].count("/") == 1  # noqa: E731  (p/<folder>/<image>)
+            shallow = next(n for n in sorted(tree.names) if depth(n, outer) and n.lower().endswith(IMAGE_SUFFIXES))
+            deep = next(n for n in sorted(tree.names) if depth(n, inner) and n.lower().endswith(IMAGE_SUFFIXES))
             raise DataError(
-                f"{tree.root} has images at two depths: in class folders under {tree.location(outer) or 'its top'} "
-                f"and under {tree.location(inner)}, inside one of them; keep one <split>/<class>/<image> tree"
+                f"{tree.root} has images at two depths, {tree.location(shallow)} and {tree.location(deep)}; keep one "
+                "<split>/<class>/<image> tree (move a folder of unlabelled images, or one nested in a class, out)"
             )
     splits: dict[str, dict[str, list[str]]] = {}
     where: dict[str, str] = {}
