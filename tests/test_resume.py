@@ -396,3 +396,27 @@ def test_a_finished_fit_lets_go_of_the_run_for_another_process(tmp_path):
     code = f"from vitrain.engine import runs; runs.hold_run({str(cfg.run_dir)!r}); print('held')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "held", done.stderr
+
+
+def test_the_lock_is_held_for_each_trainer_of_the_run_and_goes_with_the_last(tmp_path):
+    # An older Trainer of the run closed (or collected) while a newer one is set up to train it: the newer keeps the
+    # run locked; once it is dropped unused, the run is free for another process.
+    import gc
+    import subprocess
+    import sys
+
+    cfg = tiny_config(tmp_path, "run", train={"max_steps": 1})
+    older = Trainer(cfg)
+    older.fit()
+    newer = Trainer(tiny_config(tmp_path, "run", train={"max_steps": 2}), resume=True)
+    older.close()
+    code = f"from vitrain.engine import runs; runs.hold_run({str(cfg.run_dir)!r}); print('held')"
+
+    def another_process():
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+    refused = another_process()
+    assert refused.returncode != 0 and "is being trained by process" in refused.stderr
+    del newer
+    gc.collect()
+    assert another_process().stdout.strip() == "held"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import fcntl
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +43,19 @@ if TYPE_CHECKING:
 RUN_FILE = "run.json"  # marks a folder as a vitrain run; a new run creates it exclusively
 SUPERSEDED = "superseded-"  # newer checkpoints moved aside when a run goes back to an earlier step
 RUN_LOCK = ".lock"  # flock'ed by the process that trains the run (rank 0), for as long as it does
-_held_runs: dict[Path, int] = {}  # run folder -> the lock file's descriptor this process holds
+# run folder -> (the lock file's descriptor this process holds, the owners holding it: Trainers, by their token)
+_held_runs: dict[Path, tuple[int, set[object]]] = {}
+_owner: contextvars.ContextVar[object] = contextvars.ContextVar("vitrain_run_owner", default=None)
+
+
+@contextlib.contextmanager
+def owned_by(owner: object) -> Iterator[None]:
+    """Run folders locked inside (hold_run) are held for `owner` (a Trainer's token), let go by its release_run."""
+    token = _owner.set(owner)
+    try:
+        yield
+    finally:
+        _owner.reset(token)
 
 
 @dataclass
@@ -111,7 +125,8 @@ def hold_run(run_dir: Path) -> None:
     folder changes: cleaning its leftovers would remove the checkpoint it is writing. Where the file system has no
     flock, nothing is locked."""
     key = Path(run_dir).resolve()
-    if key in _held_runs:  # this process's own earlier Trainer of the run (a library resumes in one process)
+    if key in _held_runs:  # this process holds it already (a library's other Trainer of the run): one more owner
+        _held_runs[key][1].add(_owner.get())
         return
     try:
         fd = os.open(key / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -130,14 +145,19 @@ def hold_run(run_dir: Path) -> None:
         return
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    _held_runs[key] = fd
+    _held_runs[key] = (fd, {_owner.get()})
 
 
-def release_run(run_dir: Path) -> None:
-    """Let go of the run folder's lock (hold_run) where this process holds it."""
-    fd = _held_runs.pop(Path(run_dir).resolve(), None)
-    if fd is not None:
-        os.close(fd)
+def release_run(run_dir: Path, owner: object = None) -> None:
+    """`owner` lets go of the run folder (hold_run); the lock goes with its last owner in this process."""
+    key = Path(run_dir).resolve()
+    held = _held_runs.get(key)
+    if held is None:
+        return
+    held[1].discard(owner)
+    if not held[1]:
+        del _held_runs[key]
+        os.close(held[0])
 
 
 def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, checked: bool = False) -> RunChoice:
@@ -146,13 +166,14 @@ def _continue(run_dir: Path, checkpoint: Path | None, check: CheckpointCheck, ch
     Cleaning only removes what vitrain's own interrupted writes left; the newer checkpoints are listed to move aside
     (RunChoice.newer) once the one to continue has been read and checked (`checked`: the caller already did).
     """
-    held = Path(run_dir).resolve() in _held_runs
+    owner = _owner.get()
+    held = owner in _held_runs.get(Path(run_dir).resolve(), (0, set()))[1]
     hold_run(run_dir)  # first: a process still training the run stops this one before its leftovers are touched
     try:
         return _continue_held(run_dir, checkpoint, check, checked)
     except BaseException:
         if not held:  # a refused resume lets go of the folder it took
-            release_run(run_dir)
+            release_run(run_dir, owner)
         raise
 
 

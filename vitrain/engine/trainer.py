@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ class Trainer:
         # Nothing is written before fit(), so a second signal here interrupts at once (KeyboardInterrupt).
         # train.distill's teacher is read once for autotune's candidates and the run's step (each sets up a copy).
         stop_signals = cluster.StopSignals(cfg.run.stop_signals, starting=True, interrupt_again=True)
-        with stop_signals as signals, read_teachers_once():
+        self.holder = object()  # the run folder's lock is held for this Trainer (vitrain/engine/runs.py hold_run)
+        with stop_signals as signals, read_teachers_once(), runs.owned_by(self.holder):
             try:
                 self._set_up(cfg, resume, model, data, task, changes, signals)
             except cluster.Stopped:
@@ -79,8 +81,10 @@ class Trainer:
                 raise
             except BaseException:
                 if getattr(self, "run_dir", None) is not None:  # a run refused while it was set up is let go
-                    runs.release_run(self.run_dir)
+                    runs.release_run(self.run_dir, self.holder)
                 raise
+        # A Trainer dropped without fit() or close() lets go of the run when it is collected, not at the process's end.
+        weakref.finalize(self, runs.release_run, self.run_dir, self.holder)
         self.setup_signal = signals.received  # one that came after the set-up's last check: fit() stops for it
 
     def _set_up(
@@ -217,7 +221,7 @@ class Trainer:
         lets go of what it set up outside itself (the DeepSpeed engine: the launcher variables it set)."""
         self.used = True
         if getattr(self, "run_dir", None) is not None:
-            runs.release_run(self.run_dir)
+            runs.release_run(self.run_dir, self.holder)
         if self.model is not None:
             unfuse_linear_bias(self.model)
         close_engine(self.engine)
@@ -284,7 +288,8 @@ class Trainer:
                 with all_or_none(f"writing to the run folder {self.run_dir}"):
                     if self.is_main and self.kept is None:
                         self.notes += runs.move_aside(self.newer_checkpoints, self.resume_path)
-                        runs.write_run_files(self)
+                        with runs.owned_by(self.holder):  # a new run claims its folder here
+                            runs.write_run_files(self)
                     wanted = self.is_main and self.kept is None
                     sinks = open_sinks(self.cfg, self.run_dir) if wanted else []  # tensorboard, wandb, mlflow
                     log = self.log = RunLog(self.run_dir, enabled=self.is_main, sinks=sinks, files=self.kept is None)
@@ -305,7 +310,7 @@ class Trainer:
             if log is not None:
                 log.close(status)
             self._let_pending_save_end()
-            runs.release_run(self.run_dir)  # trained (or stopped): another process may continue the run now
+            runs.release_run(self.run_dir, self.holder)  # trained (or stopped): another process may continue it now
             # A run that stops mid-epoch (an error) stops the loader's prefetch thread now, not at interpreter exit,
             # where a thread still inside torch aborts the process.
             getattr(self.epoch_batches, "close", lambda: None)()
