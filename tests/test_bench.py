@@ -125,6 +125,20 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_the_bench_runs
     assert (tmp_path / "file").read_text() == "kept"
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--ladder", "--rows", ""], "--rows names no row (it is empty)"),  # it ran every row of the ladder
+        (["--ladder", "--peers"], "argument --peers: not allowed with argument --ladder"),  # --peers was dropped
+    ],
+)
+def test_bench_flags_that_would_run_another_benchmark_are_one_line(tmp_path, capsys, monkeypatch, flags, said):
+    monkeypatch.setattr(ladder, "main", lambda *a, **k: pytest.fail("the ladder ran"))
+    assert main(["bench", "run", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+
+
 def test_dtype_from_precision_labels():
     assert dtype_key("fp32") == "fp32"
     assert dtype_key("amp_o1 bfloat16") == "bf16"

@@ -76,6 +76,9 @@ def test_brace_patterns_list_files_and_folders_name_the_samewrite_shards(tmp_pat
     assert shard_urls(str(tmp_path / "d")) == urls
     assert shard_urls(str(tmp_path / "d" / "s-{00..02}.tar")) == urls
     assert shard_urls(str(tmp_path / "list.txt")) == urls
+    for nothing, said in (("d/s-{02..00}.tar", "names no shards; write a brace range low to high"), ("", "is empty")):
+        with pytest.raises(DataError, match=said):  # an empty index was written, or the working folder read
+            shard_urls(nothing)
     index = scan_index(urls)
     assert index.counts == [3, 2, 4] and index.classes == ["0", "1"]
     # Names made up from the labels stay that (never exported as names), through index.json too.

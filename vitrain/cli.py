@@ -308,9 +308,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace and op table of one timed step")
     run.add_argument("--json", metavar="FILE", help="also write the result (or the ladder/peers results) as JSON")
-    run.add_argument("--ladder", action="store_true", help="the ablation ladder, each row in its own processes")
-    run.add_argument("--peers", action="store_true", help="vitrain vs timm and transformers on the same model/batch")
-    run.add_argument(
+    mode = run.add_mutually_exclusive_group()  # one benchmark per command
+    mode.add_argument("--ladder", action="store_true", help="the ablation ladder, each row in its own processes")
+    mode.add_argument("--peers", action="store_true", help="vitrain vs timm and transformers on the same model/batch")
+    mode.add_argument(
         "--scaling",
         action="store_true",
         help="one process on every core vs N processes (DDP, zero2, zero3), same model and global batch",
@@ -743,6 +744,8 @@ def _bench_run(args: argparse.Namespace) -> int:
     from vitrain.files import check_output_path
 
     # Checked before the bench runs: its result is written after it.
+    if args.rows is not None and not [r for r in args.rows.split(",") if r.strip()]:
+        raise ConfigError("--rows names no row (it is empty); give row names or text, e.g. --rows zero2,zero3")
     if args.json:
         check_output_path(Path(args.json), "--json", folder=False)
     if args.profile:

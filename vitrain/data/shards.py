@@ -43,6 +43,8 @@ def shard_urls(root: str, what: str = "data.root") -> list[str]:
     """The shards `root` names: a folder (its .tar files, or the split files its index lists), a text file listing one
     shard per line, a brace pattern, one .tar, or `pipe:COMMAND` (braces expand to one command per shard)."""
     root = root.strip()
+    if not root:  # Path("") is the working folder: never read unasked
+        raise DataError(f"{what} is empty; give a folder of .tar shards, a list file, a brace pattern or pipe:COMMAND")
     path = Path(root).expanduser()
     if not root.startswith(PIPE) and path.is_dir():
         tars = sorted(str(p) for p in path.glob("*.tar"))
@@ -53,6 +55,8 @@ def shard_urls(root: str, what: str = "data.root") -> list[str]:
     listed = not root.startswith(PIPE) and is_list_file(path)
     if listed and not urls:
         raise DataError(f"{what}={root} lists no shards; write one shard path (or pipe:COMMAND) per line")
+    if not urls:  # a brace range that runs backwards ({002..000}) names none
+        raise DataError(f"{what}={root} names no shards; write a brace range low to high, e.g. shard-{{000..009}}.tar")
     _check_exist(urls, what, root, "the list file's lines" if listed else "the path or the brace range")
     return urls
 
