@@ -282,7 +282,8 @@ def marker_reads(path: Path) -> bool:
 
 
 def size_problem(path: Path) -> str:
-    """Where a readable COMPLETE marker and the files disagree: the first file missing or of another size ("")."""
+    """Where a COMPLETE marker and the files disagree: the first file missing or of another size ("": none). A marker
+    that is not a save's raises (is_complete, marker_reads)."""
     listed = json.loads((Path(path) / COMPLETE_FILE).read_text())["files"]
     for name, size in sorted(listed.items()):
         file = Path(path) / name
@@ -304,8 +305,7 @@ def is_complete(path: Path) -> bool:
     if not marker.is_file():
         return (path / LEGACY_META_FILE).is_file() and (path / DCP_INDEX).is_file() and not (path / META_FILE).exists()
     try:
-        listed = json.loads(marker.read_text())["files"]
-        return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in listed.items())
+        return size_problem(path) == ""
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 

@@ -136,8 +136,7 @@ def export(
             write_classes(Path(out_dir), classes)
             _remove_other_formats(Path(out_dir), fmt, replaced)
         except OSError as error:
-            why = error.strerror
-            raise CheckpointError(f"export: cannot write to {out_dir} ({why}); choose a writable folder") from None
+            raise _cannot_write(out_dir, error) from None
         if say is not None:
             say(parity.line() if parity else "onnxruntime is not installed: the graph was not checked against "
                 "PyTorch (pip install 'vitrain[onnx]')")  # fmt: skip
@@ -188,9 +187,14 @@ def export(
         _remove_other_formats(out_dir, fmt, replaced)
     except (OSError, SafetensorError) as error:  # safetensors' own for a full disk or a refused write
         tmp.unlink(missing_ok=True)
-        why = error.strerror if isinstance(error, OSError) else str(error).rpartition("I/O error: ")[2] or str(error)
-        raise CheckpointError(f"export: cannot write to {out_dir} ({why}); choose a writable folder") from None
+        raise _cannot_write(out_dir, error) from None
     return path
+
+
+def _cannot_write(out_dir: Path, error: Exception) -> CheckpointError:
+    """export's one line for a write that failed (an OSError, or safetensors' error holding the I/O one's text)."""
+    why = error.strerror if isinstance(error, OSError) else str(error).rpartition("I/O error: ")[2] or str(error)
+    return CheckpointError(f"export: cannot write to {out_dir} ({why}); choose a writable folder")
 
 
 def _replaces_an_export(out_dir: Path, overwrite: bool) -> bool:
@@ -304,14 +308,13 @@ def read_weights(path: Path, config_key: str = "model.init_from") -> dict[str, t
             break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{config_key}={path} does not hold a state dict of tensors")
-    for key in state:
+    for key, tensor in state.items():
         if not isinstance(key, str):
             raise CheckpointError(
                 f"{config_key}={path} names a tensor by {key!r:.40} ({type(key).__name__}), not a string; save a "
                 "state dict keyed by tensor names (model.state_dict())"
             )
-    for key, tensor in state.items():  # else the run's first check blames its own lr for the file's values
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # else the run blames its lr
             raise CheckpointError(
                 f"{config_key}={path}: tensor {key} holds inf/NaN (weights saved after a run diverged); start from "
                 "another file"

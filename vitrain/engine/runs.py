@@ -724,10 +724,9 @@ def write_run_files(trainer: Trainer) -> None:
     cfg = trainer.cfg
     # What autotune chose stays auto in config.yaml: a resume keeps the decision (autotune.json) for the same step,
     # whose cache key holds the auto values as auto.
-    if trainer.tuned is not None and "model.attention" in trainer.tuned.values:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="auto"))
-    if trainer.tuned is not None and "parallel.wrap" in trainer.tuned.values:
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, wrap="auto"))
+    for key in trainer.tuned.values if trainer.tuned is not None else ():
+        section, name = key.split(".")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: "auto"})})
     atomic_write(run_dir / "config.yaml", to_yaml(cfg).encode())
     if trainer.tuned is not None:
         atomic_write(run_dir / "autotune.json", (json.dumps(trainer.tuned.to_json(), indent=2) + "\n").encode())
