@@ -193,8 +193,8 @@ def _continue_held(run_dir: Path, checkpoint: Path | None, check: CheckpointChec
         # Every finished step damaged (checksums, or files missing or cut short under the marker its save wrote
         # last): refuse, keep them all. Steps without a readable marker may never have finished: a run that has
         # only those starts over (they are moved aside).
-        finished = [p for p in ckpt.step_folders(run_dir) if ckpt.marker_reads(p)]
-        if checkpoint is None and (ckpt.step_dirs(run_dir, warn=False) or finished):
+        finished = lambda: any(ckpt.marker_reads(p) for p in ckpt.step_folders(run_dir))  # noqa: E731
+        if checkpoint is None and (ckpt.step_dirs(run_dir, warn=False) or finished()):
             raise CheckpointError(
                 f"--resume: every checkpoint of {run_dir} is damaged (`vitrain checkpoint verify {run_dir}` names "
                 "the files); restore them from a copy, or start a new run without --resume"
